@@ -1,0 +1,33 @@
+"""hf_scale: distributed training of pretrained Hugging Face models in one call.
+
+Inside a ``torchrun`` script::
+
+    import hf_scale
+    model = hf_scale.parallelize(model, hf_scale.ParallelConfig(strategy="fsdp"))
+    optimizer = hf_scale.build_optimizer(model, lr=2e-5, weight_decay=0.1)
+"""
+
+from .api import ParallelState, get_state, parallelize
+from .config import ParallelConfig
+from .errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScalePlanError
+from .plans import ModelPlan, register_plan, resolve_plan
+from .train import build_optimizer, clip_grad_norm_, no_sync
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HfScaleCheckpointError",
+    "HfScaleConfigError",
+    "HfScaleError",
+    "HfScalePlanError",
+    "ModelPlan",
+    "ParallelConfig",
+    "ParallelState",
+    "build_optimizer",
+    "clip_grad_norm_",
+    "get_state",
+    "no_sync",
+    "parallelize",
+    "register_plan",
+    "resolve_plan",
+]

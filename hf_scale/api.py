@@ -1,0 +1,157 @@
+"""``parallelize``: resolve the plan, build the mesh, apply the engine in a fixed order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from .config import ParallelConfig, from_dict
+from .distributed import DistEnv, init_distributed
+from .errors import HfScaleConfigError
+from .log import log_rank0
+from .mesh import ParallelDims, build_mesh
+from .parallel import apply_ac, apply_autocast, apply_ddp, apply_fsdp
+from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+
+DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+STATE_ATTR = "_hf_scale_state"
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """What :func:`parallelize` did to a model; read it with :func:`get_state`."""
+
+    config: ParallelConfig
+    plan: ModelPlan
+    env: DistEnv
+    dims: ParallelDims | None  # None in one process
+    mesh: Any  # DeviceMesh, or None in one process
+
+    @property
+    def dp_mesh(self):
+        return None if self.mesh is None else self.dims.dp_mesh(self.mesh)
+
+
+def get_state(model: nn.Module) -> ParallelState | None:
+    """The :class:`ParallelState` of a parallelized model, or None."""
+    return getattr(model, STATE_ATTR, None)
+
+
+def parallelize(
+    model: nn.Module,
+    config: ParallelConfig | Mapping[str, Any] | None = None,
+    *,
+    plan: ModelPlan | Mapping[str, Any] | None = None,
+) -> nn.Module:
+    """Distribute a (pretrained) transformers model over the torchrun processes, in place.
+
+    Order: resolve the plan; start the process group; check the degrees; activation
+    checkpointing on the blocks; then FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the
+    data-parallel mesh, with mixed precision and CPU offload as configured. Without torchrun
+    (world size 1) only activation checkpointing and mixed precision are applied.
+
+    Returns the same module object (its class gains the FSDP / DDP mixin), so
+    ``model.config``, ``model.generate`` and parameter names are unchanged. Build the
+    optimizer afterwards, with :func:`hf_scale.build_optimizer`.
+
+    Usage::
+
+        model = AutoModelForCausalLM.from_pretrained(name)
+        model = hf_scale.parallelize(model, {"strategy": "fsdp", "mixed_precision": "bf16"})
+    """
+    config = _as_config(config)
+    if get_state(model) is not None:
+        raise HfScaleConfigError(
+            f"parallelize() was already applied to this {type(model).__name__} "
+            f"(strategy={get_state(model).config.strategy!r}). Call it once, on a model "
+            "that has not been parallelized."
+        )
+    if not isinstance(model, nn.Module):
+        raise HfScaleConfigError(f"parallelize() needs a torch.nn.Module, got {type(model).__name__}.")
+    resolved = resolve_plan(model, plan)
+    env = init_distributed(config.timeout_seconds)
+    dtype = DTYPES[config.mixed_precision]
+    _check_precision(dtype, env)
+    dims = mesh = None
+    if env.world_size > 1:
+        # Degrees are checked before any collective: a bad layout fails on every rank alike.
+        dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
+
+    units = wrap_units(model, resolved)
+    keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
+    if env.device.type != "cpu" and not _on_meta(model):
+        model.to(env.device)
+    if config.activation_checkpointing:
+        count = apply_ac(units, config.activation_checkpointing, config.ac_every)
+        _disable_kv_cache(model)
+        log_rank0(f"activation checkpointing ({config.activation_checkpointing}) on {count} of {len(units)} blocks")
+
+    if dims is None:
+        log_rank0(
+            "running in one process (no torchrun environment): only activation checkpointing "
+            "and mixed precision are applied",
+            once=True,
+        )
+        if dtype is not None:
+            apply_autocast(model, dtype, env.device.type, keep_fp32)
+    else:
+        mesh = build_mesh(dims, env.device.type)
+        dp_mesh = dims.dp_mesh(mesh)
+        if config.sharded:
+            reshard = config.strategy != "zero2" and config.reshard_after_forward is not False
+            apply_fsdp(
+                model,
+                dp_mesh,
+                units,
+                param_dtype=dtype,
+                reshard_after_forward=reshard,
+                cpu_offload=config.cpu_offload,
+                fp32_modules=keep_fp32,
+                cast_unit_inputs=config.activation_checkpointing != "selective",
+            )
+        else:
+            apply_ddp(model, dp_mesh)
+            if dtype is not None:
+                apply_autocast(model, dtype, env.device.type, keep_fp32)
+        log_rank0(
+            f"{config.strategy} over {dims.describe()} on {env.device.type} "
+            f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}; "
+            f"precision {config.mixed_precision or 'fp32'}"
+        )
+    setattr(model, STATE_ATTR, ParallelState(config, resolved, env, dims, mesh))
+    return model
+
+
+def _as_config(config) -> ParallelConfig:
+    if config is None:
+        return ParallelConfig()
+    if isinstance(config, ParallelConfig):
+        return config
+    if isinstance(config, Mapping):
+        return from_dict(ParallelConfig, dict(config))
+    raise HfScaleConfigError(
+        f"config must be a ParallelConfig or a dict, got {type(config).__name__}."
+    )
+
+
+def _check_precision(dtype: torch.dtype | None, env: DistEnv) -> None:
+    if dtype is torch.bfloat16 and env.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise HfScaleConfigError(
+            f"mixed_precision='bf16' but {torch.cuda.get_device_name(env.device)} has no bf16 "
+            "support: use mixed_precision='fp16' (with a GradScaler) or None."
+        )
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    """A KV cache built during training holds every layer's keys and values alive across the
+    forward, undoing what checkpointing frees; generation turns it back on per call."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False

@@ -1,0 +1,222 @@
+"""Typed configuration: :class:`ParallelConfig` and a small loader from dicts, YAML and CLI flags.
+
+Configs are plain dataclasses. :func:`from_dict` builds one from a mapping and rejects unknown
+keys (suggesting the closest name) and values of the wrong type, naming the full key path.
+:func:`apply_overrides` applies ``--section.field value`` flags to a nested dict before that.
+
+Usage::
+
+    cfg = ParallelConfig(strategy="hsdp", dp_replicate=2, mixed_precision="bf16")
+    cfg = from_dict(ParallelConfig, {"strategy": "zero2"})
+    cfg = load_yaml(ParallelConfig, "configs/parallel.yaml", ["--strategy", "ddp"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Optional, TypeVar, Union
+
+from .errors import HfScaleConfigError
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+PRECISIONS = (None, "bf16", "fp16")
+AC_MODES = (None, "full", "selective")
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class ParallelConfig:
+    """How :func:`hf_scale.parallelize` distributes a model.
+
+    Attributes:
+        strategy: ``"fsdp"`` (ZeRO-3: FSDP2 ``fully_shard``, one unit per block plus the root),
+            ``"zero2"`` (FSDP2 that keeps parameters gathered between forward and backward),
+            ``"zero1"`` (DDP + ``ZeroRedundancyOptimizer``: only optimizer state sharded),
+            ``"ddp"`` (DistributedDataParallel) or ``"hsdp"`` (replicate x shard 2-D mesh).
+        dp_replicate: replica groups. Default: 1, except hsdp where it is the number of nodes.
+        dp_shard: ranks that shard one replica. Default: every rank not used by dp_replicate.
+        mixed_precision: ``None`` (fp32), ``"bf16"`` or ``"fp16"``: parameters are cast for
+            compute, gradients are reduced and stored in fp32. fp16 needs a loss scaler
+            (``torch.amp.GradScaler``), as in plain PyTorch.
+        cpu_offload: keep sharded parameters, gradients and optimizer state on the CPU
+            (fsdp, zero2 and hsdp only).
+        activation_checkpointing: ``None``, ``"full"`` (recompute whole blocks) or
+            ``"selective"`` (save matmul outputs, recompute the cheap ops in between).
+        ac_every: with ``"full"``, checkpoint one block in every ``ac_every`` (1 = all blocks).
+        reshard_after_forward: free gathered parameters after forward (fsdp/hsdp). ``None``
+            means True for fsdp/hsdp; zero2 is exactly this set to False.
+        timeout_seconds: collective timeout when hf_scale creates the process group.
+    """
+
+    strategy: str = "fsdp"
+    dp_replicate: Optional[int] = None
+    dp_shard: Optional[int] = None
+    mixed_precision: Optional[str] = None
+    cpu_offload: bool = False
+    activation_checkpointing: Optional[str] = None
+    ac_every: int = 1
+    reshard_after_forward: Optional[bool] = None
+    timeout_seconds: int = 1800
+
+    def __post_init__(self) -> None:
+        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
+        _check_choice("activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        for name in ("dp_replicate", "dp_shard"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise HfScaleConfigError(
+                    f"{name}={value!r}: must be a positive integer or None (derive it from the "
+                    "world size)."
+                )
+        if not isinstance(self.ac_every, int) or self.ac_every < 1:
+            raise HfScaleConfigError(f"ac_every={self.ac_every!r}: must be an integer >= 1.")
+        if self.ac_every > 1 and self.activation_checkpointing != "full":
+            raise HfScaleConfigError(
+                f"ac_every={self.ac_every} only applies to activation_checkpointing='full' "
+                f"(got {self.activation_checkpointing!r}); set both or drop ac_every."
+            )
+        sharded = self.strategy in ("fsdp", "zero2", "hsdp")
+        if self.cpu_offload and not sharded:
+            raise HfScaleConfigError(
+                f"cpu_offload=True needs a sharded strategy (fsdp, zero2, hsdp), not "
+                f"strategy={self.strategy!r}."
+            )
+        if self.strategy == "zero2" and self.reshard_after_forward:
+            raise HfScaleConfigError(
+                "strategy='zero2' keeps parameters gathered after forward; "
+                "reshard_after_forward=True makes it fsdp: use strategy='fsdp' instead."
+            )
+        if self.reshard_after_forward is not None and not sharded:
+            raise HfScaleConfigError(
+                f"reshard_after_forward only applies to fsdp/zero2/hsdp, not "
+                f"strategy={self.strategy!r}."
+            )
+        if self.strategy in ("ddp", "zero1") and self.dp_shard not in (None, 1):
+            raise HfScaleConfigError(
+                f"strategy={self.strategy!r} replicates the model on every rank; dp_shard="
+                f"{self.dp_shard} needs strategy 'fsdp', 'zero2' or 'hsdp'."
+            )
+
+    @property
+    def sharded(self) -> bool:
+        """True when parameters are sharded with FSDP2 (fsdp, zero2, hsdp)."""
+        return self.strategy in ("fsdp", "zero2", "hsdp")
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        shown = ", ".join(repr(c) for c in choices)
+        raise HfScaleConfigError(f"{name}={value!r} is not one of {shown}.")
+
+
+# ---------------------------------------------------------------- generic loading
+
+
+def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, recursing into nested dataclass fields.
+
+    Raises :class:`HfScaleConfigError` naming the full key (``train.lr``) for an unknown key
+    (with the closest known one) or a value of the wrong type.
+    """
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise HfScaleConfigError(f"{path or cls.__name__}: expected a mapping, got {data!r}.")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise HfScaleConfigError(
+                f"unknown config key '{where}'.{hint} Known keys: {', '.join(fields)}."
+            )
+        kwargs[key] = _coerce(hints[key], value, where)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(arg, value, where)
+            except HfScaleConfigError as e:
+                errors.append(str(e))
+        raise HfScaleConfigError(errors[0] if errors else f"{where}: bad value {value!r}.")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise HfScaleConfigError(f"{where}={value!r} is not one of {typing.get_args(tp)}.")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise HfScaleConfigError(f"{where}: expected a list, got {value!r}.")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        items = [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return origin(items)
+    if origin is dict or tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (
+        not isinstance(value, tp) or (tp is int and isinstance(value, bool))
+    ):
+        raise HfScaleConfigError(
+            f"{where}: expected {tp.__name__}, got {type(value).__name__} {value!r}."
+        )
+    return value
+
+
+def apply_overrides(data: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """Apply ``--a.b value`` (or ``--a.b=value``) flags to nested dict ``data``, in place.
+
+    Values are parsed as YAML scalars, so ``--train.lr 1e-4`` gives a float and
+    ``--parallel.mixed_precision null`` gives None.
+    """
+    import yaml
+
+    args = list(argv)
+    while args:
+        flag = args.pop(0)
+        if not flag.startswith("--"):
+            raise HfScaleConfigError(f"expected a --section.field flag, got {flag!r}.")
+        key, sep, raw = flag[2:].partition("=")
+        if not sep:
+            if not args:
+                raise HfScaleConfigError(f"flag {flag} has no value.")
+            raw = args.pop(0)
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise HfScaleConfigError(f"--{key}: '{part}' is not a section.")
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    return data
+
+
+def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+    """Load dataclass ``cls`` from a YAML file, then apply ``--key value`` overrides."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise HfScaleConfigError(f"config file {str(path)!r} does not exist.")
+    data = yaml.safe_load(path.read_text()) or {}
+    return from_dict(cls, apply_overrides(data, overrides or []))

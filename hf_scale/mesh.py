@@ -1,0 +1,105 @@
+"""Parallel degrees -> a validated ``DeviceMesh``.
+
+The mesh always has the four named dimensions ``("pp", "dp_replicate", "dp_shard", "tp")``
+(size 1 where unused), the layout torchtitan uses, so tensor and pipeline parallel slot in
+without changing how the data-parallel part is addressed::
+
+    dims = ParallelDims.resolve(ParallelConfig(strategy="hsdp", dp_replicate=2), world_size=8)
+    mesh = build_mesh(dims, "cuda")        # 1 x 2 x 4 x 1
+    dims.dp_mesh(mesh)                     # mesh["dp_replicate", "dp_shard"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import ParallelConfig
+from .errors import HfScaleConfigError
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel dimension; their product is the world size."""
+
+    dp_replicate: int
+    dp_shard: int
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        sizes = {name: getattr(self, name) for name in MESH_DIMS}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or size < 1:
+                raise HfScaleConfigError(f"{name}={size!r} must be a positive integer ({self}).")
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            shown = " x ".join(f"{n}={s}" for n, s in sizes.items())
+            raise HfScaleConfigError(
+                f"{shown} = {product} ranks, but WORLD_SIZE={self.world_size}. The degrees "
+                "must multiply to the world size: change dp_replicate/dp_shard, or the "
+                "number of processes torchrun starts."
+            )
+
+    @classmethod
+    def resolve(
+        cls, config: ParallelConfig, world_size: int, num_nodes: int = 1
+    ) -> "ParallelDims":
+        """Fill the degrees ``config`` leaves open from the world size (and node count)."""
+        tp = pp = 1
+        rest = world_size // (tp * pp)
+        strategy = config.strategy
+        if strategy in ("ddp", "zero1"):
+            replicate = config.dp_replicate or rest
+            shard = 1
+        else:
+            replicate = config.dp_replicate
+            if replicate is None:
+                replicate = num_nodes if strategy == "hsdp" else 1
+                if strategy == "hsdp" and config.dp_shard:
+                    replicate = max(1, rest // config.dp_shard)
+            shard = config.dp_shard or max(1, rest // replicate)
+            if strategy == "hsdp" and replicate < 2 and world_size > 1:
+                raise HfScaleConfigError(
+                    f"strategy='hsdp' needs dp_replicate >= 2 (got dp_replicate={replicate}, "
+                    f"world size {world_size}, {num_nodes} node(s)). Set dp_replicate, e.g. "
+                    f"dp_replicate=2 dp_shard={max(1, world_size // 2)}, or use 'fsdp'."
+                )
+        if world_size % (replicate * tp * pp) or world_size % (shard * tp * pp):
+            raise HfScaleConfigError(
+                f"WORLD_SIZE={world_size} is not divisible by dp_replicate={replicate} x "
+                f"dp_shard={shard} x tp={tp} x pp={pp}: choose degrees that divide it."
+            )
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp)
+
+    @property
+    def dp_degree(self) -> int:
+        """How many data-parallel ranks see different data."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    def dp_mesh(self, mesh):
+        """The data-parallel sub-mesh: 2-D ``(dp_replicate, dp_shard)`` for HSDP, else 1-D."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_replicate"] if self.dp_replicate > 1 else mesh["dp_shard"]
+
+    def describe(self) -> str:
+        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+
+
+def build_mesh(dims: ParallelDims, device_type: str):
+    """Create the 4-D ``DeviceMesh`` over all ranks (the process group must exist)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(getattr(dims, name) for name in MESH_DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)

@@ -1,0 +1,12 @@
+"""The engine: small ``apply_*`` functions with explicit arguments and no model names.
+
+:func:`hf_scale.parallelize` calls them in this order: activation checkpointing, then FSDP
+(fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision.
+"""
+
+from .activation import apply_ac
+from .ddp import apply_ddp
+from .fsdp import apply_fsdp
+from .precision import apply_autocast
+
+__all__ = ["apply_ac", "apply_ddp", "apply_fsdp", "apply_autocast"]

@@ -1,0 +1,20 @@
+"""DDP (and the model half of ZeRO-1): replicated parameters, gradients all-reduced."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+
+
+def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25) -> None:
+    """Replicate ``model`` over ``dp_mesh`` with DistributedDataParallel, in place.
+
+    Uses the composable ``replicate`` (DDP's reducer behind module hooks) as torchtitan does,
+    so the model keeps its class, attribute names and ``state_dict`` keys: ``model.config``,
+    ``model.generate`` and ``save_pretrained`` still work. Gradient sync is toggled with
+    ``model.set_requires_gradient_sync(False)`` (see :func:`hf_scale.no_sync`).
+
+    Layout: every parameter is a full plain tensor on every rank; after backward each
+    gradient is the mean over the data-parallel ranks.
+    """
+    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb)

@@ -1,0 +1,73 @@
+"""FSDP2 (``fully_shard``): ZeRO-3, ZeRO-2 and HSDP over a 1-D or 2-D data-parallel mesh."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh,
+    units: list[nn.Module],
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+    fp32_modules: list[nn.Module] = (),
+    cast_unit_inputs: bool = True,
+) -> None:
+    """Shard ``model`` with one FSDP unit per module of ``units`` plus the root.
+
+    Layout: parameters are ``DTensor`` s sharded on dim 0 over a 1-D mesh (FSDP), or
+    ``(Replicate, Shard(0))`` over a 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). Everything
+    not inside a unit (embeddings, final norm, heads) belongs to the root unit, so tied
+    input/output embeddings stay one parameter.
+
+    Args:
+        dp_mesh: 1-D or 2-D data-parallel ``DeviceMesh``.
+        units: the blocks, in forward order (from the model plan).
+        param_dtype: compute dtype of gathered parameters (None: keep fp32).
+        reduce_dtype: dtype gradients are reduced and kept in.
+        reshard_after_forward: False keeps gathered parameters until backward (ZeRO-2).
+        cpu_offload: sharded parameters, gradients and optimizer state live on the CPU.
+        fp32_modules: submodules that must compute in fp32 under mixed precision; each gets
+            its own unit that casts its inputs to fp32.
+        cast_unit_inputs: cast floating-point inputs of each block to ``param_dtype``. Must be
+            False under selective activation checkpointing: the cast runs in FSDP's forward
+            pre-hook, which the recompute replays inside the checkpointed region, where
+            selective checkpointing rejects ops it did not see in forward. Blocks still get
+            ``param_dtype`` inputs, since the root casts and the embeddings compute in it.
+
+    Usage::
+
+        apply_fsdp(model, mesh["dp_shard"], wrap_units(model, plan), param_dtype=torch.bfloat16)
+    """
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype if param_dtype else None
+    )
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    )
+    common = dict(mesh=dp_mesh, offload_policy=offload)
+    if param_dtype is not None:
+        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for module in fp32_modules:
+            fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
+    unit_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype if param_dtype else None,
+        cast_forward_inputs=cast_unit_inputs,
+    )
+    for index, unit in enumerate(units):
+        # The last block's parameters are needed first in backward: keep them gathered.
+        last = index == len(units) - 1
+        fully_shard(
+            unit,
+            mp_policy=unit_policy,
+            reshard_after_forward=reshard_after_forward and not last,
+            **common,
+        )
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **common)

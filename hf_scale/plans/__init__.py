@@ -1,0 +1,15 @@
+"""Model plans: the model knowledge hf_scale needs, kept apart from the engine."""
+
+from . import encoders  # noqa: F401  (registers its entries)
+from .base import ModelPlan, register_plan, registered_fields, registered_model_types
+from .from_hf import fp32_modules, resolve_plan, wrap_units
+
+__all__ = [
+    "ModelPlan",
+    "fp32_modules",
+    "register_plan",
+    "registered_fields",
+    "registered_model_types",
+    "resolve_plan",
+    "wrap_units",
+]

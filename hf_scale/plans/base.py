@@ -1,0 +1,92 @@
+"""``ModelPlan``: what hf_scale must know about a model architecture, as data.
+
+A plan names module classes and parameter names; it holds no torch.distributed logic. The
+engine (``hf_scale.parallel``) reads it. Plans come from what transformers declares
+(:mod:`hf_scale.plans.from_hf`), completed by entries of the registry below, keyed by
+``config.model_type``, where transformers declares nothing or something we cannot use.
+
+Usage::
+
+    register_plan("my_arch", wrap_modules=("MyBlock",))        # a new architecture
+    parallelize(model, plan={"wrap_modules": ("MyBlock",)})    # one run's override
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import HfScalePlanError
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """The model knowledge the engine needs.
+
+    Attributes:
+        model_type: ``config.model_type`` the plan was resolved for.
+        wrap_modules: class names of the repeated blocks. Each instance becomes one FSDP unit
+            and one activation-checkpointing unit; everything else (embeddings, final norm,
+            heads) lives in the root unit, which keeps tied input/output embeddings together.
+        keep_fp32_modules: module-name components (``"wo"`` matches ``...DenseReluDense.wo``)
+            whose parameters and compute stay fp32 under mixed precision.
+        tied_weights: ``(target, source)`` parameter names that share storage.
+        tp_plan: tensor-parallel styles per module pattern, in transformers' vocabulary
+            (``"layers.*.self_attn.q_proj": "colwise"``); read by the tensor-parallel engine.
+        pp_plan: pipeline stages' module names and their inputs/outputs, as transformers
+            declares them (``base_model_pp_plan``).
+        source: where each field came from, for ``hf-scale plan`` and error messages.
+    """
+
+    model_type: str
+    wrap_modules: tuple[str, ...]
+    keep_fp32_modules: tuple[str, ...] = ()
+    tied_weights: tuple[tuple[str, str], ...] = ()
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
+    pp_plan: Mapping[str, Any] = field(default_factory=dict)
+    source: Mapping[str, str] = field(default_factory=dict)
+
+    def replace(self, **fields: Any) -> "ModelPlan":
+        return dataclasses.replace(self, **fields)
+
+
+# Fields a registry entry or a user override may set.
+OVERRIDABLE = ("wrap_modules", "keep_fp32_modules", "tp_plan", "pp_plan")
+
+_REGISTRY: dict[str, dict[str, Any]] = {}
+
+
+def register_plan(model_type: str, **fields: Any) -> None:
+    """Record plan fields for ``model_type`` that transformers does not declare.
+
+    Only the fields given are set; the rest still come from transformers. Registering a
+    model type twice replaces its entry.
+    """
+    check_override_fields(fields, f"register_plan({model_type!r})")
+    _REGISTRY[model_type] = {k: _freeze(v) for k, v in fields.items()}
+
+
+def registered_fields(model_type: str) -> dict[str, Any]:
+    """The registry entry for ``model_type`` (empty when there is none)."""
+    return dict(_REGISTRY.get(model_type, {}))
+
+
+def registered_model_types() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def check_override_fields(fields: Mapping[str, Any], where: str) -> None:
+    unknown = sorted(set(fields) - set(OVERRIDABLE))
+    if unknown:
+        raise HfScalePlanError(
+            f"{where}: unknown plan field(s) {unknown}; a plan sets {', '.join(OVERRIDABLE)}."
+        )
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, (list, set, frozenset)):
+        return tuple(sorted(value)) if isinstance(value, (set, frozenset)) else tuple(value)
+    if isinstance(value, str):
+        return (value,)
+    return value

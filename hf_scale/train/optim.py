@@ -1,0 +1,134 @@
+"""Optimizer, gradient clipping and gradient accumulation for a parallelized model.
+
+Parameters keep their names under every strategy (FSDP2 makes each one a ``DTensor``, DDP
+leaves it a plain tensor), so parameter groups are chosen by name as HF ``Trainer`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers.trainer_pt_utils import get_parameter_names
+
+from ..api import get_state
+
+# The same rule as transformers.Trainer.get_decay_parameter_names.
+_NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups as HF Trainer makes them: no decay on biases and norm weights.
+
+    Frozen parameters (``requires_grad=False``) are left out. Tied parameters appear once.
+    """
+    decay_names = set(get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_NAME_PATTERNS))
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if name in decay_names else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    lr: float = 2e-5,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    **adamw_kwargs,
+) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters, suited to the strategy it was parallelized with.
+
+    For ``zero1`` this is a ``ZeroRedundancyOptimizer`` wrapping AdamW: each data-parallel
+    rank keeps and updates the optimizer state of its part of the parameters only, then
+    broadcasts them. Under fsdp / zero2 / hsdp the parameters are already sharded, so plain
+    AdamW holds sharded state.
+
+    Usage::
+
+        optimizer = hf_scale.build_optimizer(model, lr=2e-5, weight_decay=0.1)
+    """
+    groups = parameter_groups(model, weight_decay)
+    defaults = dict(lr=lr, betas=betas, eps=eps, **adamw_kwargs)
+    state = get_state(model)
+    if state is not None and state.config.strategy == "zero1" and state.mesh is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            groups,
+            optimizer_class=torch.optim.AdamW,
+            process_group=state.dp_mesh.get_group(),
+            **defaults,
+        )
+    return torch.optim.AdamW(groups, **defaults)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+    """Skip gradient reduction for backward passes inside the block (gradient accumulation).
+
+    Gradients accumulate locally; the first backward outside the block reduces the sum.
+    Under FSDP2 this sets ``set_requires_gradient_sync(False)`` (no reduce-scatter and no
+    all-reduce), under DDP the reducer is switched off. In one process it does nothing.
+    Divide the loss by the number of micro-batches, as in plain PyTorch.
+
+    Usage::
+
+        for i, micro in enumerate(micro_batches):
+            with hf_scale.no_sync(model, enabled=i < len(micro_batches) - 1):
+                (model(**micro).loss / len(micro_batches)).backward()
+    """
+    toggle = getattr(model, "set_requires_gradient_sync", None)
+    if not enabled or toggle is None:
+        yield
+        return
+    toggle(False)
+    try:
+        yield
+    finally:
+        toggle(True)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Clip gradients by their global norm across all ranks; return that norm (a plain tensor).
+
+    Works when gradients are sharded ``DTensor`` s, plain tensors, or both, on one or several
+    meshes (e.g. FSDP blocks beside fp32 units or, later, tensor-parallel layers): each group
+    of gradients that share a mesh and layout is reduced by DTensor, then the groups' norms are
+    combined. Every rank gets the same norm and applies the same scale.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(parameters, nn.Module):
+        parameters = parameters.parameters()
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else (g.device,)
+        groups.setdefault(key, []).append(g)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        norms.append(norm.float().cpu())
+    stacked = torch.stack(norms)
+    if math.isinf(norm_type):
+        total = stacked.max()
+    else:
+        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    scale = min(1.0, max_norm / (float(total) + 1e-6))
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
