@@ -110,7 +110,6 @@ def parallelize(
                 reshard_after_forward=reshard,
                 cpu_offload=config.cpu_offload,
                 fp32_modules=keep_fp32,
-                cast_unit_inputs=config.activation_checkpointing != "selective",
             )
         else:
             apply_ddp(model, dp_mesh)
@@ -150,8 +149,13 @@ def _on_meta(model: nn.Module) -> bool:
 
 
 def _disable_kv_cache(model: nn.Module) -> None:
-    """A KV cache built during training holds every layer's keys and values alive across the
-    forward, undoing what checkpointing frees; generation turns it back on per call."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    """Turn off the KV cache in training forwards, on every sub-config (T5's decoder has its own).
+
+    A cache filled during a checkpointed forward changes what the recomputation does (T5 reads
+    cross-attention keys back from it), and it keeps every layer's keys and values alive,
+    undoing what checkpointing frees. ``generate`` still uses its generation config's cache.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _aten = torch.ops.aten
 # Outputs worth keeping under selective checkpointing: the matmuls and attention kernels.
@@ -37,19 +37,39 @@ def apply_ac(units: list[nn.Module], mode: str, every: int = 1) -> int:
 
     ``mode="full"`` recomputes a whole block in backward, for one block in every ``every``.
     ``mode="selective"`` keeps matmul and attention outputs and recomputes the rest, in every
-    block. Uses the composable ``torch.distributed._composable.checkpoint`` (non-reentrant,
-    RNG state preserved), which registers hooks instead of wrapping modules, so parameter
-    names and ``state_dict`` keys do not change. Apply before FSDP.
+    block.
+
+    The block's ``forward`` (its body, not its module hooks) runs under non-reentrant
+    ``torch.utils.checkpoint`` with RNG state preserved. Keeping the hooks outside matters:
+    FSDP's all-gather / cast hooks and transformers' output-capturing hooks then run once per
+    forward and are not replayed inside the recomputation (hook-based checkpointing replays
+    them, which selective checkpointing rejects and T5 trips over). Unlike
+    ``checkpoint_wrapper``, no module is replaced, so parameter names, ``state_dict`` keys and
+    attribute paths stay those of transformers. Apply before FSDP.
     """
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r} is not 'full' or 'selective'")
+    context_fn = partial(create_selective_checkpoint_contexts, _save_matmuls) if mode == "selective" else None
     count = 0
     for index, unit in enumerate(units):
-        if mode == "full":
-            if index % every == 0:
-                checkpoint(unit)
-                count += 1
-        else:
-            checkpoint(unit, context_fn=partial(create_selective_checkpoint_contexts, _save_matmuls))
-            count += 1
+        if mode == "full" and index % every:
+            continue
+        _checkpoint_forward(unit, context_fn)
+        count += 1
     return count
+
+
+def _checkpoint_forward(module: nn.Module, context_fn) -> None:
+    if getattr(module, "_hf_scale_checkpointed", False):
+        raise ValueError(f"{type(module).__name__} already has activation checkpointing")
+    forward = module.forward
+    extra = {"context_fn": context_fn} if context_fn is not None else {}
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+
+    module.forward = checkpointed_forward
+    module._hf_scale_checkpointed = True

@@ -17,7 +17,6 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     fp32_modules: list[nn.Module] = (),
-    cast_unit_inputs: bool = True,
 ) -> None:
     """Shard ``model`` with one FSDP unit per module of ``units`` plus the root.
 
@@ -35,11 +34,6 @@ def apply_fsdp(
         cpu_offload: sharded parameters, gradients and optimizer state live on the CPU.
         fp32_modules: submodules that must compute in fp32 under mixed precision; each gets
             its own unit that casts its inputs to fp32.
-        cast_unit_inputs: cast floating-point inputs of each block to ``param_dtype``. Must be
-            False under selective activation checkpointing: the cast runs in FSDP's forward
-            pre-hook, which the recompute replays inside the checkpointed region, where
-            selective checkpointing rejects ops it did not see in forward. Blocks still get
-            ``param_dtype`` inputs, since the root casts and the embeddings compute in it.
 
     Usage::
 
@@ -56,17 +50,12 @@ def apply_fsdp(
         keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in fp32_modules:
             fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
-    unit_policy = MixedPrecisionPolicy(
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype if param_dtype else None,
-        cast_forward_inputs=cast_unit_inputs,
-    )
     for index, unit in enumerate(units):
         # The last block's parameters are needed first in backward: keep them gathered.
         last = index == len(units) - 1
         fully_shard(
             unit,
-            mp_policy=unit_policy,
+            mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward and not last,
             **common,
         )

@@ -1,0 +1,148 @@
+"""Parity: N ranks under every strategy give the losses, gradient norms and final parameters of
+one process running plain transformers + AdamW on the whole batch (3 AdamW steps, clipping on).
+
+Ranks are spawned once per world size (module fixtures); each test checks one case's result.
+
+Tolerances:
+* fp32: relative difference < 1e-5 (only the order of floating-point sums differs).
+* bf16 / fp16 against the fp32 reference: the low-precision run computes matmuls with 8
+  (bf16) or 11 (fp16) significant bits, i.e. a relative rounding of 2**-9 ~ 2e-3 per product,
+  and that error reaches the loss and gradients through a few layers. We allow 2e-2 on losses
+  and gradient norms (a handful of roundings), and 5e-2 relative on each parameter tensor:
+  Adam normalises updates (m / sqrt(v)), so a gradient element perturbed by rounding can move
+  by up to lr per step in a different direction. To show the low precision really ran, the
+  gradient norms must also *differ* from fp32 by more than fp32 noise (> 1e-5).
+* Parameter elements whose true gradient is zero (attention key biases, alone or inside a
+  fused qkv bias: softmax ignores a constant added to every key) get gradients of pure
+  rounding noise (< 1e-6 of the total norm in the reference) and Adam turns noise into steps
+  of up to lr in any direction, in any run, single or parallel. For those elements the bound
+  is Adam's own, |difference| <= 2 * lr * steps; the rest of the tensor is held to the
+  relative tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.distributed.training import LR, STEPS, reference_run, run_cases
+from tests.harness import run_ranks
+from tests.tiny_models import all_cases
+
+FP32_RTOL = 1e-5
+LOW_LOSS_RTOL = 2e-2
+LOW_PARAM_RTOL = 5e-2
+NOISE_GRAD = 1e-6
+
+TWO_ARCHS = [("llama", "causal"), ("t5", "seq2seq")]
+OPTIONS = {
+    "fp32": {},
+    "bf16": {"mixed_precision": "bf16"},
+    "full_ac": {"activation_checkpointing": "full"},
+    "full_ac_every2": {"activation_checkpointing": "full", "ac_every": 2},
+    "selective_ac": {"activation_checkpointing": "selective"},
+    "bf16_selective_ac": {"mixed_precision": "bf16", "activation_checkpointing": "selective"},
+    "fp16": {"mixed_precision": "fp16"},
+    "accum2": {"_accum": 2},
+}
+SHARDED_ONLY = {
+    "cpu_offload": {"cpu_offload": True},
+    "bf16_cpu_offload_full_ac": {"mixed_precision": "bf16", "cpu_offload": True, "activation_checkpointing": "full"},
+}
+FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}}
+
+
+def _case(arch, head, strategy, option_name, option, **extra):
+    config = {k: v for k, v in option.items() if not k.startswith("_")}
+    case = dict(arch=arch, head=head, config=dict(strategy=strategy, **config, **extra))
+    if "_accum" in option:
+        case["accum"] = option["_accum"]
+    case["id"] = f"{arch}-{head}-{strategy}-{option_name}"
+    return case
+
+
+def _world2_cases():
+    cases = [_case(a, h, "fsdp", "fp32", {}) for a, h in all_cases()]
+    for arch, head in TWO_ARCHS:
+        for strategy in ("ddp", "zero1", "zero2", "fsdp"):
+            options = dict(OPTIONS)
+            if strategy in ("zero2", "fsdp"):
+                options.update(SHARDED_ONLY)
+            if strategy == "fsdp":
+                options.update(FSDP_ONLY)
+            for name, option in options.items():
+                if strategy == "fsdp" and name == "fp32" and (arch, head) in all_cases():
+                    continue  # already in the every-architecture list
+                cases.append(_case(arch, head, strategy, name, option))
+    return cases
+
+
+def _world4_cases():
+    options = {k: OPTIONS[k] for k in ("fp32", "bf16", "full_ac", "selective_ac", "accum2")}
+    options.update(SHARDED_ONLY)
+    return [
+        _case(a, h, "hsdp", name, opt, dp_replicate=2, dp_shard=2)
+        for a, h in TWO_ARCHS
+        for name, opt in options.items()
+    ]
+
+
+WORLD2 = _world2_cases()
+WORLD4 = _world4_cases()
+
+
+@pytest.fixture(scope="module")
+def world2_results():
+    results = run_ranks(run_cases, 2, WORLD2, timeout=900)
+    return dict(zip((c["id"] for c in WORLD2), results[0]))
+
+
+@pytest.fixture(scope="module")
+def world4_results():
+    results = run_ranks(run_cases, 4, WORLD4, timeout=900)
+    return dict(zip((c["id"] for c in WORLD4), results[0]))
+
+
+_REFERENCES: dict = {}
+
+
+def _reference(arch, head):
+    if (arch, head) not in _REFERENCES:
+        _REFERENCES[arch, head] = reference_run(arch, head)
+    return _REFERENCES[arch, head]
+
+
+def check_parity(case: dict, result: dict) -> None:
+    assert "error" not in result, result.get("error")
+    ref = _reference(case["arch"], case["head"])
+    low_precision = case["config"].get("mixed_precision") is not None
+    loss_tol = LOW_LOSS_RTOL if low_precision else FP32_RTOL
+    param_tol = LOW_PARAM_RTOL if low_precision else FP32_RTOL
+    for step, (got, want) in enumerate(zip(result["losses"], ref["losses"])):
+        assert abs(got - want) <= loss_tol * abs(want), f"step {step} loss {got} vs one process {want}"
+    for step, (got, want) in enumerate(zip(result["norms"], ref["norms"])):
+        assert abs(got - want) <= loss_tol * abs(want), f"step {step} grad norm {got} vs {want}"
+    params = result["params"]
+    assert set(params) == set(ref["params"]), "parameter names changed"
+    noise = NOISE_GRAD * max(ref["norms"])
+    for name, want in ref["params"].items():
+        want, got = want.numpy(), params[name]
+        zero_grad = ref["grad_max"][name].numpy() < noise
+        worst = float(np.abs(got - want)[zero_grad].max(initial=0.0))
+        assert worst <= 2 * LR * STEPS, f"{name}: zero-gradient elements moved {worst:.2e} apart"
+        diff = np.where(zero_grad, 0.0, got - want)
+        rel = float(np.linalg.norm(diff) / max(np.linalg.norm(want), 1e-12))
+        assert rel <= param_tol, f"parameter {name} differs by {rel:.2e} (relative)"
+    if low_precision:
+        norm_diff = max(abs(g - w) / w for g, w in zip(result["norms"], ref["norms"]))
+        assert norm_diff > FP32_RTOL, "mixed precision had no effect: gradients equal fp32's"
+
+
+@pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
+def test_parity_world2(case, world2_results):
+    check_parity(case, world2_results[case["id"]])
+
+
+@pytest.mark.parametrize("case", WORLD4, ids=[c["id"] for c in WORLD4])
+def test_parity_hsdp_world4(case, world4_results):
+    check_parity(case, world4_results[case["id"]])

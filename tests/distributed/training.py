@@ -1,0 +1,99 @@
+"""Training runs shared by the parity tests: the same loop in one process and on N ranks.
+
+A *case* is a dict: ``arch``, ``head``, ``config`` (a ParallelConfig dict), optionally
+``accum`` (micro-batches per step, gradient sync only on the last) and ``steps``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import hf_scale
+from hf_scale.train.optim import parameter_groups
+from tests.tiny_models import slice_batch, tiny_batch, tiny_model
+
+GLOBAL_BATCH = 8
+STEPS = 3
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+MAX_NORM = 1.0
+
+
+def _batches(head: str, steps: int):
+    return [tiny_batch(head, GLOBAL_BATCH, seed=100 + s) for s in range(steps)]
+
+
+def reference_run(arch: str, head: str, steps: int = STEPS) -> dict:
+    """The ground truth: plain transformers model, plain AdamW, one process, whole batch."""
+    model = tiny_model(arch, head)
+    optimizer = torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR)
+    losses, norms = [], []
+    grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for batch in _batches(head, steps):
+        loss = model(**batch).loss
+        loss.backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                grad_max[n] = torch.maximum(grad_max[n], p.grad.abs())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "grad_max": grad_max}
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    """Every parameter, whole (DTensors gathered), by name. A collective: call on every rank."""
+    out = {}
+    for name, param in model.named_parameters():
+        data = param.detach()
+        if isinstance(data, torch.distributed.tensor.DTensor):
+            data = data.full_tensor()
+        out[name] = data.float().cpu().clone()
+    return out
+
+
+def parallel_run(case: dict) -> dict:
+    """One case on this rank; returns the global losses, grad norms and (rank 0) parameters."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    steps = case.get("steps", STEPS)
+    accum = case.get("accum", 1)
+    model = tiny_model(case["arch"], case["head"])
+    model = hf_scale.parallelize(model, case["config"])
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for batch in _batches(case["head"], steps):
+        local = slice_batch(batch, rank, world)
+        micro = [slice_batch(local, i, accum) for i in range(accum)]
+        step_loss = 0.0
+        for i, mb in enumerate(micro):
+            with hf_scale.no_sync(model, enabled=i < accum - 1):
+                loss = model(**mb).loss / accum
+                loss.backward()
+            step_loss += loss.detach().float()
+        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss) / world)
+    params = full_params(model)
+    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
+
+
+def run_cases(cases: list[dict]) -> list[dict]:
+    """Run many cases in one process group (spawning ranks costs seconds; cases cost ms)."""
+    results = []
+    for case in cases:
+        try:
+            results.append(parallel_run(case))
+        except Exception as e:  # report per case, keep the group going
+            if not isinstance(e, (hf_scale.HfScaleError, RuntimeError, ValueError, AssertionError)):
+                raise
+            import traceback
+
+            results.append({"error": traceback.format_exc()})
+    return results

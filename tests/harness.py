@@ -1,0 +1,107 @@
+"""The one multi-process harness: run a function on N ranks of a CPU/gloo process group.
+
+Each rank is a fresh process (spawn) with the variables torchrun would set, so the code under
+test starts its process group exactly as under torchrun. Results come back pickled (tensors as
+numpy arrays). A rank that raises fails the call with its traceback; ranks that do not finish
+within ``timeout`` seconds (a hung collective) are killed and the call raises, so a hang fails
+one test instead of CI.
+
+Usage::
+
+    results = run_ranks(my_module.worker, 2, case_list, timeout=300)   # one entry per rank
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def to_plain(value: Any) -> Any:
+    """Tensors (DTensors gathered beforehand) -> numpy, recursively, so they pickle simply."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().float().numpy() if value.is_floating_point() else value.cpu().numpy()
+    if isinstance(value, dict):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_plain(v) for v in value)
+    return value
+
+
+def _child(fn, rank, world, port, args, env, results) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        out = to_plain(fn(*args))
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600, env: dict | None = None
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result, rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise TimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                    "(a hung collective?); all ranks were killed"
+                )
+            try:
+                rank, status, value = results.get(timeout=min(remaining, 5.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in out]
+                if dead and all(p.exitcode not in (None, 0) for p in (procs[r] for r in dead)):
+                    raise RuntimeError(f"ranks {dead} died with exit codes "
+                                       f"{[procs[r].exitcode for r in dead]} before reporting")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10 if len(out) == world_size else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]

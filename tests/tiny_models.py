@@ -1,0 +1,82 @@
+"""Tiny models of every covered architecture, built from their config classes, and batches.
+
+Hidden size 32, 2 layers, vocabulary 128, dropout off (so a parallel run and one process see
+the same function). Each architecture lists the task heads users fine-tune on it.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+_DECODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)
+_ENCODER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
+
+CAUSAL, SEQCLS, SEQ2SEQ = "causal", "seqcls", "seq2seq"
+AUTO = {
+    CAUSAL: tf.AutoModelForCausalLM,
+    SEQCLS: tf.AutoModelForSequenceClassification,
+    SEQ2SEQ: tf.AutoModelForSeq2SeqLM,
+}
+
+# arch -> (config class, config kwargs, heads)
+ARCHS = {
+    "llama": (tf.LlamaConfig, dict(_DECODER, num_key_value_heads=2, tie_word_embeddings=True), (CAUSAL, SEQCLS)),
+    "mistral": (tf.MistralConfig, dict(_DECODER, num_key_value_heads=2), (CAUSAL, SEQCLS)),
+    "qwen2": (tf.Qwen2Config, dict(_DECODER, num_key_value_heads=2), (CAUSAL, SEQCLS)),
+    "gemma": (tf.GemmaConfig, dict(_DECODER, num_key_value_heads=2, head_dim=8), (CAUSAL, SEQCLS)),
+    "phi3": (tf.Phi3Config, dict(_DECODER, num_key_value_heads=2), (CAUSAL, SEQCLS)),
+    "gpt2": (tf.GPT2Config, dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64), (CAUSAL, SEQCLS)),
+    "gpt_neox": (tf.GPTNeoXConfig, dict(_DECODER, max_position_embeddings=64), (CAUSAL, SEQCLS)),
+    "opt": (tf.OPTConfig, dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, word_embed_proj_dim=32, max_position_embeddings=64), (CAUSAL, SEQCLS)),
+    "bert": (tf.BertConfig, _ENCODER, (SEQCLS,)),
+    "roberta": (tf.RobertaConfig, dict(_ENCODER, max_position_embeddings=70), (SEQCLS,)),
+    "distilbert": (tf.DistilBertConfig, dict(dim=32, hidden_dim=64, n_layers=2, n_heads=4, vocab_size=VOCAB, max_position_embeddings=64), (SEQCLS,)),
+    "t5": (tf.T5Config, dict(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=VOCAB), (SEQ2SEQ, SEQCLS)),
+}
+NUM_LABELS = 3
+
+
+def tiny_config(arch: str):
+    cls, kwargs, _ = ARCHS[arch]
+    config = cls(**kwargs)
+    for key in list(config.to_dict()):
+        if "dropout" in key or "pdrop" in key:
+            setattr(config, key, 0.0)
+    config.pad_token_id = 0
+    config.bos_token_id = config.eos_token_id = 1
+    config.decoder_start_token_id = 0
+    config.num_labels = NUM_LABELS
+    return config
+
+
+def tiny_model(arch: str, head: str, seed: int = 0) -> torch.nn.Module:
+    """A freshly initialised tiny ``arch`` model with the ``head`` task head (fp32)."""
+    torch.manual_seed(seed)
+    return AUTO[head].from_config(tiny_config(arch))
+
+
+def tiny_batch(head: str, batch: int, seq: int = 16, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A batch with no padding, so every sequence (and every rank's slice) has as many tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, VOCAB, (batch, seq), generator=g)
+    ids[:, -1] = 1  # eos: T5's classifier reads the last eos
+    out = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if head == CAUSAL:
+        out["labels"] = ids.clone()
+    elif head == SEQCLS:
+        out["labels"] = torch.randint(0, NUM_LABELS, (batch,), generator=g)
+    else:
+        out["labels"] = torch.randint(2, VOCAB, (batch, seq // 2), generator=g)
+    return out
+
+
+def slice_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s contiguous part of a global batch."""
+    n = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in batch.items()}
+
+
+def all_cases() -> list[tuple[str, str]]:
+    return [(arch, head) for arch, (_, _, heads) in ARCHS.items() for head in heads]
