@@ -13,7 +13,7 @@ from .distributed import DistEnv, init_distributed
 from .errors import HfScaleConfigError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
-from .parallel import apply_ac, apply_autocast, apply_ddp, apply_fsdp
+from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp
 from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,8 +48,8 @@ def parallelize(
 ) -> nn.Module:
     """Distribute a (pretrained) transformers model over the torchrun processes, in place.
 
-    Order: resolve the plan; start the process group; check the degrees; activation
-    checkpointing on the blocks; then FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the
+    Order: resolve the plan; start the process group; check the degrees; chunked loss;
+    activation checkpointing on the blocks; then FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the
     data-parallel mesh, with mixed precision and CPU offload as configured. Without torchrun
     (world size 1) only activation checkpointing and mixed precision are applied.
 
@@ -84,6 +84,12 @@ def parallelize(
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
     if env.device.type != "cpu" and not _on_meta(model):
         model.to(env.device)
+    if config.loss_chunk_tokens:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        try:
+            apply_chunked_loss(model, head, config.loss_chunk_tokens)
+        except ValueError as e:
+            raise HfScaleConfigError(str(e)) from None
     if config.activation_checkpointing:
         count = apply_ac(units, config.activation_checkpointing, config.ac_every)
         _disable_kv_cache(model)

@@ -50,6 +50,9 @@ class ParallelConfig:
         ac_every: with ``"full"``, checkpoint one block in every ``ac_every`` (1 = all blocks).
         reshard_after_forward: free gathered parameters after forward (fsdp/hsdp). ``None``
             means True for fsdp/hsdp; zero2 is exactly this set to False.
+        loss_chunk_tokens: causal LMs only: compute output head + cross-entropy this many tokens
+            at a time, so the full logits never exist (see ``hf_scale.parallel.loss``). Training
+            forwards (labels given, gradients on) then return ``logits=None``.
         timeout_seconds: collective timeout when hf_scale creates the process group.
     """
 
@@ -61,6 +64,7 @@ class ParallelConfig:
     activation_checkpointing: Optional[str] = None
     ac_every: int = 1
     reshard_after_forward: Optional[bool] = None
+    loss_chunk_tokens: Optional[int] = None
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -74,6 +78,13 @@ class ParallelConfig:
                     f"{name}={value!r}: must be a positive integer or None (derive it from the "
                     "world size)."
                 )
+        if self.loss_chunk_tokens is not None and (
+            not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
+        ):
+            raise HfScaleConfigError(
+                f"loss_chunk_tokens={self.loss_chunk_tokens!r}: must be a positive integer "
+                "(tokens per chunk, e.g. 1024) or None."
+            )
         if not isinstance(self.ac_every, int) or self.ac_every < 1:
             raise HfScaleConfigError(f"ac_every={self.ac_every!r}: must be an integer >= 1.")
         if self.ac_every > 1 and self.activation_checkpointing != "full":

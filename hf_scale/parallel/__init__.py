@@ -1,12 +1,14 @@
 """The engine: small ``apply_*`` functions with explicit arguments and no model names.
 
 :func:`hf_scale.parallelize` calls them in this order: activation checkpointing, then FSDP
-(fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision.
+(fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision. The chunked loss is
+applied first of all: it only changes what the model's forward computes.
 """
 
 from .activation import apply_ac
 from .ddp import apply_ddp
 from .fsdp import apply_fsdp
+from .loss import apply_chunked_loss
 from .precision import apply_autocast
 
-__all__ = ["apply_ac", "apply_ddp", "apply_fsdp", "apply_autocast"]
+__all__ = ["apply_ac", "apply_ddp", "apply_fsdp", "apply_autocast", "apply_chunked_loss"]

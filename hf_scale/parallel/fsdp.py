@@ -59,4 +59,5 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and not last,
             **common,
         )
-    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward, **common)
+    # The root's parameters (embeddings, head) are needed again as soon as backward starts.
+    fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)

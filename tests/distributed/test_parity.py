@@ -50,6 +50,10 @@ SHARDED_ONLY = {
     "bf16_cpu_offload_full_ac": {"mixed_precision": "bf16", "cpu_offload": True, "activation_checkpointing": "full"},
 }
 FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}}
+CAUSAL_ONLY = {  # chunked loss applies to causal LMs (T5 is refused, see the unit tests)
+    "chunked_loss": {"loss_chunk_tokens": 24},
+    "bf16_full_ac_chunked_loss": {"mixed_precision": "bf16", "activation_checkpointing": "full", "loss_chunk_tokens": 24},
+}
 
 
 def _case(arch, head, strategy, option_name, option, **extra):
@@ -63,6 +67,7 @@ def _case(arch, head, strategy, option_name, option, **extra):
 
 def _world2_cases():
     cases = [_case(a, h, "fsdp", "fp32", {}) for a, h in all_cases()]
+    cases += [_case(a, h, "fsdp", "chunked_loss", CAUSAL_ONLY["chunked_loss"]) for a, h in all_cases() if h == "causal" and a != "llama"]
     for arch, head in TWO_ARCHS:
         for strategy in ("ddp", "zero1", "zero2", "fsdp"):
             options = dict(OPTIONS)
@@ -70,6 +75,8 @@ def _world2_cases():
                 options.update(SHARDED_ONLY)
             if strategy == "fsdp":
                 options.update(FSDP_ONLY)
+            if head == "causal":
+                options.update(CAUSAL_ONLY)
             for name, option in options.items():
                 if strategy == "fsdp" and name == "fp32" and (arch, head) in all_cases():
                     continue  # already in the every-architecture list
@@ -83,7 +90,7 @@ def _world4_cases():
     return [
         _case(a, h, "hsdp", name, opt, dp_replicate=2, dp_shard=2)
         for a, h in TWO_ARCHS
-        for name, opt in options.items()
+        for name, opt in dict(options, **(CAUSAL_ONLY if h == "causal" else {})).items()
     ]
 
 
