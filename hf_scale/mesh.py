@@ -52,26 +52,22 @@ class ParallelDims:
         rest = world_size // (tp * pp)
         strategy = config.strategy
         if strategy in ("ddp", "zero1"):
-            replicate = config.dp_replicate or rest
-            shard = 1
+            replicate, shard = config.dp_replicate or rest, 1
         else:
             replicate = config.dp_replicate
-            if replicate is None:
+            if replicate is None and strategy == "hsdp" and config.dp_shard:
+                _check_divides("dp_shard", config.dp_shard, world_size)
+                replicate = rest // config.dp_shard
+            elif replicate is None:
                 replicate = num_nodes if strategy == "hsdp" else 1
-                if strategy == "hsdp" and config.dp_shard:
-                    replicate = max(1, rest // config.dp_shard)
-            shard = config.dp_shard or max(1, rest // replicate)
+            _check_divides("dp_replicate", replicate, world_size)
+            shard = config.dp_shard or rest // replicate
             if strategy == "hsdp" and replicate < 2 and world_size > 1:
                 raise HfScaleConfigError(
                     f"strategy='hsdp' needs dp_replicate >= 2 (got dp_replicate={replicate}, "
                     f"world size {world_size}, {num_nodes} node(s)). Set dp_replicate, e.g. "
                     f"dp_replicate=2 dp_shard={max(1, world_size // 2)}, or use 'fsdp'."
                 )
-        if world_size % (replicate * tp * pp) or world_size % (shard * tp * pp):
-            raise HfScaleConfigError(
-                f"WORLD_SIZE={world_size} is not divisible by dp_replicate={replicate} x "
-                f"dp_shard={shard} x tp={tp} x pp={pp}: choose degrees that divide it."
-            )
         return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp)
 
     @property
@@ -95,6 +91,14 @@ class ParallelDims:
 
     def describe(self) -> str:
         return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+
+
+def _check_divides(name: str, size: int, world_size: int) -> None:
+    if world_size % size:
+        raise HfScaleConfigError(
+            f"WORLD_SIZE={world_size} is not divisible by {name}={size}: choose a {name} that "
+            f"divides the number of processes, or start a multiple of {size} processes."
+        )
 
 
 def build_mesh(dims: ParallelDims, device_type: str):

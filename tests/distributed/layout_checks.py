@@ -1,0 +1,139 @@
+"""Checks of what each strategy does to a model, run inside one process group.
+
+Each function returns plain facts (dtypes, placements, counts) for the tests to assert on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from transformers import LlamaForCausalLM
+
+import hf_scale
+from tests.tiny_models import slice_batch, tiny_batch, tiny_model
+
+
+def _rank_world():
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def _placements(model):
+    return sorted({str(p.placements) if isinstance(p, DTensor) else "plain" for p in model.parameters()})
+
+
+def sharding_facts(strategy: str, extra: dict | None = None) -> dict:
+    rank, world = _rank_world()
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), dict(strategy=strategy, **(extra or {})))
+    total = sum(p.numel() for p in model.parameters())
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    batch = slice_batch(tiny_batch("causal", 2 * world), rank, world)
+    out = model(**batch)
+    after_forward = type(model.model.layers[0].mlp.up_proj.weight).__name__
+    out.loss.backward()
+    optimizer = hf_scale.build_optimizer(model, lr=1e-3)
+    optimizer.step()
+    local_optim = getattr(optimizer, "optim", optimizer)
+    state = getattr(model, "_get_fsdp_state", None)
+    return {
+        "class": type(model).__name__,
+        "is_llama": isinstance(model, LlamaForCausalLM),
+        "offload_policy": type(state()._fsdp_param_group.offload_policy).__name__ if state else None,
+        "placements": _placements(model),
+        "local_fraction": local / total,
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "block_param_after_forward": after_forward,
+        "optimizer": type(optimizer).__name__,
+        "optimizer_states": len(local_optim.state),
+        "params": len(list(model.parameters())),
+    }
+
+
+def precision_facts() -> dict:
+    rank, world = _rank_world()
+    model = hf_scale.parallelize(tiny_model("t5", "seq2seq"), {"mixed_precision": "bf16"})
+    seen = {}
+    ff = model.encoder.block[0].layer[-1].DenseReluDense
+    ff.wi.register_forward_hook(lambda m, i, o: seen.update(wi=str(o.dtype)))
+    ff.wo.register_forward_hook(lambda m, i, o: seen.update(wo_in=str(i[0].dtype), wo_out=str(o.dtype)))
+    model(**slice_batch(tiny_batch("seq2seq", 2 * world), rank, world)).loss.backward()
+    seen["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    seen["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None})
+    return seen
+
+
+def _count(mode: CommDebugMode, name: str) -> int:
+    """Calls of collectives whose op name contains ``name`` (c10d spells allreduce_, the
+    functional ops all_reduce: underscores are ignored)."""
+    return sum(n for op, n in mode.get_comm_counts().items() if name in str(op).replace("_", ""))
+
+
+def no_sync_facts(strategy: str, extra: dict | None = None) -> dict:
+    """Communication inside and outside ``no_sync``; local gradient agreement across ranks."""
+    rank, world = _rank_world()
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), dict(strategy=strategy, **(extra or {})))
+    batch = slice_batch(tiny_batch("causal", 2 * world), rank, world)
+    facts = {}
+    for label, enabled in (("no_sync", True), ("sync", False)):
+        with CommDebugMode() as comm, hf_scale.no_sync(model, enabled=enabled):
+            model(**batch).loss.backward()
+        facts[f"{label}_reduce_scatter"] = _count(comm, "reducescatter")
+        facts[f"{label}_all_reduce"] = _count(comm, "allreduce")
+        grad = model.model.layers[0].mlp.up_proj.weight.grad
+        if grad is not None and not isinstance(grad, DTensor):  # replicated: equal iff all-reduced
+            gathered = [torch.zeros_like(grad) for _ in range(world)]
+            dist.all_gather(gathered, grad.contiguous())
+            facts[f"{label}_grads_equal_across_ranks"] = all(torch.equal(gathered[0], g) for g in gathered)
+    return facts
+
+
+def bad_layout_error() -> str:
+    """An impossible layout must fail on every rank before any collective, not hang."""
+    try:
+        hf_scale.parallelize(tiny_model("gpt2", "causal"), {"strategy": "hsdp", "dp_replicate": 3})
+    except hf_scale.HfScaleConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def generate_facts() -> list[int]:
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": "fsdp", "activation_checkpointing": "full"})
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    return out[0].tolist()
+
+
+def world2_checks() -> dict:
+    return {
+        "fsdp": sharding_facts("fsdp"),
+        "zero2": sharding_facts("zero2"),
+        "zero1": sharding_facts("zero1"),
+        "ddp": sharding_facts("ddp"),
+        "offload": sharding_facts("fsdp", {"cpu_offload": True}),
+        "precision": precision_facts(),
+        "no_sync_fsdp": no_sync_facts("fsdp"),
+        "no_sync_ddp": no_sync_facts("ddp"),
+        "bad_layout": bad_layout_error(),
+        "generate": generate_facts(),
+    }
+
+
+def world4_checks() -> dict:
+    return {"hsdp": sharding_facts("hsdp", {"dp_replicate": 2}), "no_sync_hsdp": no_sync_facts("hsdp", {"dp_replicate": 2})}
+
+
+def hang() -> None:
+    """Rank 0 waits in a collective that rank 1, stuck elsewhere, never joins."""
+    import datetime
+    import time
+
+    rank, _ = _rank_world()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(600)

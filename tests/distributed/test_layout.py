@@ -1,0 +1,92 @@
+"""What each strategy does to the model, checked on 2 and 4 CPU ranks (one spawn each)."""
+
+import time
+
+import pytest
+
+from tests.distributed import layout_checks
+from tests.harness import run_ranks
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(layout_checks.world2_checks, 2, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(layout_checks.world4_checks, 4, timeout=600)
+
+
+def test_fsdp_shards_every_parameter_and_keeps_ties(world2):
+    for facts in (r["fsdp"] for r in world2):
+        assert facts["placements"] == ["(Shard(dim=0),)"]
+        assert facts["local_fraction"] == pytest.approx(0.5, abs=0.01)
+        assert facts["tied"] and facts["is_llama"]
+        assert facts["block_param_after_forward"] == "DTensor"  # resharded after forward
+        assert facts["optimizer"] == "AdamW" and facts["optimizer_states"] == facts["params"]
+
+
+def test_zero2_keeps_parameters_gathered_until_backward(world2):
+    facts = world2[0]["zero2"]
+    assert facts["placements"] == ["(Shard(dim=0),)"]
+    assert facts["block_param_after_forward"] == "Parameter"
+
+
+def test_zero1_shards_only_optimizer_state(world2):
+    per_rank = [r["zero1"] for r in world2]
+    assert all(f["placements"] == ["plain"] and f["optimizer"] == "ZeroRedundancyOptimizer" for f in per_rank)
+    counts = [f["optimizer_states"] for f in per_rank]
+    assert all(0 < c < per_rank[0]["params"] for c in counts) and sum(counts) == per_rank[0]["params"]
+
+
+def test_ddp_replicates_and_keeps_the_model_class(world2):
+    facts = world2[0]["ddp"]
+    assert facts["placements"] == ["plain"] and facts["local_fraction"] == 1.0
+    assert facts["is_llama"] and facts["tied"] and facts["optimizer"] == "AdamW"
+
+
+def test_cpu_offload_policy_applied(world2):
+    assert world2[0]["offload"]["offload_policy"] == "CPUOffloadPolicy"
+    assert world2[0]["fsdp"]["offload_policy"] == "OffloadPolicy"
+
+
+def test_bf16_computes_low_keeps_fp32_params_grads_and_fp32_modules(world2):
+    facts = world2[0]["precision"]
+    assert facts["wi"] == "torch.bfloat16"
+    assert (facts["wo_in"], facts["wo_out"]) == ("torch.float32", "torch.float32")  # T5 keeps wo in fp32
+    assert facts["param_dtypes"] == ["torch.float32"] and facts["grad_dtypes"] == ["torch.float32"]
+
+
+def test_no_sync_skips_gradient_communication(world2):
+    fsdp = world2[0]["no_sync_fsdp"]
+    assert fsdp["no_sync_reduce_scatter"] == 0 and fsdp["sync_reduce_scatter"] > 0
+    for facts in (r["no_sync_ddp"] for r in world2):
+        assert facts["no_sync_grads_equal_across_ranks"] is False  # rank-local gradients
+        assert facts["sync_grads_equal_across_ranks"] is True
+
+
+def test_bad_layout_fails_on_every_rank_without_hanging(world2):
+    for r in world2:
+        assert "WORLD_SIZE=2 is not divisible by dp_replicate=3" in r["bad_layout"]
+
+
+def test_generate_works_after_fsdp_and_checkpointing(world2):
+    assert world2[0]["generate"] == world2[1]["generate"] and len(world2[0]["generate"]) == 7
+
+
+def test_hsdp_replicates_across_groups_and_shards_within(world4):
+    for r in world4:
+        facts = r["hsdp"]
+        assert facts["placements"] == ["(Replicate(), Shard(dim=0))"]
+        assert facts["local_fraction"] == pytest.approx(0.5, abs=0.01)
+        comm = r["no_sync_hsdp"]
+        assert comm["no_sync_reduce_scatter"] == comm["no_sync_all_reduce"] == 0
+        assert comm["sync_reduce_scatter"] > 0 and comm["sync_all_reduce"] > 0  # shard, then replicas
+
+
+def test_a_hung_collective_fails_within_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 20s"):
+        run_ranks(layout_checks.hang, 2, timeout=20)
+    assert time.monotonic() - start < 60
