@@ -81,3 +81,12 @@ def test_overrides_need_values_and_dashes():
 def test_missing_yaml_file(tmp_path):
     with pytest.raises(HfScaleConfigError, match="does not exist"):
         load_yaml(ParallelConfig, tmp_path / "nope.yaml")
+
+
+def test_shipped_parallel_recipes_load():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parents[2] / "configs" / "parallel").glob("*.yaml"))
+    assert len(recipes) >= 6
+    strategies = {load_yaml(ParallelConfig, path).strategy for path in recipes}
+    assert strategies == {"fsdp", "zero2", "zero1", "ddp", "hsdp"}

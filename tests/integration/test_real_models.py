@@ -1,0 +1,85 @@
+"""The real pretrained models shipped by PyPI packages: SmolLM2-135M (Llama) and MiniLM (BERT)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import hf_scale
+from hf_scale.train.optim import parameter_groups
+from hf_scale.zoo import load_smollm2, minilm_dir
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.slow
+
+STEPS, LR, SEQ = 2, 1e-5, 32
+COMPARED = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.norm.weight")
+
+
+def _batches():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 49152, (2, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _train(model, optimizer, rank, world):
+    losses = []
+    for ids in _batches():
+        local = ids[rank::world]
+        loss = model(input_ids=local, labels=local).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def smollm2_fsdp_worker():
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model, _ = load_smollm2()
+    model = hf_scale.parallelize(model, {"strategy": "fsdp"})
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    losses = _train(model, optimizer, rank, world)
+    for loss in losses:
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+    norms, tensors = {}, {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        norms[name] = float(full.norm())
+        if name in COMPARED:
+            tensors[name] = full.detach()
+    return {"losses": [float(x) for x in losses], "norms": norms, "tensors": tensors if rank == 0 else None}
+
+
+def test_smollm2_fsdp_world2_matches_one_process():
+    result = run_ranks(smollm2_fsdp_worker, 2, timeout=900)[0]
+    torch.manual_seed(0)
+    model, _ = load_smollm2()
+    optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=LR)
+    losses = [float(x) for x in _train(model, optimizer, 0, 1)]
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-5)
+    params = dict(model.named_parameters())
+    assert set(result["norms"]) == set(params)
+    for name, norm in result["norms"].items():
+        assert norm == pytest.approx(float(params[name].detach().norm()), rel=1e-5), name
+    for name in COMPARED:
+        want = params[name].detach().numpy()
+        got = result["tensors"][name]
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want), name
+
+
+def test_minilm_plan_from_the_packaged_config():
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(minilm_dir())
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    plan = hf_scale.resolve_plan(model)
+    assert plan.model_type == "bert" and plan.wrap_modules == ("BertLayer",)
+    assert len(hf_scale.plans.wrap_units(model, plan)) == config.num_hidden_layers == 6
