@@ -107,6 +107,27 @@ def generate_facts() -> list[int]:
     return out[0].tolist()
 
 
+def fp16_grad_scaler_facts(strategy: str) -> dict:
+    """fp16 training with torch's own GradScaler over (sharded) gradients: a few steps run,
+    the scale survives, the loss falls."""
+    rank, world = _rank_world()
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": strategy, "mixed_precision": "fp16"})
+    optimizer = hf_scale.build_optimizer(model, lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda" if torch.cuda.is_available() else "cpu", init_scale=2.0**10)
+    batch = slice_batch(tiny_batch("causal", 2 * world), rank, world)
+    losses = []
+    for _ in range(4):
+        loss = model(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        hf_scale.clip_grad_norm_(model, 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "scale": float(scaler.get_scale())}
+
+
 def world2_checks() -> dict:
     return {
         "fsdp": sharding_facts("fsdp"),
@@ -119,6 +140,8 @@ def world2_checks() -> dict:
         "no_sync_ddp": no_sync_facts("ddp"),
         "bad_layout": bad_layout_error(),
         "generate": generate_facts(),
+        "fp16_fsdp": fp16_grad_scaler_facts("fsdp"),
+        "fp16_ddp": fp16_grad_scaler_facts("ddp"),
     }
 
 

@@ -75,6 +75,12 @@ def test_generate_works_after_fsdp_and_checkpointing(world2):
     assert world2[0]["generate"] == world2[1]["generate"] and len(world2[0]["generate"]) == 7
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_fp16_trains_with_torch_grad_scaler(world2, strategy):
+    facts = world2[0][f"fp16_{strategy}"]
+    assert facts["scale"] > 0 and facts["losses"][-1] < facts["losses"][0]
+
+
 def test_hsdp_replicates_across_groups_and_shards_within(world4):
     for r in world4:
         facts = r["hsdp"]
