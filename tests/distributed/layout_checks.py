@@ -34,9 +34,14 @@ def sharding_facts(strategy: str, extra: dict | None = None) -> dict:
     out = model(**batch)
     after_forward = type(model.model.layers[0].mlp.up_proj.weight).__name__
     out.loss.backward()
-    optimizer = hf_scale.build_optimizer(model, lr=1e-3)
+    optimizer = hf_scale.build_optimizer(model, lr=1e-3, weight_decay=0.1)
     optimizer.step()
     local_optim = getattr(optimizer, "optim", optimizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = [
+        (g["weight_decay"], sorted(names[id(p)] for p in g["params"]), all(isinstance(p, DTensor) for p in g["params"]))
+        for g in optimizer.param_groups
+    ]
     state = getattr(model, "_get_fsdp_state", None)
     return {
         "class": type(model).__name__,
@@ -49,6 +54,7 @@ def sharding_facts(strategy: str, extra: dict | None = None) -> dict:
         "optimizer": type(optimizer).__name__,
         "optimizer_states": len(local_optim.state),
         "params": len(list(model.parameters())),
+        "groups": groups,
     }
 
 
@@ -128,6 +134,26 @@ def fp16_grad_scaler_facts(strategy: str) -> dict:
     return {"losses": losses, "scale": float(scaler.get_scale())}
 
 
+def mixed_clip_facts() -> dict:
+    """clip_grad_norm_ over a sharded DTensor gradient and a plain one together."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    rank, world = _rank_world()
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(8.0).reshape(4, 2)
+    sharded = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+    sharded.grad = distribute_tensor(full, mesh, [Shard(0)])
+    plain = torch.nn.Parameter(torch.zeros(3))
+    plain.grad = torch.tensor([1.0, 2.0, 2.0])
+    norm = hf_scale.clip_grad_norm_([sharded, plain], max_norm=1.0)
+    return {
+        "norm": float(norm),
+        "expected": float(torch.sqrt(full.pow(2).sum() + 9.0)),
+        "clipped_norm": float(torch.sqrt(sharded.grad.full_tensor().pow(2).sum() + plain.grad.pow(2).sum())),
+    }
+
+
 def world2_checks() -> dict:
     return {
         "fsdp": sharding_facts("fsdp"),
@@ -140,6 +166,7 @@ def world2_checks() -> dict:
         "no_sync_ddp": no_sync_facts("ddp"),
         "bad_layout": bad_layout_error(),
         "generate": generate_facts(),
+        "mixed_clip": mixed_clip_facts(),
         "fp16_fsdp": fp16_grad_scaler_facts("fsdp"),
         "fp16_ddp": fp16_grad_scaler_facts("ddp"),
     }

@@ -27,6 +27,23 @@ def test_fsdp_shards_every_parameter_and_keeps_ties(world2):
         assert facts["optimizer"] == "AdamW" and facts["optimizer_states"] == facts["params"]
 
 
+def test_weight_decay_groups_hold_sharded_parameters(world2):
+    """AdamW groups are chosen by parameter name, which FSDP2 keeps: decay on matrices and
+    embeddings, none on the norm weights, each group made of per-parameter DTensors."""
+    (decay, decay_names, decay_dt), (no_decay, no_decay_names, no_decay_dt) = world2[0]["fsdp"]["groups"]
+    assert (decay, no_decay) == (0.1, 0.0)
+    assert decay_dt and no_decay_dt
+    assert all("norm" in n for n in no_decay_names) and len(no_decay_names) == 5  # 2 x 2 layers + final
+    assert not any("norm" in n for n in decay_names) and "model.embed_tokens.weight" in decay_names
+
+
+def test_clip_grad_norm_over_sharded_and_plain_gradients(world2):
+    for r in world2:
+        facts = r["mixed_clip"]
+        assert facts["norm"] == pytest.approx(facts["expected"], rel=1e-6)
+        assert facts["clipped_norm"] == pytest.approx(1.0, rel=1e-4)
+
+
 def test_zero2_keeps_parameters_gathered_until_backward(world2):
     facts = world2[0]["zero2"]
     assert facts["placements"] == ["(Shard(dim=0),)"]
