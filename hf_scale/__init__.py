@@ -8,6 +8,7 @@ Inside a ``torchrun`` script::
 """
 
 from .api import ParallelState, get_state, parallelize
+from .checkpoint import save_pretrained
 from .config import ParallelConfig
 from .errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScalePlanError
 from .plans import ModelPlan, register_plan, resolve_plan
@@ -30,4 +31,5 @@ __all__ = [
     "parallelize",
     "register_plan",
     "resolve_plan",
+    "save_pretrained",
 ]

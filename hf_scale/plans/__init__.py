@@ -2,10 +2,11 @@
 
 from . import encoders  # noqa: F401  (registers its entries)
 from .base import ModelPlan, register_plan, registered_fields, registered_model_types
-from .from_hf import fp32_modules, resolve_plan, wrap_units
+from .from_hf import find_tied_parameters, fp32_modules, resolve_plan, wrap_units
 
 __all__ = [
     "ModelPlan",
+    "find_tied_parameters",
     "fp32_modules",
     "register_plan",
     "registered_fields",

@@ -1,0 +1,216 @@
+"""Parallel save of a (parallelized) model as a Hub-format safetensors folder.
+
+Every rank writes the bytes it holds straight into their place in the shard files: an FSDP
+shard of a parameter is a contiguous byte range of that parameter in the file (a
+tensor-parallel slice, a few ranges), so no rank gathers a parameter, let alone the model.
+Replicas (HSDP replica groups, DDP ranks) write nothing twice: only replica coordinate 0
+writes a sharded parameter, and each replicated tensor has one owner rank, chosen to balance
+bytes. The folder is written under a temporary name and renamed into place once every rank
+has finished, so a crash mid-save leaves any previous folder intact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..errors import HfScaleCheckpointError
+from ..plans import find_tied_parameters
+from .layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
+
+CHECKSUMS_FILE = "checksums.sha256"
+
+
+def save_pretrained(
+    model: nn.Module,
+    save_directory: str | os.PathLike,
+    *,
+    tokenizer=None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Save ``model`` (parallelized or not) as transformers does, writing from every rank.
+
+    Call it on every rank. The folder holds ``model.safetensors`` or
+    ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``, ``config.json``,
+    ``generation_config.json`` (for generative models), the tokenizer when given, and
+    ``checksums.sha256`` (sha256 of every shard, ``sha256sum -c`` format). Tied weights are
+    written once, under the name transformers keeps; names follow the checkpoint format
+    transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
+    ``AutoModel*.from_pretrained``.
+
+    Usage::
+
+        hf_scale.save_pretrained(model, "out/", tokenizer=tokenizer, max_shard_size="2GB")
+    """
+    rank, world = _rank_world()
+    final = Path(save_directory).resolve()
+    tmp = final.parent / f".{final.name}.partial"
+    state = _checkpoint_state_dict(model)
+    files = plan_files([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()], max_shard_size)
+    owners = _owners(state, world)
+
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for f in files:
+            _create(tmp / f.name, f)
+    _barrier(world)
+    for f in files:
+        _write_my_bytes(tmp / f.name, f, state, owners, rank)
+    _barrier(world)
+    digests = {f.name: _sha256(tmp / f.name) for i, f in enumerate(files) if i % world == rank}
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, digests)
+        digests = {k: v for d in gathered for k, v in d.items()}
+    if rank == 0:
+        _write_metadata(model, tmp, files, digests, tokenizer)
+        _swap_into_place(tmp, final)
+    _barrier(world)
+    return final
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
+
+
+def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with tied copies dropped and keys renamed to the checkpoint format."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # After a forward without backward (evaluation) a unit may still hold its gathered
+            # compute-dtype copies; its sharded fp32 parameters are the ones to save.
+            module.reshard()
+    state = model.state_dict()
+    for target, _source in find_tied_parameters(model):
+        state.pop(target, None)
+    names = _checkpoint_names(model, state)
+    return {names[k]: v for k, v in state.items()}
+
+
+def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Module key -> checkpoint key, from transformers' own save-time conversion (renames only)."""
+    try:
+        from transformers.modeling_utils import revert_weight_conversion
+    except ImportError:  # older transformers: names are the module names
+        return {k: k for k in state}
+    probes = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in state.items()}
+    by_id = {id(v): k for k, v in probes.items()}
+    reverted = revert_weight_conversion(model, dict(probes))
+    names = {by_id[id(v)]: k for k, v in reverted.items() if id(v) in by_id}
+    if len(names) != len(state):
+        raise HfScaleCheckpointError(
+            f"{type(model).__name__}'s checkpoint format merges or splits weights on save "
+            "(transformers weight conversion); hf_scale's parallel save writes renamed weights "
+            "only. Gather the model and use transformers' save_pretrained for this model."
+        )
+    return names
+
+
+def _owners(state: dict[str, torch.Tensor], world: int) -> dict[str, int]:
+    """Owner rank of each replicated (non-sharded) tensor, balancing bytes across ranks."""
+    load = [0] * world
+    owners = {}
+    for name, t in sorted(state.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
+        if isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements):
+            continue
+        owner = min(range(world), key=load.__getitem__)
+        owners[name] = owner
+        load[owner] += t.numel() * t.element_size()
+    return owners
+
+
+def _create(path: Path, f: ShardFile) -> None:
+    with open(path, "wb") as fh:
+        fh.write(f.header)
+        fh.truncate(f.size)
+
+
+def _local_block(name: str, t: torch.Tensor, owners: dict[str, int], rank: int):
+    """(local tensor, global offset) this rank writes for ``t``, or None."""
+    if isinstance(t, DTensor) and name not in owners:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        coords = t.device_mesh.get_coordinate()
+        for dim, placement in enumerate(t.placements):
+            if isinstance(placement, Replicate) and coords[dim] != 0:
+                return None  # another replica group writes it
+            if not isinstance(placement, (Replicate, Shard)):
+                raise HfScaleCheckpointError(f"{name}: cannot save a {placement} placement.")
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return t.to_local(), offset
+    if owners.get(name) != rank:
+        return None
+    local = t.full_tensor() if isinstance(t, DTensor) else t
+    return local, (0,) * t.dim()
+
+
+def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        for spec in f.tensors:
+            block = _local_block(spec.name, state[spec.name], owners, rank)
+            if block is None:
+                continue
+            local, offset = block
+            data = local.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            size = spec.dtype.itemsize
+            base = f.offsets[spec.name]
+            for g_start, l_start, length in contiguous_runs(tuple(local.shape), offset, spec.shape):
+                view = memoryview(data[l_start * size : (l_start + length) * size])
+                written = os.pwrite(fd, view, base + g_start * size)
+                if written != len(view):
+                    raise HfScaleCheckpointError(f"short write of {spec.name} to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, tokenizer) -> None:
+    if len(files) > 1:
+        (folder / INDEX_FILE).write_text(json.dumps(index_json(files), indent=2, sort_keys=True) + "\n")
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    lines = [f"{digests[f.name]}  {f.name}\n" for f in files]
+    (folder / CHECKSUMS_FILE).write_text("".join(lines))
+
+
+def _swap_into_place(tmp: Path, final: Path) -> None:
+    """Replace ``final`` by ``tmp``; the old folder is removed only once the new one is there."""
+    old = final.parent / f".{final.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,45 @@
+"""Save a parallelized model from every rank; report what each rank wrote and computed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import hf_scale
+from hf_scale.checkpoint import safetensors_io
+from tests.distributed.training import full_params
+from tests.tiny_models import slice_batch, tiny_batch, tiny_model
+
+
+def save_cases(cases: list[dict], root: str) -> list[dict]:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    written = {"bytes": 0}
+    original = safetensors_io._write_my_bytes
+
+    def counting(path, f, state, owners, r):
+        for spec in f.tensors:
+            block = safetensors_io._local_block(spec.name, state[spec.name], owners, r)
+            if block is not None:
+                written["bytes"] += block[0].numel() * block[0].element_size()
+        return original(path, f, state, owners, r)
+
+    safetensors_io._write_my_bytes = counting
+    results = []
+    for case in cases:
+        written["bytes"] = 0
+        model = hf_scale.parallelize(tiny_model(case["arch"], case["head"]), case["config"])
+        optimizer = hf_scale.build_optimizer(model, lr=1e-2)
+        batch = slice_batch(tiny_batch(case["head"], 2 * world), rank, world)
+        model(**batch).loss.backward()  # one step, so saved weights differ from the init
+        optimizer.step()
+        folder = hf_scale.save_pretrained(model, os.path.join(root, case["id"]), max_shard_size=case.get("shard", "5GB"))
+        with torch.no_grad():
+            logits = model(**tiny_batch(case["head"], 2, seed=7)).logits
+        params = full_params(model)
+        results.append({
+            "folder": str(folder), "logits": logits, "bytes_written": written["bytes"],
+            "params": params if rank == 0 else None,
+        })
+    safetensors_io._write_my_bytes = original
+    return results
