@@ -8,7 +8,7 @@ Inside a ``torchrun`` script::
 """
 
 from .api import ParallelState, get_state, parallelize
-from .checkpoint import save_pretrained
+from .checkpoint import from_pretrained, save_pretrained
 from .config import ParallelConfig
 from .errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScalePlanError
 from .plans import ModelPlan, register_plan, resolve_plan
@@ -26,6 +26,7 @@ __all__ = [
     "ParallelState",
     "build_optimizer",
     "clip_grad_norm_",
+    "from_pretrained",
     "get_state",
     "no_sync",
     "parallelize",

@@ -183,6 +183,11 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
         os.close(fd)
 
 
+def model_class(model: nn.Module) -> type:
+    """The model's own class, behind the FSDP / DDP classes torch derives from it."""
+    return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch."))
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -196,6 +201,7 @@ def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, 
         (folder / INDEX_FILE).write_text(json.dumps(index_json(files), indent=2, sort_keys=True) + "\n")
     config = getattr(model, "config", None)
     if config is not None:
+        config.architectures = [model_class(model).__name__]  # as transformers records it
         config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
     if generation is not None and getattr(model, "can_generate", lambda: False)():

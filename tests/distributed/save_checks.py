@@ -43,3 +43,21 @@ def save_cases(cases: list[dict], root: str) -> list[dict]:
         })
     safetensors_io._write_my_bytes = original
     return results
+
+
+def load_cases(folder: str, configs: list[dict]) -> list[dict]:
+    """from_pretrained into each layout; the whole parameters (rank 0), local share, logits."""
+    from torch.distributed.tensor import DTensor
+
+    rank, _ = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results = []
+    for config in configs:
+        model = hf_scale.from_pretrained(folder, parallel=config)
+        total = sum(p.numel() for p in model.parameters())
+        local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+        with torch.no_grad():
+            logits = model(**tiny_batch("causal", 2, seed=7)).logits
+        params = full_params(model)
+        results.append({"params": params if rank == 0 else None, "share": local / total, "logits": logits,
+                        "class": type(model).__name__})
+    return results

@@ -1,0 +1,221 @@
+"""Slice-wise load of a Hub-format safetensors folder into a parallel layout.
+
+The model is built with its parameters on the meta device (buffers real, so computed buffers
+such as rotary frequencies keep their values), parallelized, then each rank allocates and
+reads only the parameter slices it owns (``safe_open(...).get_slice``): peak memory stays near
+one rank's shard instead of the whole model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..api import get_state, parallelize
+from ..config import ParallelConfig
+from ..errors import HfScaleCheckpointError
+from .layout import INDEX_FILE, SINGLE_FILE
+from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
+
+
+def from_pretrained(
+    name_or_path: str | os.PathLike,
+    parallel: ParallelConfig | Mapping[str, Any] | None = None,
+    *,
+    auto_class=None,
+    dtype: torch.dtype = torch.float32,
+    plan=None,
+    verify_checksums: bool = True,
+    revision: str | None = None,
+) -> nn.Module:
+    """Load a pretrained model straight into a parallel layout; call it on every rank.
+
+    ``name_or_path`` is a local folder or a Hub repo id (downloaded through huggingface_hub's
+    cache, safetensors only). ``auto_class`` defaults to the class named in the config's
+    ``architectures``. Shards listed in ``checksums.sha256`` are verified first (each rank
+    hashes its share of the files).
+
+    Usage::
+
+        model = hf_scale.from_pretrained("out/", parallel={"strategy": "fsdp"})
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    folder = _resolve(name_or_path, revision)
+    config = AutoConfig.from_pretrained(folder)
+    cls = auto_class or _model_class(config)
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls(config)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # meta construction gives tied modules separate parameters
+    weight_map = _weight_map(folder)
+    parallel = parallel if parallel is not None else ParallelConfig()
+    sharded = (parallel.sharded if isinstance(parallel, ParallelConfig) else
+               ParallelConfig(**parallel).sharded)
+    if sharded:
+        model = parallelize(model, parallel, plan=plan)
+        device = get_state(model).env.device
+    else:
+        device = _device()
+    if verify_checksums:
+        _verify_checksums(folder, weight_map)
+    _materialize(model, device)
+    _load_owned_slices(model, folder, weight_map)
+    if not sharded:
+        model = parallelize(model, parallel, plan=plan)
+    return model
+
+
+def _resolve(name_or_path, revision) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    if path.exists() or str(name_or_path).startswith((".", "/")):
+        raise HfScaleCheckpointError(f"{str(name_or_path)!r} is not a checkpoint folder.")
+    from huggingface_hub import snapshot_download
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:  # one download; the other ranks read the shared cache
+        snapshot_download(str(name_or_path), revision=revision, allow_patterns=HUB_PATTERNS)
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=HUB_PATTERNS))
+
+
+def _model_class(config):
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    return transformers.AutoModel
+
+
+def _device() -> torch.device:
+    from ..distributed import read_env
+
+    return read_env().device
+
+
+def _weight_map(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> file, with every file checked to lie inside ``folder``."""
+    if (folder / INDEX_FILE).exists():
+        names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+    elif (folder / SINGLE_FILE).exists():
+        from safetensors import safe_open
+
+        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+            names = {k: SINGLE_FILE for k in f.keys()}
+    else:
+        pickles = sorted(p.name for p in folder.glob("*.bin"))
+        hint = (f" It holds pickle weights ({', '.join(pickles)}): convert them with "
+                "hf_scale.checkpoint.convert_pickle_checkpoint, which loads with weights_only=True."
+                if pickles else "")
+        raise HfScaleCheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}.{hint}")
+    root = folder.resolve()
+    out = {}
+    for tensor, file in names.items():
+        path = (folder / file).resolve()
+        if root not in path.parents:
+            raise HfScaleCheckpointError(
+                f"{INDEX_FILE} maps {tensor!r} to {file!r}, outside the checkpoint folder {folder}."
+            )
+        if not path.is_file():
+            raise HfScaleCheckpointError(f"shard {file!r} (holding {tensor!r}) is missing from {folder}.")
+        out[tensor] = path
+    return out
+
+
+def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
+    listed = folder / CHECKSUMS_FILE
+    if not listed.exists():
+        return
+    expected = dict(reversed(line.split("  ", 1)) for line in listed.read_text().splitlines() if line)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    files = sorted({p.name for p in weight_map.values()})
+    bad = [f for i, f in enumerate(files) if i % world == rank and f in expected and _sha256(folder / f) != expected[f]]
+    if world > 1:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, bad)
+        bad = sorted(f for part in gathered for f in part)
+    if bad:
+        raise HfScaleCheckpointError(
+            f"shard(s) {bad} in {folder} do not match {CHECKSUMS_FILE}: the files are corrupt or "
+            "truncated. Re-copy or re-save the checkpoint."
+        )
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate the meta parameters on ``device``; keep the real buffers' values and the ties
+    (``to_empty`` gives every module its own new parameter)."""
+    from ..plans import find_tied_parameters
+
+    ties = find_tied_parameters(model)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            model.get_buffer(name).copy_(value)
+    for target, source in ties:
+        owner, _, attr = target.rpartition(".")
+        module = model.get_submodule(owner)
+        if getattr(module, attr) is not model.get_parameter(source):
+            setattr(module, attr, model.get_parameter(source))
+
+
+@torch.no_grad()
+def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
+    from safetensors import safe_open
+
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    state = model.state_dict(keep_vars=True)
+    names = _checkpoint_names(model, {k: v for k, v in state.items()})
+    handles: dict[Path, Any] = {}
+    try:
+        for key, target in state.items():
+            name = names[key]
+            if name not in weight_map:
+                if _is_tied_copy(model, key):
+                    continue
+                raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
+            path = weight_map[name]
+            if path not in handles:
+                try:
+                    handles[path] = safe_open(path, framework="pt")
+                except Exception as e:  # truncated / not safetensors
+                    raise HfScaleCheckpointError(f"cannot read shard {path.name}: {e}") from None
+            piece = handles[path].get_slice(name)
+            shape = tuple(piece.get_shape())
+            if shape != tuple(target.shape):
+                raise HfScaleCheckpointError(
+                    f"{name!r} in {path.name} has shape {list(shape)}, the model expects "
+                    f"{list(target.shape)}: the checkpoint is for another configuration."
+                )
+            if isinstance(target, DTensor):
+                local = target.to_local()
+                local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+                index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+                data = piece[index] if local.numel() else None
+            else:
+                local, data = target, piece[:] if shape else handles[path].get_tensor(name)
+            if data is not None:
+                local.copy_(data.to(local.dtype))
+    finally:
+        handles.clear()
+
+
+def _is_tied_copy(model: nn.Module, key: str) -> bool:
+    from ..plans import find_tied_parameters
+
+    return any(target == key for target, _ in find_tied_parameters(model))

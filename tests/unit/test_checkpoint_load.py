@@ -1,0 +1,113 @@
+"""hf_scale.from_pretrained in one process, and every bad checkpoint it must refuse."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import hf_scale
+from hf_scale import HfScaleCheckpointError
+from hf_scale.checkpoint import convert_pickle_checkpoint
+from tests.tiny_models import AUTO, all_cases, tiny_batch, tiny_model
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("arch, head", all_cases(), ids=[f"{a}-{h}" for a, h in all_cases()])
+def test_round_trip_in_one_process(arch, head, tmp_path):
+    model = tiny_model(arch, head, seed=3)
+    folder = hf_scale.save_pretrained(model, tmp_path / "m", max_shard_size=20000)
+    loaded = hf_scale.from_pretrained(folder, auto_class=AUTO[head])
+    for (name, p), q in zip(loaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(p, q), name
+    batch = tiny_batch(head, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return hf_scale.save_pretrained(tiny_model("llama", "causal"), tmp_path / "m", max_shard_size=20000)
+
+
+def test_checksum_mismatch(saved):
+    shard = sorted(saved.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(HfScaleCheckpointError, match=rf"{shard.name}.*do not match checksums.sha256"):
+        hf_scale.from_pretrained(saved)
+
+
+def test_truncated_shard_without_checksums(saved):
+    (saved / "checksums.sha256").unlink()
+    shard = sorted(saved.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(HfScaleCheckpointError, match=f"cannot read shard {shard.name}"):
+        hf_scale.from_pretrained(saved)
+
+
+def test_missing_shard(saved):
+    shard = sorted(saved.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(HfScaleCheckpointError, match=f"shard '{shard.name}'.*is missing"):
+        hf_scale.from_pretrained(saved)
+
+
+def test_index_pointing_outside_the_folder(saved):
+    index_path = saved / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name = next(iter(index["weight_map"]))
+    index["weight_map"][name] = "../../etc/passwd"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(HfScaleCheckpointError, match="outside the checkpoint folder"):
+        hf_scale.from_pretrained(saved)
+
+
+def test_shape_mismatch_names_the_tensor(saved):
+    config = json.loads((saved / "config.json").read_text())
+    config["intermediate_size"] = 48
+    (saved / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HfScaleCheckpointError, match=r"mlp.*has shape \[64, 32\], the model expects \[48, 32\]"):
+        hf_scale.from_pretrained(saved)
+
+
+def test_pickle_checkpoint_is_refused_then_converted_with_weights_only(tmp_path):
+    model = tiny_model("gpt2", "causal", seed=5)
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    model.config.architectures = ["GPT2LMHeadModel"]
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    with pytest.raises(HfScaleCheckpointError, match="pickle weights.*weights_only=True"):
+        hf_scale.from_pretrained(folder)
+    convert_pickle_checkpoint(folder)
+    loaded = hf_scale.from_pretrained(folder)
+    for name, p in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], p), name
+
+
+def test_pickle_with_code_is_refused(tmp_path):
+    import pickle
+
+    folder = tmp_path / "evil"
+    folder.mkdir()
+
+    class Payload:
+        def __reduce__(self):
+            return (print, ("this code must not run",))
+
+    with open(folder / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"w": Payload()}, f)
+    with pytest.raises(HfScaleCheckpointError, match="weights_only=True.*refused"):
+        convert_pickle_checkpoint(folder)
+
+
+def test_not_a_folder(tmp_path):
+    with pytest.raises(HfScaleCheckpointError, match="is not a checkpoint folder"):
+        hf_scale.from_pretrained(tmp_path / "nope")
