@@ -8,7 +8,7 @@ Inside a ``torchrun`` script::
 """
 
 from .api import ParallelState, get_state, parallelize
-from .checkpoint import from_pretrained, save_pretrained
+from .checkpoint import from_pretrained, load_state, save_pretrained, save_state
 from .config import ParallelConfig
 from .errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScalePlanError
 from .plans import ModelPlan, register_plan, resolve_plan
@@ -28,9 +28,11 @@ __all__ = [
     "clip_grad_norm_",
     "from_pretrained",
     "get_state",
+    "load_state",
     "no_sync",
     "parallelize",
     "register_plan",
     "resolve_plan",
     "save_pretrained",
+    "save_state",
 ]

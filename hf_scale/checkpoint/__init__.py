@@ -3,5 +3,6 @@
 from .convert import convert_pickle_checkpoint
 from .load import from_pretrained
 from .safetensors_io import save_pretrained
+from .state import load_state, save_state
 
-__all__ = ["convert_pickle_checkpoint", "from_pretrained", "save_pretrained"]
+__all__ = ["convert_pickle_checkpoint", "from_pretrained", "load_state", "save_pretrained", "save_state"]

@@ -22,7 +22,7 @@ from ..api import get_state, parallelize
 from ..config import ParallelConfig
 from ..errors import HfScaleCheckpointError
 from .layout import INDEX_FILE, SINGLE_FILE
-from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256
+from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256, reshard_all
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
@@ -179,6 +179,7 @@ def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Pat
 
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    reshard_all(model)
     state = model.state_dict(keep_vars=True)
     names = _checkpoint_names(model, {k: v for k, v in state.items()})
     handles: dict[Path, Any] = {}

@@ -89,15 +89,20 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict with tied copies dropped and keys renamed to the checkpoint format."""
+def reshard_all(model: nn.Module) -> None:
+    """Put every FSDP unit back to its sharded parameters. After a forward without backward
+    (evaluation) a unit may still hold gathered compute-dtype copies; the sharded fp32
+    parameters are the ones to save or load into."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            # After a forward without backward (evaluation) a unit may still hold its gathered
-            # compute-dtype copies; its sharded fp32 parameters are the ones to save.
             module.reshard()
+
+
+def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with tied copies dropped and keys renamed to the checkpoint format."""
+    reshard_all(model)
     state = model.state_dict()
     for target, _source in find_tied_parameters(model):
         state.pop(target, None)

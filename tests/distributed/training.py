@@ -48,11 +48,9 @@ def reference_run(arch: str, head: str, steps: int = STEPS) -> dict:
 
 def full_params(model) -> dict[str, torch.Tensor]:
     """Every parameter, whole (DTensors gathered), by name. A collective: call on every rank."""
-    from torch.distributed.fsdp import FSDPModule
+    from hf_scale.checkpoint.safetensors_io import reshard_all
 
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()  # an evaluation forward may leave gathered compute copies behind
+    reshard_all(model)  # an evaluation forward may leave gathered compute copies behind
     out = {}
     for name, param in model.named_parameters():
         data = param.detach()

@@ -1,0 +1,264 @@
+"""Training checkpoints: model weights (Hub format) + optimizer, scheduler, RNG and data
+position, saved so that a run resumes exactly, at the same or another parallel layout.
+
+A checkpoint folder ``ckpt/step_00001200/`` holds:
+
+* the model, as :func:`save_pretrained` writes it (so any checkpoint is also an export);
+* ``optimizer/``: the optimizer state through ``torch.distributed.checkpoint`` (DCP), keyed by
+  parameter name, so it reshards on load (fsdp 4 -> 2, hsdp -> fsdp, zero1 -> fsdp, any -> 1);
+* ``rank_<r>.pt``: each rank's RNG states and data-loader position (``weights_only`` loadable);
+* ``trainer_state.json``: step, layout, world size, scheduler state.
+
+Folders are written as ``<name>.partial`` and renamed when every rank is done; the file
+``ckpt/latest`` then names the newest complete one (replaced atomically), and older folders
+beyond ``keep_last`` are removed. A ``.partial`` folder left by a crash is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ..api import get_state
+from ..errors import HfScaleCheckpointError
+from .load import _load_owned_slices, _weight_map
+from .safetensors_io import _rank_world, _swap_into_place, save_pretrained
+
+LATEST = "latest"
+TRAINER_STATE = "trainer_state.json"
+STEP_DIR = re.compile(r"step_(\d+)$")
+
+
+def save_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    root: str | os.PathLike = "ckpt",
+    *,
+    step: int,
+    dataloader=None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save a resumable training checkpoint as ``root/step_<step>``; call on every rank.
+
+    ``dataloader`` (optional) must offer ``state_dict()`` / ``load_state_dict()`` (e.g.
+    torchdata's ``StatefulDataLoader``); its state is saved per rank.
+
+    Usage::
+
+        hf_scale.save_state(model, optimizer, scheduler, "ckpt", step=1200, keep_last=3)
+    """
+    rank, world = _rank_world()
+    root = Path(root).resolve()
+    final = root / f"step_{step:08d}"
+    partial = root / f".{final.name}.partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier(world)
+    # The model into a sibling folder first, then everything moves into the partial folder.
+    save_pretrained(model, partial / "model")
+    dcp.save({"optimizer": optimizer_state(model, optimizer)}, checkpoint_id=str(partial / "optimizer"))
+    torch.save(_rank_state(dataloader), partial / f"rank_{rank}.pt")
+    if rank == 0:
+        layout = get_state(model)
+        info = {
+            "step": step,
+            "world_size": world,
+            "strategy": layout.config.strategy if layout else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
+        (partial / TRAINER_STATE).write_text(json.dumps(info, indent=2))
+    _barrier(world)
+    if rank == 0:
+        _swap_into_place(partial, final)
+        _point_latest(root, final.name)
+        if keep_last:
+            for old in complete_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    _barrier(world)
+    return final
+
+
+def load_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler=None,
+    path: str | os.PathLike = "ckpt/latest",
+    *,
+    dataloader=None,
+) -> int:
+    """Restore a checkpoint saved by :func:`save_state` into an already parallelized model and
+    its optimizer (any layout); returns the step to continue from.
+
+    ``path`` is a ``step_*`` folder, or ``<root>/latest`` for the newest complete one.
+    """
+    folder = resolve_checkpoint(path)
+    rank, world = _rank_world()
+    info = json.loads((folder / TRAINER_STATE).read_text())
+    model_dir = folder / "model"
+    _load_owned_slices(model, model_dir, _weight_map(model_dir))
+    target = {"optimizer": optimizer_state(model, optimizer)}
+    dcp.load(target, checkpoint_id=str(folder / "optimizer"))
+    set_optimizer_state(model, optimizer, target["optimizer"])
+    if scheduler is not None and info.get("scheduler") is not None:
+        scheduler.load_state_dict(info["scheduler"])
+    rank_file = folder / f"rank_{rank}.pt"
+    if info["world_size"] == world and rank_file.exists():
+        _restore_rank_state(torch.load(rank_file, weights_only=True), dataloader)
+    else:
+        warnings.warn(
+            f"checkpoint {folder.name} was saved by {info['world_size']} ranks, this run has {world}: "
+            "model and optimizer are resharded, but RNG streams and data-loader positions are "
+            "per rank and start fresh.",
+            stacklevel=2,
+        )
+    return int(info["step"])
+
+
+def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete ``step_*`` folders under ``root``, oldest first."""
+    root = Path(root)
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A ``step_*`` folder, or ``<root>/latest`` -> the newest complete checkpoint."""
+    path = Path(path)
+    if path.name == LATEST:
+        root = path.parent
+        for stale in root.glob(".step_*.partial"):
+            warnings.warn(f"ignoring {stale.name}: an incomplete checkpoint (a save was interrupted)", stacklevel=3)
+        pointer = root / LATEST
+        name = pointer.read_text().strip() if pointer.exists() else None
+        complete = complete_checkpoints(root)
+        if name and (root / name).is_dir():
+            path = root / name
+        elif complete:
+            path = complete[-1]
+        else:
+            raise HfScaleCheckpointError(f"no complete checkpoint in {root} to resume from.")
+    if not (path / TRAINER_STATE).exists():
+        raise HfScaleCheckpointError(f"{path} is not a complete training checkpoint (no {TRAINER_STATE}).")
+    return path
+
+
+# ------------------------------------------------------------------ optimizer state by name
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer state keyed by parameter name: DTensors where parameters are sharded.
+
+    For ``ZeroRedundancyOptimizer`` (zero1) each rank contributes the state of the parameters
+    it owns, as plain tensors; DCP stores each once and any layout can read it back.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    zero = _zero_local(optimizer)
+    if zero is None:
+        return get_optimizer_state_dict(model, optimizer)
+    _init_zero_state(zero)
+    names = {id(p): n for n, p in model.named_parameters()}
+    state = {names[id(p)]: dict(s) for p, s in zero.state.items()}
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    zero = _zero_local(optimizer)
+    if zero is None:
+        set_optimizer_state_dict(model, optimizer, state)
+        return
+    params = dict(model.named_parameters())
+    for name, values in state["state"].items():
+        zero.state[params[name]] = dict(values)
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k != "params"})  # lr as scheduled
+
+
+def _zero_local(optimizer):
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else None
+
+
+def _init_zero_state(local: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its (zero) state, so a target for loading has every key."""
+    if local.state:
+        return
+    for group in local.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in local.param_groups]
+    for g in local.param_groups:
+        g["lr"] = 0.0
+    local.step()
+    for g, lr in zip(local.param_groups, lrs):
+        g["lr"] = lr
+    for group in local.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+# ------------------------------------------------------------------ per-rank state
+
+
+def _rank_state(dataloader) -> dict[str, Any]:
+    import numpy as np
+
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "numpy": torch.from_numpy(np_state[1].astype("int64")),
+        "numpy_pos": int(np_state[2]),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if dataloader is not None:
+        if not hasattr(dataloader, "state_dict"):
+            raise HfScaleCheckpointError(
+                f"dataloader {type(dataloader).__name__} has no state_dict(): pass a stateful "
+                "loader (e.g. torchdata's StatefulDataLoader) to resume at the right sample."
+            )
+        state["dataloader"] = dataloader.state_dict()
+    return state
+
+
+def _restore_rank_state(state: dict[str, Any], dataloader) -> None:
+    import numpy as np
+
+    torch.set_rng_state(state["torch"])
+    random.setstate((state["python_version"], tuple(state["python"]), None))
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype("uint32"), state["numpy_pos"], 0, 0.0))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if dataloader is not None and "dataloader" in state:
+        dataloader.load_state_dict(state["dataloader"])
+
+
+def _point_latest(root: Path, name: str) -> None:
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
