@@ -96,9 +96,26 @@ def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     if env.world_size > 1 and not dist.is_initialized():
+        timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(
             backend=env.backend,
-            timeout=datetime.timedelta(seconds=timeout_seconds),
+            store=_attempt_store(timeout),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=timeout,
             device_id=env.device if env.device.type == "cuda" else None,
         )
     return env
+
+
+def _attempt_store(timeout: datetime.timedelta):
+    """The torchrun rendezvous store, under a prefix unique to this restart attempt.
+
+    torchrun keeps its store across ``--max-restarts`` attempts, and the process group
+    publishes its addresses under the same keys each time: restarted gloo workers then read a
+    dead worker's address and fail to connect (seen with torch 2.13). A per-attempt prefix
+    gives every attempt clean keys.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"hf_scale/attempt{attempt}", store)

@@ -18,10 +18,11 @@ SCRIPT = Path(__file__).with_name("elastic_train.py")
 
 
 def _torchrun(root: Path, *extra: str) -> None:
-    # The static rendezvous (--master_port). With --rdzv-backend c10d, torch 2.13's restarted
-    # gloo workers failed to connect here (connectFullMesh: connection refused).
+    # The c10d rendezvous multi-node jobs use. Restarted workers reuse torchrun's store: without
+    # hf_scale's per-attempt store prefix (distributed._attempt_store) they read the dead
+    # workers' addresses and fail in gloo's connectFullMesh.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
-           "--master_port", str(free_port()), str(SCRIPT), str(root), *extra]
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT), str(root), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -70,3 +71,24 @@ hf_scale.save_state(model, optimizer, scheduler, {str(tmp_path)!r}, step=2)
     assert (tmp_path / ".step_00000002.partial").exists()
     with pytest.warns(UserWarning, match="ignoring .step_00000002.partial"):
         assert resolve_checkpoint(tmp_path / "latest").name == "step_00000001"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_export_a_training_checkpoint_to_a_hub_folder(runs, tmp_path, nproc):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    _, killed = runs
+    out = tmp_path / "export"
+    script = Path(__file__).parents[2] / "scripts" / "export_checkpoint.py"
+    cmd = [sys.executable, str(script), str(killed / "ckpt" / "latest"), str(out)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), *cmd[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (killed / "ckpt" / "step_00000008" / "model").iterdir())
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    original = AutoModelForCausalLM.from_pretrained(killed / "ckpt" / "step_00000008" / "model")
+    for (name, p), q in zip(exported.named_parameters(), original.parameters()):
+        assert torch.equal(p, q), name
