@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from .config import ParallelConfig, from_dict
+from .config import ParallelConfig, as_parallel_config
 from .distributed import DistEnv, init_distributed
 from .errors import HfScaleConfigError
 from .log import log_rank0
@@ -51,7 +51,7 @@ def parallelize(
     Order: resolve the plan; start the process group; check the degrees; chunked loss;
     activation checkpointing on the blocks; then FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the
     data-parallel mesh, with mixed precision and CPU offload as configured. Without torchrun
-    (world size 1) only activation checkpointing and mixed precision are applied.
+    (world size 1) only activation checkpointing, mixed precision and chunked loss apply.
 
     Returns the same module object (its class gains the FSDP / DDP mixin), so
     ``model.config``, ``model.generate`` and parameter names are unchanged. Build the
@@ -62,7 +62,7 @@ def parallelize(
         model = AutoModelForCausalLM.from_pretrained(name)
         model = hf_scale.parallelize(model, {"strategy": "fsdp", "mixed_precision": "bf16"})
     """
-    config = _as_config(config)
+    config = as_parallel_config(config)
     if get_state(model) is not None:
         raise HfScaleConfigError(
             f"parallelize() was already applied to this {type(model).__name__} "
@@ -97,8 +97,8 @@ def parallelize(
 
     if dims is None:
         log_rank0(
-            "running in one process (no torchrun environment): only activation checkpointing "
-            "and mixed precision are applied",
+            "running in one process (no torchrun environment): only activation checkpointing, "
+            "mixed precision and chunked loss apply",
             once=True,
         )
         if dtype is not None:
@@ -128,18 +128,6 @@ def parallelize(
         )
     setattr(model, STATE_ATTR, ParallelState(config, resolved, env, dims, mesh))
     return model
-
-
-def _as_config(config) -> ParallelConfig:
-    if config is None:
-        return ParallelConfig()
-    if isinstance(config, ParallelConfig):
-        return config
-    if isinstance(config, Mapping):
-        return from_dict(ParallelConfig, dict(config))
-    raise HfScaleConfigError(
-        f"config must be a ParallelConfig or a dict, got {type(config).__name__}."
-    )
 
 
 def _check_precision(dtype: torch.dtype | None, env: DistEnv) -> None:

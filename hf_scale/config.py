@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar, Union
 
@@ -118,6 +119,19 @@ class ParallelConfig:
     def sharded(self) -> bool:
         """True when parameters are sharded with FSDP2 (fsdp, zero2, hsdp)."""
         return self.strategy in ("fsdp", "zero2", "hsdp")
+
+
+def as_parallel_config(value: "ParallelConfig | dict | None") -> ParallelConfig:
+    """A ParallelConfig from itself, a dict of its fields, or None (the defaults)."""
+    if value is None:
+        return ParallelConfig()
+    if isinstance(value, ParallelConfig):
+        return value
+    if isinstance(value, Mapping):
+        return from_dict(ParallelConfig, dict(value))
+    raise HfScaleConfigError(
+        f"a parallel config must be a ParallelConfig or a dict, got {type(value).__name__}."
+    )
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..api import get_state, parallelize
-from ..config import ParallelConfig
+from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
 from .layout import INDEX_FILE, SINGLE_FILE
 from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256, reshard_all
@@ -59,9 +59,8 @@ def from_pretrained(
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = _weight_map(folder)
-    parallel = parallel if parallel is not None else ParallelConfig()
-    sharded = (parallel.sharded if isinstance(parallel, ParallelConfig) else
-               ParallelConfig(**parallel).sharded)
+    parallel = as_parallel_config(parallel)
+    sharded = parallel.sharded
     if sharded:
         model = parallelize(model, parallel, plan=plan)
         device = get_state(model).env.device
