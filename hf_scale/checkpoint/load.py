@@ -55,7 +55,8 @@ def from_pretrained(
     config = AutoConfig.from_pretrained(folder)
     cls = auto_class or _model_class(config)
     with init_empty_weights(include_buffers=False):
-        model = cls.from_config(config, dtype=dtype) if hasattr(cls, "from_config") else cls(config)
+        build = getattr(cls, "_from_config", None) or cls.from_config  # model class / Auto class
+        model = build(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = _weight_map(folder)
