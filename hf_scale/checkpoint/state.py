@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from ..api import get_state
@@ -110,7 +111,16 @@ def load_state(
     model_dir = folder / "model"
     _load_owned_slices(model, model_dir, _weight_map(model_dir))
     target = {"optimizer": optimizer_state(model, optimizer)}
-    dcp.load(target, checkpoint_id=str(folder / "optimizer"))
+    try:
+        dcp.load(target, checkpoint_id=str(folder / "optimizer"))
+    except (Exception, CheckpointException) as e:  # DCP's exception is not an Exception
+        reason = re.findall(r"(?:RuntimeError|KeyError|ValueError): (.*)", str(e)) or [str(e)]
+        raise HfScaleCheckpointError(
+            f"the optimizer state in {folder.name} (saved by {info['world_size']} ranks with "
+            f"strategy {info.get('strategy')!r}) does not fit this optimizer "
+            f"({type(optimizer).__name__}): it is resharded by parameter name and state key, so "
+            f"the model's parameters and the optimizer type must be the same. {reason[0][:300]}"
+        ) from None
     set_optimizer_state(model, optimizer, target["optimizer"])
     if scheduler is not None and info.get("scheduler") is not None:
         scheduler.load_state_dict(info["scheduler"])
