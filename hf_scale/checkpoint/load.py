@@ -2,14 +2,15 @@
 
 The model is built with its parameters on the meta device (buffers real, so computed buffers
 such as rotary frequencies keep their values), parallelized, then each rank allocates and
-reads only the parameter slices it owns (``safe_open(...).get_slice``): peak memory stays near
-one rank's shard instead of the whole model.
+reads only the byte ranges of the parameter slices it owns, straight into their memory: peak
+memory stays near one rank's shard instead of the whole model.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
-from .layout import INDEX_FILE, SINGLE_FILE
+from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
 from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256, reshard_all
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
@@ -112,10 +113,7 @@ def _weight_map(folder: Path) -> dict[str, Path]:
     if (folder / INDEX_FILE).exists():
         names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
     elif (folder / SINGLE_FILE).exists():
-        from safetensors import safe_open
-
-        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
-            names = {k: SINGLE_FILE for k in f.keys()}
+        names = {k: SINGLE_FILE for k in _read_header(folder / SINGLE_FILE)[1]}
     else:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
         hint = (f" It holds pickle weights ({', '.join(pickles)}): convert them with "
@@ -175,45 +173,85 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
-    from safetensors import safe_open
+    """Read each parameter's local block straight from the files into its memory.
 
+    Plain ``pread`` at the offsets the safetensors header gives (an FSDP shard is one
+    contiguous byte range): no memory map, so the pages read never count against this rank's
+    memory, and no intermediate copy when dtypes match.
+    """
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     reshard_all(model)
     state = model.state_dict(keep_vars=True)
     names = _checkpoint_names(model, {k: v for k, v in state.items()})
-    handles: dict[Path, Any] = {}
+    headers: dict[Path, tuple[int, dict]] = {}
+    for key, target in state.items():
+        name = names[key]
+        if name not in weight_map:
+            if _is_tied_copy(model, key):
+                continue
+            raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
+        path = weight_map[name]
+        if path not in headers:
+            headers[path] = _read_header(path)
+        data_start, entries = headers[path]
+        entry = entries[name]
+        if tuple(entry["shape"]) != tuple(target.shape):
+            raise HfScaleCheckpointError(
+                f"{name!r} in {path.name} has shape {entry['shape']}, the model expects "
+                f"{list(target.shape)}: the checkpoint is for another configuration."
+            )
+        if isinstance(target, DTensor):
+            local = target.to_local()
+            _, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        else:
+            local, offset = target.data, (0,) * target.dim()
+        if local.numel():
+            dtype = DTYPES_BY_NAME[entry["dtype"]]
+            _read_block(path, data_start + entry["data_offsets"][0], dtype, tuple(target.shape), local, offset)
+
+
+def _read_header(path: Path) -> tuple[int, dict]:
+    """(byte offset where the data starts, header entries) of a safetensors file, checked
+    against the file's size so a truncated shard is an error, not garbage."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        try:
+            entries = json.loads(fh.read(length)) if 0 < length <= size - 8 else None
+        except ValueError:
+            entries = None
+    if not entries:
+        raise HfScaleCheckpointError(f"cannot read shard {path.name}: not a safetensors file (or truncated).")
+    entries.pop("__metadata__", None)
+    needed = 8 + length + max((e["data_offsets"][1] for e in entries.values()), default=0)
+    if size < needed:
+        raise HfScaleCheckpointError(
+            f"cannot read shard {path.name}: truncated ({size} bytes, its header needs {needed})."
+        )
+    return 8 + length, entries
+
+
+def _read_block(path: Path, start: int, dtype: torch.dtype, global_shape, local: torch.Tensor, offset) -> None:
+    direct = local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous()
+    buffer = local if direct else torch.empty(local.shape, dtype=dtype)
+    raw = buffer.view(-1).view(torch.uint8).numpy()
+    size = dtype.itemsize
+    fd = os.open(path, os.O_RDONLY)
     try:
-        for key, target in state.items():
-            name = names[key]
-            if name not in weight_map:
-                if _is_tied_copy(model, key):
-                    continue
-                raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
-            path = weight_map[name]
-            if path not in handles:
-                try:
-                    handles[path] = safe_open(path, framework="pt")
-                except Exception as e:  # truncated / not safetensors
-                    raise HfScaleCheckpointError(f"cannot read shard {path.name}: {e}") from None
-            piece = handles[path].get_slice(name)
-            shape = tuple(piece.get_shape())
-            if shape != tuple(target.shape):
-                raise HfScaleCheckpointError(
-                    f"{name!r} in {path.name} has shape {list(shape)}, the model expects "
-                    f"{list(target.shape)}: the checkpoint is for another configuration."
-                )
-            if isinstance(target, DTensor):
-                local = target.to_local()
-                local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-                index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
-                data = piece[index] if local.numel() else None
-            else:
-                local, data = target, piece[:] if shape else handles[path].get_tensor(name)
-            if data is not None:
-                local.copy_(data.to(local.dtype))
+        for g_start, l_start, length in contiguous_runs(tuple(local.shape), offset, global_shape):
+            view = memoryview(raw[l_start * size : (l_start + length) * size])
+            done = 0
+            while done < len(view):
+                got = os.preadv(fd, [view[done:]], start + g_start * size + done)
+                if got <= 0:
+                    raise HfScaleCheckpointError(f"cannot read shard {path.name}: unexpected end of file.")
+                done += got
     finally:
-        handles.clear()
+        os.close(fd)
+    if not direct:
+        local.copy_(buffer)
 
 
 def _is_tied_copy(model: nn.Module, key: str) -> bool:

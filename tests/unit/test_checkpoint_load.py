@@ -111,3 +111,10 @@ def test_pickle_with_code_is_refused(tmp_path):
 def test_not_a_folder(tmp_path):
     with pytest.raises(HfScaleCheckpointError, match="is not a checkpoint folder"):
         hf_scale.from_pretrained(tmp_path / "nope")
+
+
+def test_load_converts_dtype(saved):
+    reference = {k: v for k, v in tiny_model("llama", "causal").state_dict().items()}
+    loaded = hf_scale.from_pretrained(saved, dtype=torch.bfloat16)
+    for name, p in loaded.state_dict().items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, reference[name].to(torch.bfloat16)), name
