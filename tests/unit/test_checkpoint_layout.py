@@ -79,3 +79,9 @@ def test_tokenizer_and_generation_config_saved(tmp_path):
     assert AutoTokenizer.from_pretrained(folder)("hello world")["input_ids"] == tokenizer("hello world")["input_ids"]
     with torch.no_grad():
         assert AUTO["causal"].from_pretrained(folder)(**tiny_batch("causal", 1)).logits.shape == (1, 16, 128)
+
+
+def test_save_without_checksums(tmp_path):
+    folder = hf_scale.save_pretrained(tiny_model("gpt2", "causal"), tmp_path / "m", checksums=False)
+    assert not (folder / "checksums.sha256").exists()
+    assert AUTO["causal"].from_pretrained(folder) is not None

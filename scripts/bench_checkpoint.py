@@ -1,0 +1,477 @@
+"""Benchmark: hf_scale's parallel Hub-format save and slice-wise load on SmolLM2-135M (fp32).
+
+Run (one machine; every measurement is its own fresh ``torchrun --standalone --nproc_per_node 2``
+launched by the script, gloo on CPU, OMP_NUM_THREADS=1)::
+
+    python scripts/bench_checkpoint.py                    # full run, ~10 min on 2 CPU cores
+    python scripts/bench_checkpoint.py --quick            # smoke run: (a), (b), (e1) only
+    python scripts/bench_checkpoint.py --root /tmp/ckpt   # output folder root (one disk)
+
+The model: ``hf_scale.parallelize(hf_scale.zoo.load_smollm2()[0], {"strategy": "fsdp"})``.
+(a) disk: 1 GiB of random bytes in 64 MiB writes + fsync, in the launcher process.
+(b) ``hf_scale.save_pretrained(model, dir)`` from both ranks.
+(c) what users do today: ``get_model_state_dict(model, options=StateDictOptions(
+    full_state_dict=True, cpu_offload=True))`` to rank 0, then ``model.save_pretrained(dir,
+    state_dict=...)`` there.
+(d) ``torch.distributed.checkpoint.save(get_model_state_dict(model))`` (sharded state dict).
+(e) loads of (b)'s folder: (e1) ``hf_scale.from_pretrained(dir, parallel={"strategy": "fsdp"})``;
+    (e2) ``AutoModelForCausalLM.from_pretrained(dir)`` on every rank + ``hf_scale.parallelize``;
+    (e3) ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(
+    fsdp_size=2))``.
+
+Seconds: slowest rank, between barriers; saves are timed ``--repeats`` times (median), each into a
+fresh folder. Extra RSS in save: max over ranks and repeats of (max RSS sampled every 2 ms during
+the call - RSS just before). Peak RSS: ``ru_maxrss``, max over ranks; for loads read after one
+pass over every weight (so weights left as lazily mapped file pages count). Base RSS: after
+imports and process-group start. MB = 1e6 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+WORLD, MB = 2, 1e6
+LOAD_LIMIT, LOAD_POLL_S, LOAD_MAX_WAIT_S = 1.5, 60, 20 * 60
+VERDICT = {True: "PASS", False: "FAIL"}
+SAVE_DIRS = {"save_hf": "hf_scale", "save_hf_nosum": "hf_scale_nosum", "save_gather": "gathered", "save_dcp": "dcp"}
+SAVE_PATTERNS = {"save_hf": "*.safetensors", "save_hf_nosum": "*.safetensors", "save_gather": "*.safetensors",
+                 "save_dcp": "*"}
+
+
+# ------------------------------------------------------------------ measuring inside a rank
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def ru_maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def sample_peak_rss(stop: threading.Event, peak: list[int]) -> None:
+    while not stop.wait(0.002):
+        peak[0] = max(peak[0], rss_bytes())
+
+
+def measure(fn, repeats: int = 1, setup=lambda: None):
+    """Run ``setup`` then ``fn`` (timed between barriers, RSS sampled) ``repeats`` times:
+    (stats, the last value of ``fn``)."""
+    import torch.distributed as dist
+
+    times, extra = [], 0
+    for _ in range(repeats):
+        setup()
+        dist.barrier()
+        before = rss_bytes()
+        peak, stop = [before], threading.Event()
+        sampler = threading.Thread(target=sample_peak_rss, args=(stop, peak), daemon=True)
+        sampler.start()
+        start = time.perf_counter()
+        value = fn()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+        stop.set()
+        sampler.join()
+        extra = max(extra, max(peak[0], rss_bytes()) - before)
+    return {"times": times, "extra_rss": extra, "peak_rss": ru_maxrss()}, value
+
+
+def model_facts(model) -> dict:
+    """What the model really is: FSDP units, DTensor parameters, bytes, largest parameter."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())  # tied weights once
+    n_dtensor = sum(isinstance(p, DTensor) for p in params)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    sizes = [p.numel() * p.element_size() for p in params]
+    kind = f"FSDP2, {units} fully_shard units" if units else "no FSDP"
+    ran_as = f"{type(model).__name__}: {kind}, {n_dtensor}/{len(params)} params DTensor"
+    return {"ran_as": ran_as, "model_bytes": sum(sizes), "largest_param": max(sizes)}
+
+
+def weight_sum(model) -> float:
+    """Sum of every weight in float64 over all ranks, read in 1M-element chunks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    sharded, plain = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        part = sum(c.sum(dtype=torch.float64) for c in local.detach().reshape(-1).split(1 << 20))
+        if isinstance(p, DTensor):
+            sharded += part
+        else:
+            plain += part
+    dist.all_reduce(sharded)
+    return float(sharded + plain)
+
+
+# ------------------------------------------------------------------ the measurements (every rank)
+
+
+def save_hf_scale(model, folder: Path) -> str:
+    import hf_scale
+
+    hf_scale.save_pretrained(model, folder)
+    return "hf_scale.save_pretrained(model, dir): each rank pwrites its own shards, fsync, sha256"
+
+
+def save_hf_scale_no_checksums(model, folder: Path) -> str:
+    import hf_scale
+
+    hf_scale.save_pretrained(model, folder, checksums=False)
+    return "hf_scale.save_pretrained(model, dir, checksums=False): each rank pwrites its own shards, fsync"
+
+
+def save_gathered(model, folder: Path) -> str:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    start = time.perf_counter()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    seconds, nbytes = time.perf_counter() - start, sum(t.nbytes for t in state.values())
+    note = (f"get_model_state_dict(full_state_dict, cpu_offload) {seconds:.2f} s, rank "
+            f"{dist.get_rank()} got {len(state)} tensors ({nbytes / MB:.0f} MB); rank 0 ")
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder, state_dict=state)
+    return note + f"{type(model).__name__}.save_pretrained(dir, state_dict=...)"
+
+
+def save_dcp(model, folder: Path) -> str:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save(get_model_state_dict(model), checkpoint_id=str(folder))
+    return "torch.distributed.checkpoint.save(get_model_state_dict(model))"
+
+
+def save_task(name: str, save):
+    """A save row: time ``save(model, folder)`` of the FSDP model into a fresh folder each time,
+    then time an fsync of its files (what the save left unsynced)."""
+
+    def run(root: Path, repeats: int) -> dict:
+        import torch.distributed as dist
+
+        import hf_scale
+        from hf_scale.zoo import load_smollm2
+
+        model = hf_scale.parallelize(load_smollm2()[0], {"strategy": "fsdp"})
+        folder = root / SAVE_DIRS[name]
+
+        def fresh_folder():
+            if dist.get_rank() == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+
+        stats, note = measure(lambda: save(model, folder), repeats, setup=fresh_folder)
+        facts = model_facts(model)
+        start = time.perf_counter()
+        for path in folder.glob(SAVE_PATTERNS[name]):
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+        facts["ran_as"] = (f"{note}; an fsync of its files afterwards took "
+                           f"{time.perf_counter() - start:.2f} s; model {facts['ran_as']}")
+        return stats | facts
+
+    return run
+
+
+def load_model(kind: str, folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    import hf_scale
+
+    if kind == "hf_scale":
+        return hf_scale.from_pretrained(folder, parallel={"strategy": "fsdp"})
+    if kind == "full":
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return hf_scale.parallelize(model, {"strategy": "fsdp"})
+    config = DistributedConfig(fsdp_size=WORLD)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                distributed_config=config)
+
+
+def load_task(kind: str, call: str):
+    """A load row: time loading (b)'s folder; peak RSS after reading every weight once."""
+
+    def run(root: Path, repeats: int) -> dict:
+        stats, model = measure(lambda: load_model(kind, root / SAVE_DIRS["save_hf"]))
+        facts = model_facts(model)
+        facts["ran_as"] = f"{call} -> {facts['ran_as']}"
+        facts["checksum"] = weight_sum(model)
+        return stats | facts | {"peak_rss": ru_maxrss(), "peak_rss_at_return": stats["peak_rss"]}
+
+    return run
+
+
+TASKS = {  # name: (row label, function run on every rank)
+    "save_hf": ("(b) hf_scale.save_pretrained", save_task("save_hf", save_hf_scale)),
+    "save_hf_nosum": ("(b2) hf_scale.save_pretrained, checksums=False",
+                      save_task("save_hf_nosum", save_hf_scale_no_checksums)),
+    "save_gather": ("(c) gather to rank 0 + save_pretrained (anchor)",
+                    save_task("save_gather", save_gathered)),
+    "save_dcp": ("(d) torch DCP save, sharded", save_task("save_dcp", save_dcp)),
+    "load_hf": ("(e1) hf_scale.from_pretrained, slices", load_task(
+        "hf_scale", "hf_scale.from_pretrained(dir, parallel={'strategy': 'fsdp'})")),
+    "load_full": ("(e2) full from_pretrained + parallelize (anchor)", load_task(
+        "full", "AutoModelForCausalLM.from_pretrained(dir) on each rank + hf_scale.parallelize")),
+    "load_transformers": ("(e3) transformers DistributedConfig(fsdp_size=2)", load_task(
+        "transformers", "from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2))")),
+}
+QUICK_TASKS = ("save_hf", "load_hf")
+
+
+def worker(task: str, root: Path, repeats: int) -> None:
+    # every row pays the same imports before its base RSS is read
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint
+    import transformers.distributed  # noqa: F401
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
+
+    import hf_scale  # noqa: F401
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    base = rss_bytes()
+    result = TASKS[task][1](root, repeats) | {"base_rss": base}
+    (root / "results" / f"{task}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def wait_for_quiet_machine() -> str:
+    """Wait up to 20 min for the 1-minute load average (as ``uptime`` shows) <= LOAD_LIMIT."""
+    waited = 0
+    while (load := os.getloadavg()[0]) > LOAD_LIMIT and waited < LOAD_MAX_WAIT_S:
+        print(f"  1-min load {load:.2f} > {LOAD_LIMIT}: waited {waited // 60} min", flush=True)
+        time.sleep(LOAD_POLL_S)
+        waited += LOAD_POLL_S
+    state = "ok" if load <= LOAD_LIMIT else "still above the limit: measured anyway"
+    return f"load average (1, 5, 15 min) {os.getloadavg()} after {waited // 60} min wait ({state})"
+
+
+def disk_write_mb_s(folder: Path, total: int, chunk: int = 64 << 20) -> float:
+    block, path = memoryview(os.urandom(chunk)), folder / "disk_bandwidth.bin"
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        for _ in range(total // chunk):
+            if os.write(fd, block) != chunk:
+                raise OSError(f"short write to {path}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    seconds = time.perf_counter() - start
+    path.unlink()
+    return total / MB / seconds
+
+
+def failure_reason(log: str, returncode) -> str:
+    pattern = r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b:? .*)$"
+    errors = [e for e in re.findall(pattern, log, re.MULTILINE) if "ChildFailedError" not in e]
+    reason = errors[0].strip() if errors else f"exit code {returncode}"
+    return "failed: " + (reason[:200] + "..." if len(reason) > 200 else reason)
+
+
+def folder_bytes(folder: Path, pattern: str) -> tuple[int, int]:
+    """(total, largest file) bytes of the files matching ``pattern`` in ``folder``."""
+    sizes = [p.stat().st_size for p in folder.glob(pattern) if p.is_file()] or [0]
+    return sum(sizes), max(sizes)
+
+
+def launch(task: str, root: Path, repeats: int, timeout: int) -> dict:
+    """One fresh ``torchrun --nproc_per_node 2`` for ``task``; the ranks' results merged."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc_per_node", str(WORLD), os.path.abspath(__file__),
+           "--worker", task, "--root", str(root), "--repeats", str(repeats)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    log_path = root / "results" / f"{task}.log"
+    with open(log_path, "w") as log:
+        try:
+            returncode = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=timeout, check=False).returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timeout after {timeout} s"
+    ranks = [json.loads(p.read_text()) for p in sorted((root / "results").glob(f"{task}.rank*"))]
+    if returncode != 0 or len(ranks) != WORLD:
+        return {"status": failure_reason(log_path.read_text(errors="replace"), returncode)}
+    slowest = [max(per_rank) for per_rank in zip(*(r["times"] for r in ranks))]
+    merged = {k: max(r[k] for r in ranks) for k in ("extra_rss", "peak_rss", "base_rss")}
+    merged["seconds"] = statistics.median(slowest)
+    if task in SAVE_DIRS:
+        written = folder_bytes(root / SAVE_DIRS[task], SAVE_PATTERNS[task])
+        merged["written"], merged["largest_file"] = written
+    return {"status": "ok", "ranks": ranks, **ranks[0], **merged}
+
+
+def same_tensors(a: Path, b: Path) -> str:
+    """Compare two Hub-format folders tensor by tensor (one tensor in memory at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    def tensors(folder):  # name -> file
+        return {k: f for f in folder.glob("*.safetensors") for k in safe_open(f, "pt").keys()}  # noqa: SIM118
+
+    def read(files, key):
+        return safe_open(files[key], "pt").get_tensor(key)
+
+    left, right = tensors(a), tensors(b)
+    common = sorted(set(left) & set(right))
+    same = sum(torch.equal(read(left, k), read(right, k)) for k in common)
+    pairs = (("(b)", set(left) - set(right)), ("(c)", set(right) - set(left)))
+    extra = "".join(f"; only in {tag}: {sorted(names)}" for tag, names in pairs if names)
+    return f"{same}/{len(common)} common tensors bit-identical{extra}"
+
+
+# ------------------------------------------------------------------ report
+
+
+def fmt(value, scale: float = 1.0, digits: int = 0) -> str:
+    return "" if value is None else f"{value / scale:.{digits}f}"
+
+
+def ratio(value, ref) -> str:
+    return f"{value / ref:.2f}" if value is not None and ref else ""
+
+
+def table(rows: dict, disk: float, disk_bytes: int) -> str:
+    def anchor(name, key):
+        return rows[name][key] if rows.get(name, {}).get("status") == "ok" else None
+
+    header = ["measurement", "time / anchor", "MB/s / disk (a)", "RSS / anchor", "seconds",
+              "MB written", "MB/s", "extra RSS in save, max/rank (MB)", "peak RSS, max/rank (MB)",
+              "base RSS (MB)"]
+    disk_row = [f"(a) disk: {disk_bytes >> 20} MiB write + fsync, 1 process", "", "1.00", "",
+                fmt(disk_bytes / disk, MB, 2), fmt(disk_bytes, MB), fmt(disk), "", "", ""]
+    lines = [header, ["---"] * len(header), disk_row]
+    for name, row in rows.items():
+        if row["status"] != "ok":
+            lines.append([TASKS[name][0], row["status"]] + [""] * (len(header) - 2))
+            continue
+        save = name in SAVE_DIRS
+        ref, rss_key = ("save_gather", "extra_rss") if save else ("load_full", "peak_rss")
+        mb_s = row["written"] / MB / row["seconds"] if save else None
+        lines.append([TASKS[name][0], ratio(row["seconds"], anchor(ref, "seconds")),
+                      ratio(mb_s, disk), ratio(row[rss_key], anchor(ref, rss_key)),
+                      fmt(row["seconds"], digits=2), fmt(row.get("written"), MB), fmt(mb_s),
+                      fmt(row["extra_rss"], MB) if save else "", fmt(row["peak_rss"], MB),
+                      fmt(row["base_rss"], MB)])
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def save_targets(rows: dict, disk: float) -> list[str]:
+    if rows["save_hf"]["status"] != "ok":
+        return ["n/a  (b) did not run: no save target can be checked"]
+    b, out = rows["save_hf"], []
+    for name, label in (("save_hf", "(b)"), ("save_hf_nosum", "(b2)")):
+        row = rows.get(name, {})
+        if row.get("status") != "ok":
+            continue
+        if rows.get("save_gather", {}).get("status") == "ok":
+            c = rows["save_gather"]["seconds"]
+            out.append(f"{VERDICT[row['seconds'] <= 0.5 * c]} {label} time <= 0.5x (c): "
+                       f"{row['seconds']:.2f} s vs {c:.2f} s = {row['seconds'] / c:.2f}x")
+        mb_s = row["written"] / MB / row["seconds"]
+        out.append(f"{VERDICT[mb_s >= 0.5 * disk]} {label} throughput >= 50% of disk (a): "
+                   f"{mb_s:.0f} vs {disk:.0f} MB/s = {mb_s / disk:.0%}")
+    limit = b["largest_file"] + b["largest_param"]
+    out.append(f"{VERDICT[b['extra_rss'] <= limit]} (b) extra RSS during save <= largest file "
+               f"written ({b['largest_file'] / MB:.1f} MB) + largest parameter "
+               f"({b['largest_param'] / MB:.1f} MB) = {limit / MB:.1f} MB: "
+               f"{', '.join(fmt(r['extra_rss'], MB, 1) for r in b['ranks'])} MB on the ranks")
+    return out
+
+
+def load_budget(r: dict) -> float:
+    return 1.15 * (r["model_bytes"] / WORLD + r["largest_param"] + r["base_rss"])
+
+
+def load_target(name: str, row: dict) -> str:
+    worst = max(row["ranks"], key=lambda r: r["peak_rss"] / load_budget(r))
+    tag = VERDICT[worst["peak_rss"] <= load_budget(worst)]
+    tag += "" if name == "load_hf" else " (info, not a target)"
+    return (f"{tag} {TASKS[name][0].split()[0]} peak RSS/rank <= 1.15 x (model "
+            f"{worst['model_bytes'] / MB:.1f} MB / {WORLD} + largest tensor "
+            f"{worst['largest_param'] / MB:.1f} MB + base {worst['base_rss'] / MB:.1f} MB) = "
+            f"{load_budget(worst) / MB:.0f} MB: worst rank {worst['peak_rss'] / MB:.0f} MB "
+            f"({worst['peak_rss_at_return'] / MB:.0f} MB when the load returned)")
+
+
+def report(rows: dict, disk: float, disk_bytes: int, root: Path) -> None:
+    print(table(rows, disk, disk_bytes))
+    print("\nanchors: (c) for saves (RSS = extra RSS in save), (e2) for loads (RSS = peak RSS)\n")
+    loads = [load_target(n, r) for n, r in rows.items() if "checksum" in r]
+    print("\n".join(save_targets(rows, disk) + loads))
+    print("\nwhat each row really ran:")
+    print(f"  (a) {disk_bytes >> 20} MiB of random bytes, 64 MiB os.write calls + fsync, in {root}")
+    for name, row in rows.items():
+        note = row["ran_as"] if row["status"] == "ok" else row["status"]
+        note += f"; sum of all weights {row['checksum']:.6f}" if "checksum" in row else ""
+        print(f"  {TASKS[name][0].split()[0]} {note}")
+    if all(rows.get(n, {}).get("status") == "ok" for n in ("save_hf", "save_gather")):
+        folders = [root / SAVE_DIRS[n] for n in ("save_hf", "save_gather")]
+        print(f"  (b) vs (c) files: {same_tensors(*folders)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default="/tmp/bench_checkpoint",
+                        help="output folder root, on the disk to test")
+    parser.add_argument("--quick", action="store_true", help="smoke run: (a) on 256 MiB, (b) "
+                        "once, (e1); no wait for a quiet machine")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per save (median)")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per torchrun")
+    parser.add_argument("--worker", choices=TASKS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    root = Path(args.root).resolve()
+    if args.worker:
+        return worker(args.worker, root, args.repeats)
+
+    start = time.perf_counter()
+    print("machine: " + ("not checked (--quick)" if args.quick else wait_for_quiet_machine()),
+          flush=True)
+    for sub in ["results", *SAVE_DIRS.values()]:
+        shutil.rmtree(root / sub, ignore_errors=True)
+    (root / "results").mkdir(parents=True)
+    disk_bytes, repeats = ((256 << 20), 1) if args.quick else ((1 << 30), args.repeats)
+    disk = disk_write_mb_s(root, disk_bytes)
+    print(f"  (a) disk: {disk:.0f} MB/s", flush=True)
+    rows = {}
+    for task in QUICK_TASKS if args.quick else TASKS:
+        if task.startswith("load") and rows["save_hf"]["status"] != "ok":
+            rows[task] = {"status": "skipped: (b) failed, nothing to load"}
+            continue
+        t0 = time.perf_counter()
+        rows[task] = launch(task, root, repeats, args.timeout)
+        wall = time.perf_counter() - t0
+        print(f"  {TASKS[task][0]}: {rows[task]['status']} ({wall:.0f} s wall)", flush=True)
+    print(f"\nSmolLM2-135M fp32, FSDP over {WORLD} gloo ranks on CPU; {repeats} timed call(s) per "
+          f"save; outputs and logs in {root}\n")
+    report(rows, disk, disk_bytes, root)
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
