@@ -206,8 +206,13 @@ def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Pat
             _, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         else:
             local, offset = target.data, (0,) * target.dim()
+        dtype = DTYPES_BY_NAME[entry["dtype"]]
+        if dtype.is_floating_point != target.dtype.is_floating_point:
+            raise HfScaleCheckpointError(
+                f"{name!r} in {path.name} is {entry['dtype']}, the model's is {target.dtype}: "
+                "float and integer tensors do not convert; the checkpoint is for another model."
+            )
         if local.numel():
-            dtype = DTYPES_BY_NAME[entry["dtype"]]
             _read_block(path, data_start + entry["data_offsets"][0], dtype, tuple(target.shape), local, offset)
 
 

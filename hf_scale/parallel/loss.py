@@ -38,6 +38,15 @@ def chunked_cross_entropy(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(flat_hidden.device)
+    if flat_hidden.shape[0] <= chunk_tokens and torch.is_grad_enabled():
+        from ..log import log_rank0
+
+        log_rank0(
+            f"loss_chunk_tokens={chunk_tokens} >= the {flat_hidden.shape[0]} tokens of this "
+            "forward: one chunk, so the full logits still exist. Use a smaller chunk (e.g. 128).",
+            level=30,
+            once=True,
+        )
     total = flat_hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         end = start + chunk_tokens

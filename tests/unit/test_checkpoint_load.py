@@ -118,3 +118,37 @@ def test_load_converts_dtype(saved):
     loaded = hf_scale.from_pretrained(saved, dtype=torch.bfloat16)
     for name, p in loaded.state_dict().items():
         assert p.dtype == torch.bfloat16 and torch.equal(p, reference[name].to(torch.bfloat16)), name
+
+
+def test_float_where_the_model_has_integers_is_refused(tmp_path):
+    import struct
+
+    folder = hf_scale.save_pretrained(tiny_model("bert", "seqcls"), tmp_path / "m")
+    shard = folder / "model.safetensors"
+    raw = shard.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + length])
+    name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
+    header[name]["dtype"] = "I32"  # same size, wrong kind
+    new = json.dumps(header).encode()
+    new += b" " * (length - len(new))
+    shard.write_bytes(raw[:8] + new + raw[8 + length :])
+    (folder / "checksums.sha256").unlink()
+    with pytest.raises(HfScaleCheckpointError, match=f"'{name}'.*is I32, the model's is torch.float32"):
+        hf_scale.from_pretrained(folder)
+
+
+def test_hub_id_through_the_huggingface_hub_cache(tmp_path, monkeypatch):
+    """A repo id resolves through huggingface_hub's cache (offline here: no Hub is reachable)."""
+    model = tiny_model("llama", "causal", seed=4)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("a" * 40)
+    hf_scale.save_pretrained(model, snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir(parents=True)
+    (cache / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    loaded = hf_scale.from_pretrained("org/tiny")
+    for (name, p), q in zip(loaded.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(p, q), name
