@@ -130,7 +130,7 @@ def test_float_where_the_model_has_integers_is_refused(tmp_path):
     header = json.loads(raw[8 : 8 + length])
     name = next(k for k, v in header.items() if k != "__metadata__" and v["dtype"] == "F32")
     header[name]["dtype"] = "I32"  # same size, wrong kind
-    new = json.dumps(header).encode()
+    new = json.dumps(header, separators=(",", ":")).encode()
     new += b" " * (length - len(new))
     shard.write_bytes(raw[:8] + new + raw[8 + length :])
     (folder / "checksums.sha256").unlink()
