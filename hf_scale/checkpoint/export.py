@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import HfScaleCheckpointError
-from .safetensors_io import CHECKSUMS_FILE, _rank_world, _sha256, _swap_into_place
+from .safetensors_io import CHECKSUMS_FILE, rank_world, sha256_file, swap_into_place
 from .state import resolve_checkpoint
 
 
@@ -22,7 +22,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
     share of the files. Call on every rank (or in one process).
     """
     source = resolve_checkpoint(checkpoint) / "model"
-    rank, world = _rank_world()
+    rank, world = rank_world()
     final = Path(out).resolve()
     tmp = final.parent / f".{final.name}.partial"
     if rank == 0:
@@ -36,7 +36,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
     for i, name in enumerate(files):
         if i % world == rank:
             shutil.copy2(source / name, tmp / name)
-            if name in expected and _sha256(tmp / name) != expected[name]:
+            if name in expected and sha256_file(tmp / name) != expected[name]:
                 bad.append(name)
     if world > 1:
         gathered = [None] * world
@@ -47,7 +47,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
     if rank == 0:
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        _swap_into_place(tmp, final)
+        swap_into_place(tmp, final)
     if world > 1:
         dist.barrier()
     return final

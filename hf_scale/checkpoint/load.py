@@ -23,7 +23,7 @@ from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
-from .safetensors_io import CHECKSUMS_FILE, _checkpoint_names, _sha256, reshard_all
+from .safetensors_io import CHECKSUMS_FILE, checkpoint_names, sha256_file, reshard_all
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
@@ -60,7 +60,7 @@ def from_pretrained(
         model = build(config, dtype=dtype)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
-    weight_map = _weight_map(folder)
+    weight_map = weight_map_of(folder)
     parallel = as_parallel_config(parallel)
     sharded = parallel.sharded
     if sharded:
@@ -71,7 +71,7 @@ def from_pretrained(
     if verify_checksums:
         _verify_checksums(folder, weight_map)
     _materialize(model, device)
-    _load_owned_slices(model, folder, weight_map)
+    load_owned_slices(model, folder, weight_map)
     if not sharded:
         model = parallelize(model, parallel, plan=plan)
     return model
@@ -108,7 +108,7 @@ def _device() -> torch.device:
     return read_env().device
 
 
-def _weight_map(folder: Path) -> dict[str, Path]:
+def weight_map_of(folder: Path) -> dict[str, Path]:
     """Checkpoint tensor name -> file, with every file checked to lie inside ``folder``."""
     if (folder / INDEX_FILE).exists():
         names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
@@ -141,7 +141,7 @@ def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
     expected = dict(reversed(line.split("  ", 1)) for line in listed.read_text().splitlines() if line)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = sorted({p.name for p in weight_map.values()})
-    bad = [f for i, f in enumerate(files) if i % world == rank and f in expected and _sha256(folder / f) != expected[f]]
+    bad = [f for i, f in enumerate(files) if i % world == rank and f in expected and sha256_file(folder / f) != expected[f]]
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, bad)
@@ -172,7 +172,7 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
+def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
     """Read each parameter's local block straight from the files into its memory.
 
     Plain ``pread`` at the offsets the safetensors header gives (an FSDP shard is one
@@ -183,7 +183,7 @@ def _load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Pat
 
     reshard_all(model)
     state = model.state_dict(keep_vars=True)
-    names = _checkpoint_names(model, {k: v for k, v in state.items()})
+    names = checkpoint_names(model, {k: v for k, v in state.items()})
     headers: dict[Path, tuple[int, dict]] = {}
     for key, target in state.items():
         name = names[key]

@@ -53,7 +53,7 @@ def save_pretrained(
 
         hf_scale.save_pretrained(model, "out/", tokenizer=tokenizer, max_shard_size="2GB")
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     final = Path(save_directory).resolve()
     tmp = final.parent / f".{final.name}.partial"
     state = _checkpoint_state_dict(model)
@@ -69,19 +69,19 @@ def save_pretrained(
     for f in files:
         _write_my_bytes(tmp / f.name, f, state, owners, rank)
     _barrier(world)
-    digests = {f.name: _sha256(tmp / f.name) for i, f in enumerate(files) if checksums and i % world == rank}
+    digests = {f.name: sha256_file(tmp / f.name) for i, f in enumerate(files) if checksums and i % world == rank}
     if world > 1:
         gathered = [None] * world
         dist.all_gather_object(gathered, digests)
         digests = {k: v for d in gathered for k, v in d.items()}
     if rank == 0:
         _write_metadata(model, tmp, files, digests, tokenizer)
-        _swap_into_place(tmp, final)
+        swap_into_place(tmp, final)
     _barrier(world)
     return final
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
@@ -109,11 +109,11 @@ def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     for target, _source in find_tied_parameters(model):
         state.pop(target, None)
-    names = _checkpoint_names(model, state)
+    names = checkpoint_names(model, state)
     return {names[k]: v for k, v in state.items()}
 
 
-def _checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
     """Module key -> checkpoint key, from transformers' own save-time conversion (renames only)."""
     try:
         from transformers.modeling_utils import revert_weight_conversion
@@ -196,7 +196,7 @@ def model_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch."))
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 24), b""):
@@ -220,7 +220,7 @@ def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, 
         (folder / CHECKSUMS_FILE).write_text("".join(f"{digests[f.name]}  {f.name}\n" for f in files))
 
 
-def _swap_into_place(tmp: Path, final: Path) -> None:
+def swap_into_place(tmp: Path, final: Path) -> None:
     """Replace ``final`` by ``tmp``; the old folder is removed only once the new one is there."""
     old = final.parent / f".{final.name}.old"
     shutil.rmtree(old, ignore_errors=True)

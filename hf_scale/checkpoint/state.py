@@ -33,8 +33,8 @@ from torch import nn
 
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
-from .load import _load_owned_slices, _weight_map
-from .safetensors_io import _rank_world, _swap_into_place, save_pretrained
+from .load import load_owned_slices, weight_map_of
+from .safetensors_io import rank_world, swap_into_place, save_pretrained
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -60,7 +60,7 @@ def save_state(
 
         hf_scale.save_state(model, optimizer, scheduler, "ckpt", step=1200, keep_last=3)
     """
-    rank, world = _rank_world()
+    rank, world = rank_world()
     root = Path(root).resolve()
     final = root / f"step_{step:08d}"
     partial = root / f".{final.name}.partial"
@@ -83,7 +83,7 @@ def save_state(
         (partial / TRAINER_STATE).write_text(json.dumps(info, indent=2))
     _barrier(world)
     if rank == 0:
-        _swap_into_place(partial, final)
+        swap_into_place(partial, final)
         _point_latest(root, final.name)
         if keep_last:
             for old in complete_checkpoints(root)[:-keep_last]:
@@ -106,10 +106,10 @@ def load_state(
     ``path`` is a ``step_*`` folder, or ``<root>/latest`` for the newest complete one.
     """
     folder = resolve_checkpoint(path)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     info = json.loads((folder / TRAINER_STATE).read_text())
     model_dir = folder / "model"
-    _load_owned_slices(model, model_dir, _weight_map(model_dir))
+    load_owned_slices(model, model_dir, weight_map_of(model_dir))
     target = {"optimizer": optimizer_state(model, optimizer)}
     try:
         dcp.load(target, checkpoint_id=str(folder / "optimizer"))
