@@ -12,12 +12,6 @@ from hf_scale.checkpoint import convert_pickle_checkpoint
 from tests.tiny_models import AUTO, all_cases, tiny_batch, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _no_torchrun(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 @pytest.mark.parametrize("arch, head", all_cases(), ids=[f"{a}-{h}" for a, h in all_cases()])
 def test_round_trip_in_one_process(arch, head, tmp_path):
     model = tiny_model(arch, head, seed=3)

@@ -13,12 +13,6 @@ from hf_scale.train.optim import parameter_groups
 from tests.tiny_models import all_cases, tiny_batch, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _no_torchrun(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _count_calls(modules):
     """Counts forward starts (a pre-hook: recomputation stops early, before post-hooks)."""
     counts = [0] * len(modules)

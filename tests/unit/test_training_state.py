@@ -8,12 +8,6 @@ from hf_scale import HfScaleCheckpointError
 from tests.tiny_models import tiny_batch, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _no_torchrun(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _trained():
     model = hf_scale.parallelize(tiny_model("gpt2", "causal"))
     optimizer = hf_scale.build_optimizer(model, lr=1e-3)
