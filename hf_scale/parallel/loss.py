@@ -39,12 +39,14 @@ def chunked_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(flat_hidden.device)
     if flat_hidden.shape[0] <= chunk_tokens and torch.is_grad_enabled():
+        import logging
+
         from ..log import log_rank0
 
         log_rank0(
             f"loss_chunk_tokens={chunk_tokens} >= the {flat_hidden.shape[0]} tokens of this "
             "forward: one chunk, so the full logits still exist. Use a smaller chunk (e.g. 128).",
-            level=30,
+            level=logging.WARNING,
             once=True,
         )
     total = flat_hidden.new_zeros((), dtype=torch.float32)
