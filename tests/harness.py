@@ -21,7 +21,6 @@ import time
 import traceback
 from typing import Any, Callable
 
-import numpy as np
 
 
 def free_port() -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..errors import HfScaleCheckpointError
-from .safetensors_io import CHECKSUMS_FILE, rank_world, sha256_file, swap_into_place
+from .safetensors_io import CHECKSUMS_FILE, rank_world, read_checksums, sha256_file, swap_into_place
 from .state import resolve_checkpoint
 
 
@@ -30,7 +30,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
         tmp.mkdir(parents=True)
     if world > 1:
         dist.barrier()
-    expected = dict(reversed(line.split("  ", 1)) for line in (source / CHECKSUMS_FILE).read_text().splitlines() if line)
+    expected = read_checksums(source)
     files = sorted(p.name for p in source.iterdir() if p.is_file())
     bad = []
     for i, name in enumerate(files):

@@ -23,7 +23,7 @@ from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
-from .safetensors_io import CHECKSUMS_FILE, checkpoint_names, sha256_file, reshard_all
+from .safetensors_io import CHECKSUMS_FILE, checkpoint_names, read_checksums, reshard_all, sha256_file
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
@@ -135,10 +135,9 @@ def weight_map_of(folder: Path) -> dict[str, Path]:
 
 
 def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
-    listed = folder / CHECKSUMS_FILE
-    if not listed.exists():
+    expected = read_checksums(folder)
+    if not expected:
         return
-    expected = dict(reversed(line.split("  ", 1)) for line in listed.read_text().splitlines() if line)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     files = sorted({p.name for p in weight_map.values()})
     bad = [f for i, f in enumerate(files) if i % world == rank and f in expected and sha256_file(folder / f) != expected[f]]

@@ -196,6 +196,14 @@ def model_class(model: nn.Module) -> type:
     return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch."))
 
 
+def read_checksums(folder: Path) -> dict[str, str]:
+    """``{shard file name: sha256}`` from ``folder/checksums.sha256`` (empty when absent)."""
+    listed = folder / CHECKSUMS_FILE
+    if not listed.exists():
+        return {}
+    return {name: digest for digest, name in (line.split("  ", 1) for line in listed.read_text().splitlines() if line)}
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hf_scale
+from hf_scale.checkpoint.safetensors_io import rank_world
 from tests.tiny_models import slice_batch, tiny_batch, tiny_model
 
 TOTAL = 6
@@ -32,23 +33,17 @@ class CountingLoader:
         self.position = state["position"]
 
 
-def _rank_world():
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _setup(config, seed):
     torch.manual_seed(1234)
     model = hf_scale.parallelize(tiny_model("llama", "causal", seed=seed), config)
-    torch.manual_seed(1234 + _rank_world()[0])  # per-rank data RNG, as in real runs
+    torch.manual_seed(1234 + rank_world()[0])  # per-rank data RNG, as in real runs
     optimizer = hf_scale.build_optimizer(model, lr=1e-3, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     return model, optimizer, scheduler, CountingLoader()
 
 
 def _train(model, optimizer, scheduler, loader, steps):
-    rank, world = _rank_world()
+    rank, world = rank_world()
     losses = []
     for _ in range(steps):
         loss = model(**loader.next_batch(world, rank)).loss

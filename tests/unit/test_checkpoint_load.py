@@ -1,7 +1,6 @@
 """hf_scale.from_pretrained in one process, and every bad checkpoint it must refuse."""
 
 import json
-import shutil
 
 import pytest
 import torch
