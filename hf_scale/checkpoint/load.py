@@ -120,10 +120,12 @@ def weight_map_of(folder: Path) -> dict[str, Path]:
                 "hf_scale.checkpoint.convert_pickle_checkpoint, which loads with weights_only=True."
                 if pickles else "")
         raise HfScaleCheckpointError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}.{hint}")
-    root = folder.resolve()
+    # Checked on the path as written, not resolved: the huggingface_hub cache makes every file
+    # of a snapshot a symlink into the repo's blobs/ folder.
+    root = Path(os.path.abspath(folder))
     out = {}
     for tensor, file in names.items():
-        path = (folder / file).resolve()
+        path = Path(os.path.abspath(folder / file))
         if root not in path.parents:
             raise HfScaleCheckpointError(
                 f"{INDEX_FILE} maps {tensor!r} to {file!r}, outside the checkpoint folder {folder}."
