@@ -11,12 +11,14 @@ from .api import ParallelState, get_state, parallelize
 from .checkpoint import from_pretrained, load_state, save_pretrained, save_state
 from .config import ParallelConfig
 from .errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScalePlanError
+from .hub import CardInfo, push_to_hub, write_model_card
 from .plans import ModelPlan, register_plan, resolve_plan
 from .train import build_optimizer, clip_grad_norm_, no_sync
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CardInfo",
     "HfScaleCheckpointError",
     "HfScaleConfigError",
     "HfScaleError",
@@ -31,8 +33,10 @@ __all__ = [
     "load_state",
     "no_sync",
     "parallelize",
+    "push_to_hub",
     "register_plan",
     "resolve_plan",
     "save_pretrained",
     "save_state",
+    "write_model_card",
 ]

@@ -19,3 +19,7 @@ class HfScalePlanError(HfScaleError, ValueError):
 
 class HfScaleCheckpointError(HfScaleError, RuntimeError):
     """A checkpoint is missing, incomplete or does not match the model."""
+
+
+class HfScaleHubError(HfScaleError, RuntimeError):
+    """The Hub refused or failed a request (authentication, permissions, network, server)."""
