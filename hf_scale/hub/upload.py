@@ -13,6 +13,8 @@ apply as everywhere else.
   sha256, from ``checksums.sha256`` when listed, or git blob id) are skipped, and LFS blobs an
   interrupted push uploaded but did not commit are not sent again (the LFS batch API reports them
   present). Pushing again after any failure sends only what is missing.
+* **No stale weights**: weight files on the branch that the folder does not have (another
+  sharding, an older run) are deleted in the last commit, so no loader picks them up.
 * **Checked**: each shard's sha256, computed for the upload anyway, must match
   ``checksums.sha256`` before the commit that adds it.
 * **Retries**: huggingface_hub retries preupload, LFS and listing calls on 5xx / 429 / dropped
@@ -41,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from huggingface_hub import CommitOperationAdd, HfApi, RepoFile, get_token
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, RepoFile, get_token
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
@@ -59,6 +61,7 @@ MAX_BYTES_PER_COMMIT = 50 * 2**30
 RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 60.0
 LAST_FILES = ("config.json", INDEX_FILE)  # committed last: they make the repo loadable
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
 
 
 def push_to_hub(
@@ -161,16 +164,20 @@ class _Push:
             if "README.md" in files:  # the Hub's validator, before any byte is uploaded
                 validate_card(files["README.md"], self.api.endpoint)
             self.retrying(self.prepare_repo, "creating the repo")
-            groups = commit_groups(self.missing(files), self.max_files, self.max_bytes)
+            remote = self.remote_files()
+            stale = stale_weights(remote, local_files(self.folder, None), self.allow_patterns)
+            groups = commit_groups(self.missing(files, remote), self.max_files, self.max_bytes)
+            groups = groups or ([{}] if stale else [])
             url = None
             for i, group in enumerate(groups):
                 message = self.commit_message or f"Upload {self.folder.resolve().name} with hf_scale"
                 message += f" (part {i + 1}/{len(groups)})" if len(groups) > 1 else ""
-                url = self.retrying(functools.partial(self.commit, group, message), "commit")
+                deletes = stale if i == len(groups) - 1 else []
+                url = self.retrying(functools.partial(self.commit, group, deletes, message), "commit")
             url = url or self.head_url()
         sent = sum(len(g) for g in groups)
-        log_rank0(f"pushed {sent} of {len(files)} files ({len(files) - sent} already on the Hub) "
-                  f"in {len(groups)} commits: {url}")
+        log_rank0(f"pushed {sent} of {len(files)} files ({len(files) - sent} already on the Hub), "
+                  f"removed {len(stale)} stale weight files, in {len(groups)} commits: {url}")
         return url
 
     def check_arguments(self) -> None:
@@ -197,10 +204,12 @@ class _Push:
         if self.branch != "main":
             self.api.create_branch(self.repo_id, branch=self.branch, exist_ok=True)
 
-    def missing(self, files: dict[str, Path]) -> dict[str, Path]:
-        """The files of ``files`` whose content is not at their path on the branch yet."""
-        remote = {f.path: f for f in self.api.list_repo_tree(self.repo_id, recursive=True, revision=self.branch)
-                  if isinstance(f, RepoFile)}
+    def remote_files(self) -> dict[str, RepoFile]:
+        tree = self.api.list_repo_tree(self.repo_id, recursive=True, revision=self.branch)
+        return {f.path: f for f in tree if isinstance(f, RepoFile)}
+
+    def missing(self, files: dict[str, Path], remote: dict[str, RepoFile]) -> dict[str, Path]:
+        """The files of ``files`` whose content is not at their path in ``remote``."""
         return {p: path for p, path in files.items() if not self.on_hub(path, remote.get(p), p)}
 
     def on_hub(self, path: Path, remote: RepoFile | None, name: str) -> bool:
@@ -210,11 +219,13 @@ class _Push:
             return remote.lfs.sha256 == (self.checksums.get(name) or sha256_file(path))
         return remote.blob_id == git_blob_id(path.read_bytes())
 
-    def commit(self, group: dict[str, Path], message: str, attempt: int = 0) -> str:
-        """Upload ``group``'s LFS blobs, check them against checksums.sha256, commit."""
+    def commit(self, group: dict[str, Path], deletes: list[str], message: str, attempt: int = 0) -> str:
+        """Upload ``group``'s LFS blobs, check them against checksums.sha256, commit them and
+        the deletion of ``deletes``."""
         if attempt > 0:  # a lost answer may hide a commit that landed
-            group = self.missing(group)
-            if not group:
+            remote = self.remote_files()
+            group, deletes = self.missing(group, remote), [p for p in deletes if p in remote]
+            if not group and not deletes:
                 return self.head_url()
         ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=str(path)) for p, path in group.items()]
         self.api.preupload_lfs_files(self.repo_id, additions=ops, revision=self.branch, free_memory=False)
@@ -225,6 +236,7 @@ class _Push:
                     f"{op.path_in_repo} does not match its sha256 in {self.folder / CHECKSUMS_FILE}: "
                     "it changed or is corrupt since it was saved. Save the checkpoint again."
                 )
+        ops += [CommitOperationDelete(path_in_repo=p) for p in deletes]
         return self.api.create_commit(self.repo_id, ops, commit_message=message, revision=self.branch).commit_url
 
     def head_url(self) -> str:
@@ -271,6 +283,15 @@ def local_files(folder: Path, allow_patterns: str | Sequence[str] | None) -> dic
         raise HfScaleConfigError(f"allow_patterns={allow_patterns!r} match no file in {folder} "
                                  f"(it holds {', '.join(found)}).")
     return {k: p for k, p in found.items() if k in kept}
+
+
+def stale_weights(
+    remote: Mapping[str, Any], local: Mapping[str, Path], allow_patterns: str | Sequence[str] | None
+) -> list[str]:
+    """Weight files on the Hub that the folder no longer has (another sharding, an older run):
+    left there, a loader could read them instead of the new weights."""
+    weights = [p for p in remote if p not in local and p.endswith(WEIGHT_SUFFIXES)]
+    return list(filter_repo_objects(weights, allow_patterns=allow_patterns))
 
 
 def commit_groups(files: dict[str, Path], max_files: int, max_bytes: int) -> list[dict[str, Path]]:

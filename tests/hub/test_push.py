@@ -126,14 +126,16 @@ def test_wrong_token_gives_a_clear_401_without_the_token(hub, checkpoint, caplog
     assert TOKEN not in text and wrong not in text
 
 
-def test_push_to_an_existing_repo_makes_a_new_commit(hub, tmp_path):
-    first = hf_scale.save_pretrained(tiny_model("llama", "causal", seed=0), tmp_path / "a")
+def test_push_to_an_existing_repo_makes_a_new_commit(hub, checkpoint, tmp_path):
+    """A second run (one file instead of shards) replaces the weights: new blobs, stale shards
+    and index deleted; pushing it again changes nothing."""
+    url1 = hf_scale.push_to_hub(checkpoint, REPO)
     second = hf_scale.save_pretrained(tiny_model("llama", "causal", seed=1), tmp_path / "b")
-    url1 = hf_scale.push_to_hub(first, REPO)
     start = len(hub.requests)
     url2 = hf_scale.push_to_hub(second, REPO, commit_message="second run")
     assert url1 != url2 and commits(hub, start) == 1
     assert puts(hub, start) == set(read_checksums(second).values())  # the new weights only
+    assert hub.files(REPO) == local_files(second) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
     start = len(hub.requests)
     assert hf_scale.push_to_hub(second, REPO) == url2  # nothing changed: no commit, same head
     assert commits(hub, start) == 0 and not puts(hub, start)
