@@ -26,8 +26,9 @@ requests, tree folders and pagination, paths-info, and persistence across restar
 disk, the commit graph is in memory).
 
 Tests steer it with :meth:`HubServer.fail` (the next N requests matching a method and a path
-regex get an HTTP status, a dropped connection, or are done with their answer lost) and read :attr:`HubServer.requests`, the
-``(method, path)`` of every request received (no query strings, headers or bodies).
+regex get an HTTP status, a dropped connection, or are done with their answer lost) and read
+:attr:`HubServer.requests`, the ``(method, path)`` of every request received (no query strings,
+headers or bodies); :attr:`HubServer.unrouted` lists requests for an API it does not implement.
 
 Usage::
 
@@ -134,6 +135,7 @@ class HubServer:
         self.token = token
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
+        self.unrouted: list[tuple[str, str]] = []  # requests for an API this server lacks
         self.rules: list[Rule] = []
         self.tickets: dict[str, tuple[str, int]] = {}  # LFS upload ticket -> (oid, size)
         self._lock = threading.RLock()
@@ -413,6 +415,7 @@ class _Handler(BaseHTTPRequestHandler):
                         status, payload = getattr(hub, name)(self, **args)
                     break
             else:
+                hub.unrouted.append((method, split.path))
                 raise HttpError(404, f"no route for {method} {split.path}")
         except HttpError as e:
             self.extra_headers.update(e.headers)

@@ -53,6 +53,7 @@ def hub(tmp_path, monkeypatch):
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
         yield server
+    assert not server.unrouted, f"huggingface_hub called APIs the test server lacks: {server.unrouted}"
 
 
 @pytest.fixture

@@ -26,8 +26,13 @@ from tests.tiny_models import tiny_model
 REPO = "org/tiny-finetune"
 
 
-def local_files(folder) -> dict[str, bytes]:
+def contents(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def assert_on_hub(hub, folder) -> None:
+    """The repo's main branch holds exactly the folder's files (and the Hub's .gitattributes)."""
+    assert hub.files(REPO) == contents(folder) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
 
 
 def tensors(folder) -> dict[str, torch.Tensor]:
@@ -59,7 +64,7 @@ def test_round_trip_from_two_fsdp_ranks(hub, tmp_path):
     assert sum(1 for m, p in hub.requests if m == "POST" and p == "/api/repos/create") == 2  # rank 0 only
 
     snapshot = Path(snapshot_download(REPO))
-    assert local_files(snapshot) == local_files(folder) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
+    assert contents(snapshot) == contents(folder) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
     saved = tensors(folder)
     for model in (AutoModelForCausalLM.from_pretrained(REPO), hf_scale.from_pretrained(REPO)):
         state = model.state_dict()
@@ -81,7 +86,7 @@ def test_resume_after_a_failed_lfs_upload(hub, checkpoint):
     start = len(hub.requests)
     hf_scale.push_to_hub(checkpoint, REPO)
     assert puts(hub, start) == set(digests.values()) - stored
-    assert hub.files(REPO) == local_files(checkpoint) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
+    assert_on_hub(hub, checkpoint)
 
 
 def test_resume_after_a_dropped_commit(hub, checkpoint):
@@ -97,7 +102,7 @@ def test_resume_after_a_dropped_commit(hub, checkpoint):
     assert commits(hub, start) == len(groups) - 1
     digests = read_checksums(checkpoint)
     assert puts(hub, start) == {digests[name] for group in groups[2:] for name in group if name in digests}
-    assert hub.files(REPO) == local_files(checkpoint) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
+    assert_on_hub(hub, checkpoint)
     order = [name for group in groups for name in group]
     assert order[-2:] == ["config.json", "model.safetensors.index.json"]  # loadable only once complete
 
@@ -113,7 +118,7 @@ def test_server_errors_and_dropped_connections_are_retried(hub, checkpoint):
     assert len(groups) == 2 and commits(hub) == 3  # first one twice (500), second once (lost)
     assert url.endswith(hub.repos[REPO].branches["main"])
     assert len(hub.repos[REPO].trees) == 1 + len(groups)  # .gitattributes + one per group
-    assert hub.files(REPO) == local_files(checkpoint) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
+    assert_on_hub(hub, checkpoint)
 
 
 def test_wrong_token_gives_a_clear_401_without_the_token(hub, checkpoint, caplog, capsys):
@@ -135,7 +140,7 @@ def test_push_to_an_existing_repo_makes_a_new_commit(hub, checkpoint, tmp_path):
     url2 = hf_scale.push_to_hub(second, REPO, commit_message="second run")
     assert url1 != url2 and commits(hub, start) == 1
     assert puts(hub, start) == set(read_checksums(second).values())  # the new weights only
-    assert hub.files(REPO) == local_files(second) | {".gitattributes": hub.files(REPO)[".gitattributes"]}
+    assert_on_hub(hub, second)
     start = len(hub.requests)
     assert hf_scale.push_to_hub(second, REPO) == url2  # nothing changed: no commit, same head
     assert commits(hub, start) == 0 and not puts(hub, start)
