@@ -3,7 +3,7 @@
 The token comes from ``HF_TOKEN`` or ``hf auth login`` (never from a flag: command lines are
 visible to other users of the machine), the Hub from ``HF_ENDPOINT``.
 
-Usage::
+Usage (``python -m hf_scale.hub`` runs the same)::
 
     hf-scale push out/ my-org/my-finetune --private --revision v1 --allow-pattern "*.safetensors"
 """
@@ -41,7 +41,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(url)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

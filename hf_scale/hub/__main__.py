@@ -1,0 +1,7 @@
+"""``python -m hf_scale.hub FOLDER REPO_ID [...]``: the same as ``hf-scale push``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
