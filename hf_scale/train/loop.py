@@ -1,0 +1,199 @@
+"""One fine-tuning run, from a :class:`JobConfig` to a saved (and optionally pushed) model.
+
+Order: process group -> tokenizer and data (rank 0 tokenises first) -> pretrained model in its
+parallel layout -> optimizer and schedule -> resume -> evaluate -> train (periodic eval and
+checkpoints) -> evaluate -> save the Hub-format model, loss curve and model card -> push.
+
+The loss of a step is the mean over every label token of the global batch (all ranks, all
+accumulated micro-batches), as one process would compute it on the whole batch: each
+micro-batch's mean loss is weighted by its share of the step's label tokens.
+
+Usage::
+
+    summary = run(load_job("configs/quickstart.yaml"))     # on every rank (torchrun)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..api import get_state
+from ..checkpoint import load_state, save_pretrained, save_state
+from ..distributed import init_distributed
+from ..log import log_rank0
+from .config import JobConfig
+from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
+from .evaluate import evaluate
+from .loader import PadCollator, ShardedBatches
+from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
+from .model import load_config, load_model, load_tokenizer
+from .optim import build_optimizer, clip_grad_norm_, no_sync
+from .report import finish_run
+
+
+def run(job: JobConfig) -> dict:
+    """Train as ``job`` says; call on every rank. Returns the summary rank 0 printed."""
+    env = init_distributed(job.parallel.timeout_seconds)
+    rank, world = env.rank, env.world_size
+    if rank != 0:
+        _quiet_progress_bars()
+    _seed(job.train.seed)
+    tokenizer = load_tokenizer(job.model)
+    check_seq_len(job.data.max_seq_len, load_config(job.model))
+    train_ds, eval_ds, labels = _datasets(job, tokenizer)
+    model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id)
+    device = get_state(model).env.device
+    collate = PadCollator(tokenizer.pad_token_id)
+    batches = ShardedBatches(train_ds, job.train.batch_size, rank, world, collate, seed=job.data.seed)
+    total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
+    optimizer = build_optimizer(model, lr=job.train.lr, weight_decay=job.train.weight_decay,
+                                betas=tuple(job.train.betas))
+    scheduler = _scheduler(job, optimizer, total_steps)
+    start = _resume(job, model, optimizer, scheduler, batches)
+    log_rank0(
+        f"{len(train_ds)} training examples, {len(eval_ds) if eval_ds is not None else 0} eval; "
+        f"global batch {batches.global_batch * job.train.grad_accum} ({job.train.batch_size} x {world} "
+        f"ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
+    )
+    metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
+                      start_step=start)
+    evaluate_at = _evaluator(job, model, eval_ds, collate, rank, world, device, metrics)
+    before = evaluate_at(start) if start == 0 else None
+    began, tokens_seen = time.perf_counter(), 0
+    stream = iter(batches)
+    scaler = torch.amp.GradScaler(device.type, enabled=job.parallel.mixed_precision == "fp16")
+    for step in range(start + 1, total_steps + 1):
+        values = _train_step(job, model, optimizer, scaler, stream, device, world)
+        scheduler.step()
+        tokens_seen += values.pop("tokens")
+        values["lr"] = scheduler.get_last_lr()[0]
+        values["peak_mem_gb"] = peak_memory_gb(device)
+        if step % job.train.log_every == 0 or step == total_steps:
+            metrics.step(step, values)
+        if job.train.eval_every and step % job.train.eval_every == 0 and step != total_steps:
+            evaluate_at(step)
+        if job.checkpoint.every_steps and step % job.checkpoint.every_steps == 0:
+            save_state(model, optimizer, scheduler, job.checkpoint_dir, step=step, dataloader=batches,
+                       keep_last=job.checkpoint.keep_last)
+    train_time = time.perf_counter() - began
+    after = evaluate_at(total_steps)
+    metrics.close()
+    summary = {"steps": total_steps, "train_time_s": round(train_time, 1), "tokens_seen": tokens_seen,
+               "before": before, "after": after, "final_loss": metrics.history[-1].get("loss") if metrics.history else None}
+    model_dir = Path(job.train.output_dir) / "model"
+    if job.checkpoint.save_final:
+        save_pretrained(model, model_dir, tokenizer=tokenizer, max_shard_size=job.checkpoint.max_shard_size)
+        if rank == 0:
+            metrics.plot_loss(model_dir / LOSS_CURVE)
+        finish_run(job, model_dir, summary, eval_ds, tokenizer, world)
+    return summary
+
+
+def _datasets(job: JobConfig, tokenizer):
+    splits = load_splits(job.data)
+    max_len = job.data.max_seq_len
+    if job.model.task == "causal_lm":
+        train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len, pack=job.data.packing)
+        ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len)
+        return train, ev, None
+    labels = label_ids(splits["train"], job.data)
+    train = tokenize_classification(splits["train"], tokenizer, job.data, max_len, labels)
+    ev = splits["eval"] and tokenize_classification(splits["eval"], tokenizer, job.data, max_len, labels)
+    return train, ev, labels
+
+
+def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world: int) -> dict:
+    """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
+    started = time.perf_counter()
+    waited = 0.0
+    micro = []
+    for _ in range(job.train.grad_accum):
+        t = time.perf_counter()
+        batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
+        waited += time.perf_counter() - t
+        micro.append(batch)
+    counts = torch.tensor([_loss_items(b, job.model.task) for b in micro] + [0.0], dtype=torch.float64)
+    counts[-1] = sum(float(b["attention_mask"].sum()) for b in micro)
+    if world > 1:
+        dist.all_reduce(counts)
+    label_total, tokens = float(counts[:-1].sum()), int(counts[-1])
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(micro):
+        share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
+        with no_sync(model, enabled=i < len(micro) - 1):
+            loss = model(**batch).loss * (share * world)  # ranks' gradients are averaged
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach().double().cpu() / world
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm_(model, job.train.max_grad_norm or float("inf"))
+    scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    if world > 1:
+        dist.all_reduce(loss_sum)
+    elapsed = time.perf_counter() - started
+    return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
+            "data_wait": waited / elapsed, "tokens": tokens}
+
+
+def _loss_items(batch: dict, task: str) -> float:
+    if task == "causal_lm":
+        return float((batch["labels"][:, 1:] != -100).sum())
+    return float(batch["labels"].numel())
+
+
+def _evaluator(job, model, eval_ds, collate, rank, world, device, metrics):
+    def evaluate_at(step: int):
+        if eval_ds is None:
+            return None
+        scores = evaluate(model, eval_ds, collate, task=job.model.task, batch_size=job.train.eval_batch_size,
+                          rank=rank, world=world, device=device,
+                          exact_match=job.train.exact_match and not job.data.text_column)
+        metrics.event(step, scores)
+        return scores
+
+    return evaluate_at
+
+
+def _scheduler(job: JobConfig, optimizer, total_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(job.train.scheduler, optimizer, num_warmup_steps=job.train.warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def _resume(job: JobConfig, model, optimizer, scheduler, batches: ShardedBatches) -> int:
+    from ..checkpoint.state import complete_checkpoints
+
+    resume = job.checkpoint.resume
+    if resume == "auto":
+        resume = "latest" if complete_checkpoints(job.checkpoint_dir) else None
+    if not resume:
+        return 0
+    path = job.checkpoint_dir / "latest" if resume == "latest" else Path(resume)
+    step = load_state(model, optimizer, scheduler, path, dataloader=batches)
+    expected = step * job.train.grad_accum
+    if batches.position != expected:  # another world size: positions were not restored
+        batches.seek(expected)
+    log_rank0(f"resumed from {path} at step {step} (epoch {batches.epoch}, batch {batches.batch})")
+    return step
+
+
+def _quiet_progress_bars() -> None:
+    """Only rank 0 shows progress: silence ``datasets`` and transformers bars elsewhere."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,125 @@
+"""What a run reports: a tqdm bar on rank 0, a metrics JSONL, and a loss-curve PNG at the end.
+
+Each JSONL line is one logged step: ``step``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_s``
+(non-padding tokens over all ranks), ``data_wait`` (share of the step spent waiting for the
+next batch), ``peak_mem_gb`` (CUDA max allocated, or the process's peak RSS on CPU) and
+``elapsed_s``; evaluation lines carry ``eval_*`` keys. Only rank 0 writes.
+
+Usage::
+
+    metrics = Metrics(out_dir, total_steps, enabled=rank == 0)
+    metrics.step(step, {"loss": 2.1, "lr": 1e-4, ...})
+    metrics.close(); metrics.plot_loss(out_dir / "loss_curve.png")
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..log import log_rank0
+
+METRICS_FILE = "metrics.jsonl"
+LOSS_CURVE = "loss_curve.png"
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated, or peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return kb / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class Metrics:
+    """Rank 0's progress bar and metrics file; a no-op on the other ranks."""
+
+    def __init__(self, out_dir: str | Path, total_steps: int, *, enabled: bool, progress: bool = True,
+                 start_step: int = 0):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.history: list[dict] = []
+        self.bar = None
+        if not enabled:
+            return
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = (out / METRICS_FILE).open("a")
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="training", unit="step",
+                            dynamic_ncols=True, file=sys.stderr)
+
+    def step(self, step: int, values: dict) -> None:
+        """Record one optimizer step's values and advance the bar."""
+        if not self.enabled:
+            return
+        record = {"step": step, **_rounded(values), "elapsed_s": round(time.perf_counter() - self.start, 2)}
+        self._write(record)
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values.get('tokens_per_s', 0):,.0f}",
+                                 refresh=False)
+        elif "loss" in values:
+            log_rank0(f"step {step}  loss {values['loss']:.4f}  {values.get('tokens_per_s', 0):,.0f} tokens/s")
+
+    def event(self, step: int, values: dict) -> None:
+        """Record evaluation (or other) values at ``step`` and print them."""
+        if not self.enabled:
+            return
+        self._write({"step": step, **_rounded(values)})
+        shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+        message = f"step {step}: {shown}"
+        if self.bar is not None:
+            self.bar.write(f"[hf_scale] {message}", file=sys.stderr)
+        else:
+            log_rank0(message)
+
+    def _write(self, record: dict) -> None:
+        self.history.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            if self.bar is not None:
+                self.bar.close()
+            self.file.close()
+
+    def plot_loss(self, path: str | Path) -> Path | None:
+        """Draw training (and eval) loss against step as a PNG; None without matplotlib."""
+        if not self.enabled:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            log_rank0("matplotlib is not installed: no loss curve (pip install 'hf-scale[plot]').")
+            return None
+        train = [(r["step"], r["loss"]) for r in self.history if "loss" in r]
+        evals = [(r["step"], r["eval_loss"]) for r in self.history if "eval_loss" in r]
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        if train:
+            ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+        if evals:
+            ax.plot(*zip(*evals), "o--", label="eval loss")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return Path(path)
+
+
+def _rounded(values: dict) -> dict:
+    return {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
