@@ -1,0 +1,175 @@
+"""``hf-scale``: the command line.
+
+    hf-scale finetune configs/quickstart.yaml [--section.field value ...] [--resume latest]
+    hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json
+    hf-scale export ckpt/latest out/
+    hf-scale push out/ org/my-finetune [--private]
+
+``finetune`` starts its own workers with torchrun (``launch.nproc_per_node``, ``launch.nnodes``
+and the rendezvous options in the recipe, or ``--nproc-per-node`` / ``--nnodes`` /
+``--rdzv-endpoint`` flags), and runs in-process when it already is a torchrun worker.
+Errors in configs and inputs print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from .errors import HfScaleError
+
+COMMANDS = ("finetune", "plan", "export", "push")
+LAUNCH_FLAGS = {  # flag -> the config field it sets
+    "--nproc-per-node": "launch.nproc_per_node", "--nproc_per_node": "launch.nproc_per_node",
+    "--nnodes": "launch.nnodes", "--node-rank": "launch.node_rank",
+    "--rdzv-endpoint": "launch.rdzv_endpoint", "--max-restarts": "launch.max_restarts",
+    "--resume": "checkpoint.resume",
+}
+
+
+def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
+    """Entry point of the ``hf-scale`` console script; returns the exit status.
+
+    ``task`` (from the task scripts) makes ``finetune`` refuse a recipe for another task.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print(__doc__.strip().split("\n\n")[0].replace("``", ""))
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        if command == "finetune":
+            return finetune(rest, task=task)
+        return {"plan": plan, "export": export, "push": push}[command](rest)
+    except HfScaleError as e:
+        print(f"hf-scale {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
+    """(the recipe path, ``--section.field value`` overrides), launch flags translated.
+
+    The recipe is the first argument (or ``--config PATH``); ``--nproc-per-node 4`` becomes
+    ``--launch.nproc_per_node 4`` and ``--resume latest`` ``--checkpoint.resume latest``.
+    """
+    from .errors import HfScaleConfigError
+
+    config, overrides, args = None, [], list(args)
+    while args:
+        arg = args.pop(0)
+        flag, eq, value = arg.partition("=")
+        if flag in LAUNCH_FLAGS or flag == "--config":
+            if not eq:
+                if not args:
+                    raise HfScaleConfigError(f"flag {flag} has no value.")
+                value = args.pop(0)
+            if flag == "--config":
+                config = value
+            else:
+                overrides += [f"--{LAUNCH_FLAGS[flag]}", value]
+        elif config is None and not arg.startswith("-"):
+            config = arg
+        else:
+            overrides.append(arg)
+    return config, overrides
+
+
+def finetune(args: list[str], task: str | None = None) -> int:
+    """Load the recipe, then train here (torchrun worker, one process) or launch torchrun."""
+    from .errors import HfScaleConfigError
+    from .launch import check_launch, torchrun_argv, under_torchrun
+    from .train.config import load_job
+
+    config, overrides = split_overrides(args)
+    if config is None:
+        raise HfScaleConfigError("finetune needs a recipe: hf-scale finetune configs/quickstart.yaml")
+    job = load_job(config, overrides)
+    if task is not None and job.model.task != task:
+        raise HfScaleConfigError(
+            f"{config} trains model.task={job.model.task!r}, but this script is for {task!r}: "
+            "use the script of that task, or hf-scale finetune."
+        )
+    if under_torchrun() or job.launch.nproc_per_node * job.launch.nnodes == 1:
+        if not under_torchrun():
+            check_launch(job.launch)
+        _train(job)
+        return 0
+    argv = torchrun_argv(job.launch, ["-m", "hf_scale.cli", "finetune", *args])
+    print(f"[hf_scale] launching: torchrun {' '.join(argv[3:])}", file=sys.stderr, flush=True)
+    return subprocess.call(argv)
+
+
+def _train(job) -> None:
+    import torch.distributed as dist
+
+    from .train.loop import run
+
+    try:
+        run(job)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def plan(args: list[str]) -> int:
+    """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
+    from .config import ParallelConfig, from_dict
+    from .plans.report import format_report, plan_report
+    from .train.config import ModelConfig, load_job
+    from .train.model import load_config
+
+    parser = argparse.ArgumentParser(prog="hf-scale plan", description=plan.__doc__)
+    parser.add_argument("source", help="a recipe .yaml, a Hub model id, a model folder or a config.json")
+    parser.add_argument("--world-size", type=int, help="ranks to plan for (default: the recipe's launch)")
+    parser.add_argument("--nnodes", type=int, help="nodes (default: the recipe's launch.nnodes, else 1)")
+    parser.add_argument("--task", default=None, choices=("causal_lm", "sequence_classification"))
+    parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
+    ns, overrides = parser.parse_known_args(args)
+    if ns.source.endswith((".yaml", ".yml")):
+        job = load_job(ns.source, overrides)
+        model_cfg, parallel, launch = job.model, job.parallel, job.launch
+        if ns.strategy:
+            parallel = from_dict(ParallelConfig, {**vars(parallel), "strategy": ns.strategy})
+        nnodes = ns.nnodes or launch.nnodes
+        world = ns.world_size or launch.nproc_per_node * launch.nnodes
+    else:
+        model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
+        parallel = ParallelConfig(strategy=ns.strategy or "fsdp")
+        nnodes, world = ns.nnodes or 1, ns.world_size or 1
+    report = plan_report(load_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
+    print(format_report(report))
+    return 0
+
+
+def export(args: list[str]) -> int:
+    """Copy a training checkpoint's model out as a clean Hub-format folder (1..N processes)."""
+    from .checkpoint.export import export_checkpoint
+    from .distributed import init_distributed
+
+    parser = argparse.ArgumentParser(prog="hf-scale export", description=export.__doc__)
+    parser.add_argument("checkpoint", help="a step_* folder, or <root>/latest")
+    parser.add_argument("out")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer (name or folder) to save beside the model")
+    ns = parser.parse_args(args)
+    init_distributed()
+    tokenizer = None
+    if ns.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
+    print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
+    return 0
+
+
+def push(args: list[str]) -> int:
+    """Upload a saved model folder to a Hub repository (see ``hf_scale.hub``)."""
+    from .hub import main as push_main
+
+    return push_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
