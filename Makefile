@@ -1,4 +1,4 @@
-# Quickstart:  make demo   (the main job: SmolLM2-135M sharded over 2 CPU processes)
+# Quickstart:  make demo   (the main job: fine-tune SmolLM2-135M with fsdp over 2 CPU processes)
 #              make test   (the test suite)
 # Both create .venv and install what they need on first use.
 
@@ -21,13 +21,15 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/torchrun --nproc_per_node $(NPROC) scripts/quickstart_parallelize.py
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-scale finetune configs/quickstart.yaml --launch.nproc_per_node $(NPROC)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
 	$(PY) scripts/bench_parallelize.py
+	$(PY) scripts/bench_checkpoint.py
+	$(PY) scripts/bench_finetune.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
