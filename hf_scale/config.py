@@ -199,6 +199,11 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         return from_dict(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-4 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool) and (
         not isinstance(value, tp) or (tp is int and isinstance(value, bool))
     ):

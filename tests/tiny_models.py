@@ -80,3 +80,46 @@ def slice_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[s
 
 def all_cases() -> list[tuple[str, str]]:
     return [(arch, head) for arch, (_, _, heads) in ARCHS.items() for head in heads]
+
+
+# ------------------------------------------------------------------ fine-tuning jobs
+
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CHARS = " abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-=?.,'\n:!_"
+
+
+def tiny_tokenizer(chat_template: bool = True):
+    """A character-level fast tokenizer (ids < VOCAB) with ChatML special tokens.
+
+    Ids 0/1 are pad/eos as in :func:`tiny_config`; ``<|im_end|>`` ends a chat turn.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<unk>", "<|im_start|>", "<|im_end|>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(_CHARS))}
+    assert len(vocab) <= VOCAB
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(specials)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                  unk_token="<unk>")
+    if chat_template:
+        tok.chat_template = CHATML
+    return tok
+
+
+def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: int = 0) -> str:
+    """A tiny pretrained model + tokenizer saved as a Hub-format folder; returns its path."""
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    if hasattr(config, "max_position_embeddings"):  # room for chat-formatted examples
+        config.max_position_embeddings = max(config.max_position_embeddings, 128)
+    model = AUTO[head].from_config(config)
+    model.save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)

@@ -51,7 +51,7 @@ def load_splits(cfg: DataConfig) -> dict:
     if cfg.path.startswith(PREFIX):
         splits = builtin_dataset(cfg.path, seed=cfg.seed + 1234)
     elif _is_local(cfg.path):
-        splits = {"train": _load_files(cfg.path)}
+        splits = _load_files(cfg.path)
     else:
         splits = _load_hub(cfg)
     if cfg.train_split not in splits:

@@ -1,0 +1,179 @@
+"""``hf-scale finetune`` end to end on tiny models: every strategy, resume, two nodes, errors.
+
+Each run is the real command in a subprocess (it starts torchrun itself). Parity: a run on N
+ranks with batch B per rank must log the losses of one process with batch N x B (same data
+order, same token-weighted loss), so every strategy is compared with that one-process run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from tests.harness import free_port
+from tests.tiny_models import CAUSAL, SEQCLS, save_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+
+
+def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m hf_scale.cli *args`` in its own process group, killed whole on timeout."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_scale.cli", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"hf-scale {' '.join(args)} did not finish in {timeout} s:\n{out[-3000:]}")
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    if check and proc.returncode != 0:
+        pytest.fail(f"hf-scale {' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny_checkpoint(root / "tiny-llama", "llama", CAUSAL)
+    job = {
+        "model": {"name_or_path": model},
+        "data": {"path": "builtin:arithmetic", "max_train_samples": 48, "max_eval_samples": 10, "max_seq_len": 64},
+        "parallel": {"strategy": "fsdp"},
+        "train": {"output_dir": str(root / "runs" / "default"), "max_steps": STEPS, "batch_size": 4,
+                  "lr": 3e-3, "eval_batch_size": 4, "progress": False, "sample_generations": 2},
+        "launch": {"nproc_per_node": 2},
+    }
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def one_process(recipe) -> dict[int, float]:
+    """The reference: one process, the global batch (2 x 4) at once."""
+    out = recipe.parent / "runs" / "one"
+    run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "8", "--train.output_dir", str(out))
+    return losses(out)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero1", "ddp"])
+def test_every_strategy_trains_like_one_process(recipe, one_process, strategy):
+    out = recipe.parent / "runs" / strategy
+    log = run_cli("finetune", str(recipe), "--parallel.strategy", strategy, "--train.output_dir", str(out)).stdout
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [one_process[s] for s in sorted(got)], rtol=1e-5)
+    assert f"{strategy} over pp=1 x dp_replicate" in log and "launching: torchrun --nproc-per-node=2" in log
+    _check_outputs(out, log)
+
+
+def _check_outputs(out: Path, log: str) -> None:
+    """What a run leaves behind: metrics, summary, a plain-transformers model with its card."""
+    import torch
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+
+    record = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait", "peak_mem_gb", "elapsed_s"):
+        assert key in record, key
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["before"]) == {"eval_loss", "eval_exact_match", "eval_examples"}
+    assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert torch.isfinite(next(model.parameters())).all()
+    assert (out / "model" / "loss_curve.png").stat().st_size > 1000
+    card = ModelCard.load(out / "model" / "README.md")
+    assert "hf-scale" in card.data.tags and "loss_curve.png" in card.text
+    assert "reloaded" in log and "greedy answers" in log and "(expected '" in log
+
+
+def test_resume_mid_epoch_continues_at_the_right_sample(recipe, tmp_path):
+    # 48 examples / global batch 8 = 6 steps per epoch: step 2 is mid-epoch.
+    full = tmp_path / "full"
+    args = ["finetune", str(recipe), "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3"]
+    run_cli(*args, "--train.output_dir", str(full))
+    ckpt = tmp_path / "resumed" / "checkpoints"
+    shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
+    (ckpt / "latest").write_text("step_00000002\n")
+    log = run_cli(*args, "--train.output_dir", str(tmp_path / "resumed"), "--resume", "latest").stdout
+    assert "resumed from" in log and "at step 2 (epoch 0, batch 2)" in log
+    before, after = losses(full), losses(tmp_path / "resumed")
+    assert sorted(after) == [3, 4]
+    np.testing.assert_allclose([after[3], after[4]], [before[3], before[4]], rtol=1e-6)
+
+
+def test_two_nodes_with_hsdp(recipe, one_process, tmp_path):
+    """Two torchrun agents on a loopback rendezvous, 2 processes each: replicate x shard = 2 x 2."""
+    out, port = tmp_path / "two-nodes", free_port()
+    args = ["finetune", str(recipe), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
+            f"127.0.0.1:{port}", "--parallel.strategy", "hsdp", "--train.batch_size", "2",
+            "--train.output_dir", str(out), "--train.sample_generations", "0"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    nodes = [subprocess.Popen([sys.executable, "-m", "hf_scale.cli", *args], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+             for _ in range(2)]
+    logs = []
+    try:
+        for node in nodes:
+            logs.append(node.communicate(timeout=300)[0])
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    assert any("hsdp over pp=1 x dp_replicate=2 x dp_shard=2" in x for x in logs)
+    got = losses(out)
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [one_process[s] for s in sorted(got)], rtol=1e-5)
+
+
+def test_classification_script(tmp_path):
+    model = save_tiny_checkpoint(tmp_path / "tiny-bert", "bert", SEQCLS)
+    out = tmp_path / "cls"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "scripts/finetune_classification.py", str(ROOT / "configs" / "minilm-classification.yaml"),
+         "--model.name_or_path", model, "--train.output_dir", str(out), "--train.max_steps", "3",
+         "--train.progress", "false"],
+        cwd=ROOT, env=env, text=True, capture_output=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["after"]) == {"eval_loss", "eval_accuracy", "eval_examples"}
+    assert summary["after"]["eval_examples"] == 60
+    from transformers import AutoModelForSequenceClassification
+
+    assert AutoModelForSequenceClassification.from_pretrained(out / "model").config.num_labels == 3
+
+
+def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    wrong = subprocess.run([sys.executable, "scripts/finetune_classification.py", str(recipe)], cwd=ROOT, env=env,
+                           text=True, capture_output=True, timeout=120)
+    assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stderr
+    empty = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--resume", "latest",
+                    "--train.output_dir", str(tmp_path / "none"), check=False)
+    assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout
+    too_many = run_cli("finetune", str(recipe), "--nproc-per-node", "64", check=False)
+    assert too_many.returncode == 2 and "launch.nproc_per_node=64, but this machine has" in too_many.stdout
+    column = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--data.prompt_column", "question",
+                     "--train.output_dir", str(tmp_path / "col"), check=False)
+    assert column.returncode == 2 and "its columns are prompt, response" in column.stdout

@@ -1,0 +1,92 @@
+"""Job recipes: parsing, overrides, errors that name the key; launch checks; every recipe in configs/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hf_scale.cli import split_overrides
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.launch import check_launch, max_local_processes, torchrun_argv
+from hf_scale.train.config import JobConfig, LaunchConfig, load_job
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+RECIPES = sorted(p for p in CONFIGS.glob("*.yaml"))
+
+
+def test_quickstart_recipe_and_overrides():
+    job = load_job(CONFIGS / "quickstart.yaml", ["--parallel.strategy", "zero2", "--train.lr", "1e-4",
+                                                 "--parallel.mixed_precision=null", "--train.betas", "[0.9, 0.95]"])
+    assert isinstance(job, JobConfig)
+    assert job.model.name_or_path == "zoo:smollm2" and job.launch.nproc_per_node == 2
+    assert job.parallel.strategy == "zero2" and job.train.lr == 1e-4
+    assert job.parallel.mixed_precision is None and job.train.betas == [0.9, 0.95]
+    assert job.checkpoint_dir == Path(job.train.output_dir) / "checkpoints"
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_loads(recipe):
+    job = load_job(recipe)
+    assert job.train.output_dir and job.model.name_or_path
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--train.lrr", "1"], "unknown config key 'train.lrr'. Did you mean 'lr'?"),
+        (["--trian.lr", "1"], "unknown config key 'trian'. Did you mean 'train'?"),
+        (["--train.batch_size", "eight"], "train.batch_size: expected int, got str 'eight'"),
+        (["--train.batch_size", "0"], "train.batch_size=0: must be >= 1"),
+        (["--parallel.strategy", "zero4"], "strategy='zero4' is not one of"),
+        (["--model.task", "translation"], "model.task='translation' is not one of"),
+        (["--hub.push", "true"], "hub.repo_id is not set"),
+        (["--train.scheduler", "cosin"], "train.scheduler='cosin' is not one of"),
+        (["--train.lr"], "flag --train.lr has no value"),
+    ],
+)
+def test_bad_overrides_name_the_key(overrides, message):
+    with pytest.raises(HfScaleConfigError, match=_escape(message)):
+        load_job(CONFIGS / "quickstart.yaml", overrides)
+
+
+def test_missing_recipe_file(tmp_path):
+    with pytest.raises(HfScaleConfigError, match="does not exist"):
+        load_job(tmp_path / "nope.yaml")
+
+
+def test_cli_flags_become_config_fields():
+    config, overrides = split_overrides(
+        ["r.yaml", "--nproc-per-node", "4", "--nnodes=2", "--rdzv-endpoint", "h:1", "--resume", "latest", "--train.lr", "1"]
+    )
+    assert config == "r.yaml"
+    assert overrides == ["--launch.nproc_per_node", "4", "--launch.nnodes", "2", "--launch.rdzv_endpoint", "h:1",
+                         "--checkpoint.resume", "latest", "--train.lr", "1"]
+    assert split_overrides(["--config", "x.yaml", "--a.b", "c"]) == ("x.yaml", ["--a.b", "c"])
+
+
+def test_launch_checks():
+    limit, what = max_local_processes()
+    with pytest.raises(HfScaleConfigError, match=f"this machine has {limit} {_escape(what)}"):
+        check_launch(LaunchConfig(nproc_per_node=limit + 1))
+    with pytest.raises(HfScaleConfigError, match="needs launch.rdzv_endpoint"):
+        check_launch(LaunchConfig(nnodes=2))
+    with pytest.raises(HfScaleConfigError, match="expected host:port"):
+        check_launch(LaunchConfig(nnodes=2, rdzv_endpoint="localhost"))
+    with pytest.raises(HfScaleConfigError, match="node_rank=2 is outside 0..1"):
+        check_launch(LaunchConfig(nnodes=2, node_rank=2, rdzv_endpoint="h:1", rdzv_backend="static"))
+
+
+def test_torchrun_command_lines():
+    one = torchrun_argv(LaunchConfig(nproc_per_node=1), ["-m", "x"])
+    assert "--standalone" in one and one[-2:] == ["-m", "x"]
+    multi = torchrun_argv(LaunchConfig(nproc_per_node=1, nnodes=2, rdzv_endpoint="127.0.0.1:29400"), ["-m", "x"])
+    assert "--rdzv-backend=c10d" in multi and "--rdzv-endpoint=127.0.0.1:29400" in multi and "--nnodes=2" in multi
+    static = torchrun_argv(LaunchConfig(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500", rdzv_backend="static"), [])
+    assert "--node-rank=1" in static and "--master-addr=10.0.0.1" in static and "--master-port=29500" in static
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)

@@ -1,0 +1,68 @@
+"""``hf-scale plan``: plans and meshes without weights; the GPU recipes resolve on the meta device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import LlamaConfig
+
+from hf_scale.cli import main
+from hf_scale.config import ParallelConfig
+from hf_scale.plans.report import plan_report
+from hf_scale.train.config import load_job
+from tests.tiny_models import CAUSAL, save_tiny_checkpoint
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+LLAMA3 = {  # the published Llama-3 shapes (config.json of meta-llama/Meta-Llama-3-*)
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192),
+}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "size", "mesh", "units", "billions"),
+    [
+        ("llama3-8b-fsdp.yaml", "8b", "pp=1 x dp_replicate=1 x dp_shard=8 x tp=1", 32, 8.03),
+        ("llama3-70b-hsdp-offload.yaml", "70b", "pp=1 x dp_replicate=2 x dp_shard=16 x tp=1", 80, 70.55),
+    ],
+)
+def test_gpu_recipes_resolve_on_the_meta_device(tmp_path, recipe, size, mesh, units, billions):
+    LlamaConfig(**LLAMA3[size]).save_pretrained(tmp_path)  # the Hub is out of reach here
+    job = load_job(CONFIGS / recipe, ["--model.name_or_path", str(tmp_path / "config.json")])
+    world = job.launch.nproc_per_node * job.launch.nnodes
+    from hf_scale.train.model import load_config
+
+    report = plan_report(load_config(job.model), job.parallel, world, job.launch.nnodes)
+    assert report["mesh"] == mesh and report["units"] == units
+    assert report["plan"].wrap_modules == ("LlamaDecoderLayer",)
+    assert report["parameters"] / 1e9 == pytest.approx(billions, abs=0.01)
+    assert "layers.*.self_attn.q_proj" in report["plan"].tp_plan
+    assert job.data.max_seq_len <= LLAMA3[size]["max_position_embeddings"]
+
+
+def test_plan_command_on_a_folder_a_config_json_and_a_recipe(tmp_path, capsys):
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL)
+    assert main(["plan", folder, "--world-size", "4", "--strategy", "hsdp", "--nnodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "LlamaForCausalLM (llama)" in out and "2 x LlamaDecoderLayer" in out
+    assert "dp_replicate=2 x dp_shard=2" in out and "lm_head.weight = model.embed_tokens.weight" in out
+    assert main(["plan", str(Path(folder) / "config.json")]) == 0
+    assert "one process" in capsys.readouterr().out
+    assert main(["plan", str(CONFIGS / "quickstart.yaml"), "--model.name_or_path", folder]) == 0
+    assert "fsdp over 2 rank(s)" in capsys.readouterr().out
+
+
+def test_plan_command_errors_name_the_problem(tmp_path, capsys):
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL)
+    assert main(["plan", folder, "--world-size", "3", "--strategy", "hsdp"]) == 2
+    assert "hsdp' needs dp_replicate >= 2" in capsys.readouterr().err
+
+
+def test_report_counts_sharded_state():
+    report = plan_report(LlamaConfig(**LLAMA3["8b"]), ParallelConfig(strategy="ddp"), 8)
+    assert report["params_per_rank"] == report["parameters"]  # ddp replicates
+    sharded = plan_report(LlamaConfig(**LLAMA3["8b"]), ParallelConfig(), 8)
+    assert sharded["params_per_rank"] == sharded["parameters"] // 8
