@@ -123,3 +123,29 @@ def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: 
     model.save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def tiny_recipe(root, steps: int = 4, **sections) -> "Path":
+    """A fine-tuning recipe (YAML) for a tiny Llama on generated arithmetic; returns its path.
+
+    ``sections`` update the recipe's sections, e.g. ``hub={"push": True, "repo_id": "o/r"}``.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(root)
+    model = save_tiny_checkpoint(root / "tiny-llama", "llama", CAUSAL)
+    job = {
+        "model": {"name_or_path": model},
+        "data": {"path": "builtin:arithmetic", "max_train_samples": 48, "max_eval_samples": 10, "max_seq_len": 64},
+        "parallel": {"strategy": "fsdp"},
+        "train": {"output_dir": str(root / "runs" / "default"), "max_steps": steps, "batch_size": 4,
+                  "lr": 3e-3, "eval_batch_size": 4, "progress": False, "sample_generations": 2},
+        "launch": {"nproc_per_node": 2},
+    }
+    for name, values in sections.items():
+        job.setdefault(name, {}).update(values)
+    path = root / "tiny.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path

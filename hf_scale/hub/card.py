@@ -45,6 +45,7 @@ class CardInfo:
     """What a model card says about one training run; every field is optional.
 
     Attributes:
+        model_name: the card's title (default: the repo name, else the folder name).
         base_model: Hub id of the pretrained model that was fine-tuned.
         repo_id: where the model is pushed, for the loading snippet (``push_to_hub`` fills it).
         datasets: Hub ids of the training datasets.
@@ -65,6 +66,7 @@ class CardInfo:
             embedded when the file is there.
     """
 
+    model_name: str | None = None
     base_model: str | None = None
     repo_id: str | None = None
     datasets: list[str] = dataclasses.field(default_factory=list)
@@ -166,7 +168,7 @@ def _template_vars(info: CardInfo, folder: Path, auto_class: str) -> dict[str, A
 
     return {
         **dataclasses.asdict(info),
-        "model_name": (info.repo_id or folder.resolve().name).split("/")[-1],
+        "model_name": info.model_name or (info.repo_id or folder.resolve().name).split("/")[-1],
         "repo_id": info.repo_id or str(folder),
         "auto_class": auto_class,
         "training_time": format_duration(info.training_time_seconds),

@@ -85,7 +85,7 @@ def run(job: JobConfig) -> dict:
     after = evaluate_at(total_steps)
     metrics.close()
     summary = {"steps": total_steps, "train_time_s": round(train_time, 1), "tokens_seen": tokens_seen,
-               "before": before, "after": after, "final_loss": metrics.history[-1].get("loss") if metrics.history else None}
+               "before": before, "after": after, "final_loss": next((r["loss"] for r in reversed(metrics.history) if "loss" in r), None)}
     model_dir = Path(job.train.output_dir) / "model"
     if job.checkpoint.save_final:
         save_pretrained(model, model_dir, tokenizer=tokenizer, max_shard_size=job.checkpoint.max_shard_size)

@@ -34,8 +34,7 @@ def finish_run(job: JobConfig, model_dir: Path, summary: dict, eval_ds, tokenize
     if dist.is_initialized():
         dist.barrier()
     if job.hub.push:
-        url = push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
-        log_rank0(f"pushed to {url}")
+        push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 
 
 def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dict:
@@ -47,6 +46,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
     train = job.train
     on_hub = not (job.data.path.startswith("builtin:") or Path(job.data.path).exists())
     return {
+        "model_name": (job.hub.repo_id or Path(job.train.output_dir).resolve().name).split("/")[-1],
         "base_model": _base_model(job.model.name_or_path),
         "datasets": [job.data.path] if on_hub else [],
         "license": job.hub.license,

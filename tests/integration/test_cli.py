@@ -17,10 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-
 from tests.harness import free_port
-from tests.tiny_models import CAUSAL, SEQCLS, save_tiny_checkpoint
+from tests.tiny_models import SEQCLS, save_tiny_checkpoint, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -47,19 +45,7 @@ def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("cli")
-    model = save_tiny_checkpoint(root / "tiny-llama", "llama", CAUSAL)
-    job = {
-        "model": {"name_or_path": model},
-        "data": {"path": "builtin:arithmetic", "max_train_samples": 48, "max_eval_samples": 10, "max_seq_len": 64},
-        "parallel": {"strategy": "fsdp"},
-        "train": {"output_dir": str(root / "runs" / "default"), "max_steps": STEPS, "batch_size": 4,
-                  "lr": 3e-3, "eval_batch_size": 4, "progress": False, "sample_generations": 2},
-        "launch": {"nproc_per_node": 2},
-    }
-    path = root / "tiny.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    return tiny_recipe(tmp_path_factory.mktemp("cli"), steps=STEPS)
 
 
 def losses(out_dir: Path) -> dict[int, float]:
