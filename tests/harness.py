@@ -16,11 +16,16 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable
 
+import pytest
 
 
 def free_port() -> int:
@@ -104,3 +109,40 @@ def run_ranks(
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a command under test: offline, one thread, no inherited torchrun vars."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return env
+
+
+def start_command(argv: list[str]) -> subprocess.Popen:
+    """Start ``argv`` in its own process group (so torchrun and its workers die together)."""
+    return subprocess.Popen(argv, cwd=ROOT, env=cli_env(), text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_command(proc: subprocess.Popen, timeout: float, check: bool = True) -> subprocess.CompletedProcess:
+    """Wait for ``proc``; kill its whole group and fail the test if it outlives ``timeout``."""
+    shown = " ".join(proc.args[1:])
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{shown} did not finish in {timeout} s:\n{out[-3000:]}")
+    if check and proc.returncode != 0:
+        pytest.fail(f"{shown} exited {proc.returncode}:\n{out[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def run_cli(*args: str, script: str | None = None, timeout: float = 300, check: bool = True):
+    """``python -m hf_scale.cli *args`` (or ``python <script> *args``); output merged in stdout."""
+    entry = [script] if script else ["-m", "hf_scale.cli"]
+    return finish_command(start_command([sys.executable, *entry, *args]), timeout, check)

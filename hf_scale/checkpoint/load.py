@@ -23,7 +23,13 @@ from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
-from .safetensors_io import CHECKSUMS_FILE, checkpoint_names, read_checksums, reshard_all, sha256_file
+from .safetensors_io import (
+    CHECKSUMS_FILE,
+    checkpoint_names,
+    read_checksums,
+    reshard_all,
+    sha256_file,
+)
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 

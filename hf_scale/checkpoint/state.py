@@ -28,13 +28,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
 from .load import load_owned_slices, weight_map_of
-from .safetensors_io import rank_world, swap_into_place, save_pretrained
+from .safetensors_io import rank_world, save_pretrained, swap_into_place
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"

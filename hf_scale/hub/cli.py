@@ -19,7 +19,7 @@ from .upload import push_to_hub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv``, push, print the commit URL; return 0, or 1 after a one-line error."""
+    """Parse ``argv``, push, print the commit URL; return 0, or 2 after a one-line error (as every hf-scale command)."""
     parser = argparse.ArgumentParser(
         prog="hf-scale push",
         description="Upload a checkpoint folder written by hf_scale.save_pretrained to the Hub. "
@@ -38,6 +38,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                           allow_patterns=args.allow_patterns, commit_message=args.commit_message)
     except HfScaleError as e:
         print(f"hf-scale push: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        return 2
     print(url)
     return 0

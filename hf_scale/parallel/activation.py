@@ -7,7 +7,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 _aten = torch.ops.aten
 # Outputs worth keeping under selective checkpointing: the matmuls and attention kernels.

@@ -39,8 +39,9 @@ def resolve_source(name_or_path: str) -> str:
 def load_tokenizer(cfg: ModelConfig):
     """The model's tokenizer, with a pad token (the EOS token when it has none)."""
     if cfg.name_or_path == "zoo:smollm2":
-        from ..zoo import SMOLLM2_GGUF, smollm2_dir
         from transformers import AutoTokenizer
+
+        from ..zoo import SMOLLM2_GGUF, smollm2_dir
 
         tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
     else:
@@ -91,7 +92,7 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
         extra = dict(num_labels=len(names), id2label={i: str(n) for i, n in enumerate(names)},
                      label2id={str(n): i for i, n in enumerate(names)})
     model = auto.from_pretrained(resolve_source(cfg.name_or_path), dtype=dtype, revision=cfg.revision,
-                                 trust_remote_code=cfg.trust_remote_code, **extra)
+                                 trust_remote_code=cfg.trust_remote_code, use_safetensors=True, **extra)
     if pad_id is not None and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = pad_id
     return parallelize(model, parallel)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from tests.distributed import resume_checks
 from tests.harness import run_ranks, to_plain
 

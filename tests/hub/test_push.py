@@ -199,6 +199,6 @@ def test_bad_repo_id_no_token_unreachable_hub(hub, checkpoint, monkeypatch, tmp_
 def test_cli_main(hub, checkpoint, capsys):
     assert main([str(checkpoint), REPO, "--private", "--allow-pattern", "*.json"]) == 0
     assert capsys.readouterr().out.startswith(f"{hub.url}/{REPO}/commit/")
-    assert main([str(checkpoint / "nowhere"), REPO]) == 1
+    assert main([str(checkpoint / "nowhere"), REPO]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-scale push: error:") and err.count("\n") == 1 and "Traceback" not in err

@@ -8,39 +8,17 @@ order, same token-weighted loss), so every strategy is compared with that one-pr
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tests.harness import free_port
+
+from tests.harness import ROOT, finish_command, free_port, run_cli, start_command
 from tests.tiny_models import SEQCLS, save_tiny_checkpoint, tiny_recipe
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4
-
-
-def run_cli(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """``python -m hf_scale.cli *args`` in its own process group, killed whole on timeout."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    proc = subprocess.Popen([sys.executable, "-m", "hf_scale.cli", *args], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"hf-scale {' '.join(args)} did not finish in {timeout} s:\n{out[-3000:]}")
-    result = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
-    if check and proc.returncode != 0:
-        pytest.fail(f"hf-scale {' '.join(args)} exited {proc.returncode}:\n{out[-4000:]}")
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +91,8 @@ def test_two_nodes_with_hsdp(recipe, one_process, tmp_path):
     args = ["finetune", str(recipe), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--parallel.strategy", "hsdp", "--train.batch_size", "2",
             "--train.output_dir", str(out), "--train.sample_generations", "0"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    nodes = [subprocess.Popen([sys.executable, "-m", "hf_scale.cli", *args], cwd=ROOT, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-             for _ in range(2)]
-    logs = []
-    try:
-        for node in nodes:
-            logs.append(node.communicate(timeout=300)[0])
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(x[-3000:] for x in logs)
+    nodes = [start_command([sys.executable, "-m", "hf_scale.cli", *args]) for _ in range(2)]
+    logs = [finish_command(node, timeout=300).stdout for node in nodes]
     assert any("hsdp over pp=1 x dp_replicate=2 x dp_shard=2" in x for x in logs)
     got = losses(out)
     np.testing.assert_allclose([got[s] for s in sorted(got)], [one_process[s] for s in sorted(got)], rtol=1e-5)
@@ -134,14 +101,9 @@ def test_two_nodes_with_hsdp(recipe, one_process, tmp_path):
 def test_classification_script(tmp_path):
     model = save_tiny_checkpoint(tmp_path / "tiny-bert", "bert", SEQCLS)
     out = tmp_path / "cls"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "scripts/finetune_classification.py", str(ROOT / "configs" / "minilm-classification.yaml"),
-         "--model.name_or_path", model, "--train.output_dir", str(out), "--train.max_steps", "3",
-         "--train.progress", "false"],
-        cwd=ROOT, env=env, text=True, capture_output=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_cli(str(ROOT / "configs" / "minilm-classification.yaml"), "--model.name_or_path", model,
+            "--train.output_dir", str(out), "--train.max_steps", "3", "--train.progress", "false",
+            script="scripts/finetune_classification.py")
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["after"]) == {"eval_loss", "eval_accuracy", "eval_examples"}
     assert summary["after"]["eval_examples"] == 60
@@ -151,10 +113,8 @@ def test_classification_script(tmp_path):
 
 
 def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    wrong = subprocess.run([sys.executable, "scripts/finetune_classification.py", str(recipe)], cwd=ROOT, env=env,
-                           text=True, capture_output=True, timeout=120)
-    assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stderr
+    wrong = run_cli(str(recipe), script="scripts/finetune_classification.py", check=False)
+    assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stdout
     empty = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--resume", "latest",
                     "--train.output_dir", str(tmp_path / "none"), check=False)
     assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout

@@ -83,3 +83,20 @@ def test_minilm_plan_from_the_packaged_config():
     plan = hf_scale.resolve_plan(model)
     assert plan.model_type == "bert" and plan.wrap_modules == ("BertLayer",)
     assert len(hf_scale.plans.wrap_units(model, plan)) == config.num_hidden_layers == 6
+
+
+def test_minilm_recipe_learns_topics(tmp_path):
+    """The real all-MiniLM-L6-v2 recipe end to end: accuracy rises, the export loads in transformers."""
+    import json
+
+    from transformers import AutoModelForSequenceClassification
+
+    from tests.harness import ROOT, run_cli
+
+    out = tmp_path / "minilm"
+    run_cli("finetune", str(ROOT / "configs" / "minilm-classification.yaml"), "--train.output_dir", str(out),
+            "--train.progress", "false", timeout=600)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["before"]["eval_accuracy"] < 0.5 < 0.9 <= summary["after"]["eval_accuracy"]
+    model = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert model.config.id2label == {0: "food", 1: "sports", 2: "weather"}

@@ -10,7 +10,12 @@ import torch
 from hf_scale.errors import HfScaleCheckpointError, HfScaleConfigError
 from hf_scale.train.config import DataConfig
 from hf_scale.train.data import (
-    check_seq_len, label_ids, load_splits, render_pair, tokenize_causal_lm, tokenize_classification,
+    check_seq_len,
+    label_ids,
+    load_splits,
+    render_pair,
+    tokenize_causal_lm,
+    tokenize_classification,
 )
 from hf_scale.train.loader import PadCollator, ShardedBatches, eval_batches
 from tests.tiny_models import tiny_config, tiny_tokenizer
