@@ -37,7 +37,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Metrics:
-    """Rank 0's progress bar and metrics file; a no-op on the other ranks."""
+    """Rank 0's progress bar and metrics file; a no-op on the other ranks.
+
+    A new run starts a new file; a resumed one (``start_step`` > 0) keeps the records up to
+    that step, so the file and the loss curve cover the whole run.
+    """
 
     def __init__(self, out_dir: str | Path, total_steps: int, *, enabled: bool, progress: bool = True,
                  start_step: int = 0):
@@ -49,7 +53,13 @@ class Metrics:
             return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        self.file = (out / METRICS_FILE).open("a")
+        path = out / METRICS_FILE
+        if start_step and path.exists():  # resumed: keep the records up to the checkpoint
+            records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self.history = [r for r in records if r["step"] <= start_step]
+        self.file = path.open("w")
+        for record in self.history:
+            self.file.write(json.dumps(record) + "\n")
         if progress:
             from tqdm.auto import tqdm
 

@@ -78,10 +78,15 @@ def test_resume_mid_epoch_continues_at_the_right_sample(recipe, tmp_path):
     ckpt = tmp_path / "resumed" / "checkpoints"
     shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
     (ckpt / "latest").write_text("step_00000002\n")
-    log = run_cli(*args, "--train.output_dir", str(tmp_path / "resumed"), "--resume", "latest").stdout
+    # The interrupted run's records: eval at step 0, steps 1 and 2, and a step 3 it did not
+    # checkpoint (replayed after the resume, so its record must go).
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()[:4]]
+    records[3]["loss"] = 99.0
+    (tmp_path / "resumed" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    log = run_cli(*args, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.resume", "auto").stdout
     assert "resumed from" in log and "at step 2 (epoch 0, batch 2)" in log
     before, after = losses(full), losses(tmp_path / "resumed")
-    assert sorted(after) == [3, 4]
+    assert sorted(after) == [1, 2, 3, 4]  # the metrics file covers the whole run
     np.testing.assert_allclose([after[3], after[4]], [before[3], before[4]], rtol=1e-6)
 
 
