@@ -99,7 +99,10 @@ def finetune(args: list[str], task: str | None = None) -> int:
         return 0
     argv = torchrun_argv(job.launch, ["-m", "hf_scale.cli", "finetune", *args])
     print(f"[hf_scale] launching: torchrun {' '.join(argv[3:])}", file=sys.stderr, flush=True)
-    return subprocess.call(argv)
+    try:
+        return subprocess.call(argv)
+    except KeyboardInterrupt:  # Ctrl-C reached torchrun and its workers too: they stop
+        return 130
 
 
 def _train(job) -> None:

@@ -240,6 +240,12 @@ class JobConfig:
     hub: HubConfig = field(default_factory=HubConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def __post_init__(self) -> None:
+        if self.hub.push and not self.checkpoint.save_final:
+            raise HfScaleConfigError(
+                "hub.push: true needs checkpoint.save_final: true (the final model is what is pushed)."
+            )
+
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir or Path(self.train.output_dir) / "checkpoints")

@@ -69,11 +69,10 @@ def run(job: JobConfig) -> dict:
     stream = iter(batches)
     scaler = torch.amp.GradScaler(device.type, enabled=job.parallel.mixed_precision == "fp16")
     for step in range(start + 1, total_steps + 1):
-        values = _train_step(job, model, optimizer, scaler, stream, device, world)
+        lr = scheduler.get_last_lr()[0]  # the rate this step uses
+        values = {**_train_step(job, model, optimizer, scaler, stream, device, world), "lr": lr}
         scheduler.step()
         tokens_seen += values.pop("tokens")
-        values["lr"] = scheduler.get_last_lr()[0]
-        values["peak_mem_gb"] = peak_memory_gb(device)
         if step % job.train.log_every == 0 or step == total_steps:
             metrics.step(step, values)
         if job.train.eval_every and step % job.train.eval_every == 0 and step != total_steps:
@@ -84,14 +83,16 @@ def run(job: JobConfig) -> dict:
     train_time = time.perf_counter() - began
     after = evaluate_at(total_steps)
     metrics.close()
+    last_loss = next((r["loss"] for r in reversed(metrics.history) if "loss" in r), None)
     summary = {"steps": total_steps, "train_time_s": round(train_time, 1), "tokens_seen": tokens_seen,
-               "before": before, "after": after, "final_loss": next((r["loss"] for r in reversed(metrics.history) if "loss" in r), None)}
-    model_dir = Path(job.train.output_dir) / "model"
+               "before": before, "after": after, "final_loss": last_loss}
+    model_dir = None
     if job.checkpoint.save_final:
+        model_dir = Path(job.train.output_dir) / "model"
         save_pretrained(model, model_dir, tokenizer=tokenizer, max_shard_size=job.checkpoint.max_shard_size)
         if rank == 0:
             metrics.plot_loss(model_dir / LOSS_CURVE)
-        finish_run(job, model_dir, summary, eval_ds, tokenizer, world)
+    finish_run(job, model_dir, summary, eval_ds, tokenizer, world)
     return summary
 
 
@@ -135,11 +136,14 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world:
     scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - started
+    # the slowest rank's data wait and the largest peak memory are what limit the job
+    worst = torch.tensor([waited / elapsed, peak_memory_gb(device)], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(loss_sum)
-    elapsed = time.perf_counter() - started
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
-            "data_wait": waited / elapsed, "tokens": tokens}
+            "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens}
 
 
 def _loss_items(batch: dict, task: str) -> float:

@@ -20,20 +20,21 @@ from .metrics import LOSS_CURVE
 SUMMARY_FILE = "summary.json"
 
 
-def finish_run(job: JobConfig, model_dir: Path, summary: dict, eval_ds, tokenizer, world: int) -> None:
-    """Write the card and summary (rank 0), push if asked (all ranks), print sample answers."""
+def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, tokenizer, world: int) -> None:
+    """Write the summary (and, with a saved model, its card), print them, push if asked."""
     from ..hub import push_to_hub, write_model_card
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        write_model_card(model_dir, card_info(job, summary, model_dir, world))
         (Path(job.train.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _print_summary(summary, model_dir)
-        if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
-            print_generations(model_dir, tokenizer, eval_ds, job.train.sample_generations)
+        if model_dir is not None:
+            write_model_card(model_dir, card_info(job, summary, model_dir, world))
+            if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
+                print_generations(model_dir, tokenizer, eval_ds, job.train.sample_generations)
     if dist.is_initialized():
         dist.barrier()
-    if job.hub.push:
+    if job.hub.push and model_dir is not None:
         push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 
 
@@ -87,14 +88,15 @@ def _base_model(name: str) -> str:
             "zoo:minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(name, name)
 
 
-def _print_summary(summary: dict, model_dir: Path) -> None:
+def _print_summary(summary: dict, model_dir: Path | None) -> None:
     before, after = summary.get("before") or {}, summary.get("after") or {}
     for key in ("eval_exact_match", "eval_accuracy", "eval_loss"):
         if key in after:
             was = f"{before[key]:.3f} -> " if key in before else ""
             log_rank0(f"{key}: {was}{after[key]:.3f} on {after['eval_examples']} held-out examples")
+    saved = f"; model saved to {model_dir}" if model_dir is not None else " (checkpoint.save_final: false)"
     log_rank0(f"trained {summary['steps']} steps, {summary['tokens_seen']:,} tokens in "
-              f"{summary['train_time_s']:.0f} s; model saved to {model_dir}")
+              f"{summary['train_time_s']:.0f} s{saved}")
 
 
 @torch.no_grad()

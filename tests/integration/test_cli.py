@@ -59,6 +59,7 @@ def _check_outputs(out: Path, log: str) -> None:
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "data_wait", "peak_mem_gb", "elapsed_s"):
         assert key in record, key
+    assert record["step"] == 1 and record["lr"] == pytest.approx(3e-3)  # the rate step 1 used (no warmup)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["before"]) == {"eval_loss", "eval_exact_match", "eval_examples"}
     assert summary["after"]["eval_loss"] < summary["before"]["eval_loss"]
