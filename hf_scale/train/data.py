@@ -149,14 +149,18 @@ def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: bo
         out = ds.map(fn, fn_kwargs=kwargs, remove_columns=ds.column_names, num_proc=cfg.num_proc,
                      desc="tokenizing")
         out = out.filter(lambda e: any(x != -100 for x in e["labels"][1:]), num_proc=cfg.num_proc)
+        _require_rows(out, len(ds))
         if pack:
             out = out.map(_pack, fn_kwargs=dict(max_len=max_len), batched=True, num_proc=cfg.num_proc,
                           desc="packing")
-    _require_rows(out, len(ds))
     return out
 
 
 def _require_rows(out, before: int) -> None:
+    dropped = before - len(out)
+    if dropped and len(out):
+        log_rank0(f"dropped {dropped} of {before} examples left with no label tokens after truncation "
+                  "(e.g. empty lines, or prompts longer than data.max_seq_len)")
     if len(out) == 0:
         raise HfScaleConfigError(
             f"the dataset is empty after filtering ({before} examples in, 0 left): every example "

@@ -43,7 +43,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
     before, after = summary.get("before") or {}, summary.get("after") or {}
     evals = {k: v for k, v in after.items() if k != "eval_examples"}
     evals.update({f"{k} (before fine-tuning)": v for k, v in before.items() if k != "eval_examples"})
-    state = get_state_dims(job, world)
+    mesh = mesh_sizes(job, world)
     train = job.train
     on_hub = not (job.data.path.startswith("builtin:") or Path(job.data.path).exists())
     return {
@@ -53,7 +53,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
         "license": job.hub.license,
         "description": f"Fine-tuned with hf_scale ({job.model.task}) on `{job.data.path}`.",
         "strategy": job.parallel.strategy,
-        "mesh": state,
+        "mesh": mesh,
         "world_size": world,
         "hyperparameters": {
             "learning_rate": train.lr, "scheduler": train.scheduler, "warmup_steps": train.warmup_steps,
@@ -72,7 +72,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
     }
 
 
-def get_state_dims(job: JobConfig, world: int) -> dict:
+def mesh_sizes(job: JobConfig, world: int) -> dict:
     """Mesh degrees of this run (``{"dp_shard": 2, ...}``), size-1 dimensions left out."""
     from ..distributed import read_env
     from ..mesh import MESH_DIMS, ParallelDims
