@@ -36,8 +36,9 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__.strip().split("\n\n")[0].replace("``", ""))
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        print(usage(), file=sys.stdout if asked else sys.stderr)
+        return 0 if asked else 2
     command, rest = argv[0], argv[1:]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -47,6 +48,12 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
     except HfScaleError as e:
         print(f"hf-scale {command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def usage() -> str:
+    """The module docstring's command lines and their explanation."""
+    _, commands, explanation, *_ = __doc__.split("\n\n")
+    return "usage:\n" + commands.rstrip() + "\n\n" + explanation.replace("``", "`")
 
 
 def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
@@ -83,6 +90,9 @@ def finetune(args: list[str], task: str | None = None) -> int:
     from .launch import check_launch, torchrun_argv, under_torchrun
     from .train.config import load_job
 
+    if any(a in ("-h", "--help") for a in args):
+        print(usage())
+        return 0
     config, overrides = split_overrides(args)
     if config is None:
         raise HfScaleConfigError("finetune needs a recipe: hf-scale finetune configs/quickstart.yaml")

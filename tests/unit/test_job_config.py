@@ -90,3 +90,12 @@ def _escape(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_cli_usage(capsys):
+    from hf_scale.cli import main
+
+    assert main(["--help"]) == 0 and "hf-scale finetune configs/quickstart.yaml" in capsys.readouterr().out
+    assert main(["finetune", "-h"]) == 0 and "hf-scale push" in capsys.readouterr().out
+    assert main([]) == 2 and "usage:" in capsys.readouterr().err
+    assert main(["finetune"]) == 2 and "finetune needs a recipe" in capsys.readouterr().err
