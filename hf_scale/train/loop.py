@@ -110,7 +110,11 @@ def _datasets(job: JobConfig, tokenizer):
 
 
 def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world: int) -> dict:
-    """One optimizer step over ``grad_accum`` micro-batches; returns its metrics."""
+    """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
+
+    ``world`` is the data-parallel degree (every rank sees different data while tp = pp = 1;
+    with tensor / pipeline parallel this becomes the dp mesh's size and group).
+    """
     started = time.perf_counter()
     waited = 0.0
     micro = []
