@@ -125,7 +125,7 @@ def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: 
     return str(folder)
 
 
-def tiny_recipe(root, steps: int = 4, **sections) -> "Path":
+def tiny_recipe(root, steps: int = 4, **sections):
     """A fine-tuning recipe (YAML) for a tiny Llama on generated arithmetic; returns its path.
 
     ``sections`` update the recipe's sections, e.g. ``hub={"push": True, "repo_id": "o/r"}``.

@@ -7,5 +7,4 @@ from .config import JobConfig, load_job
 from .loop import run
 from .optim import build_optimizer, clip_grad_norm_, no_sync, parameter_groups
 
-
 __all__ = ["JobConfig", "build_optimizer", "clip_grad_norm_", "load_job", "no_sync", "parameter_groups", "run"]
