@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_parallelize.py
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_finetune.py
+	$(PY) scripts/bench_step_parts.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -116,21 +116,25 @@ def finetune(args: list[str], task: str | None = None) -> int:
 
 
 def _train(job) -> None:
-    import torch.distributed as dist
-
     from .train.loop import run
 
     try:
         run(job)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def plan(args: list[str]) -> int:
     """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
     from .config import ParallelConfig, from_dict
-    from .plans.report import format_report, plan_report
+    from .plan_report import format_report, plan_report
     from .train.config import ModelConfig, load_job
     from .train.model import load_config
 
@@ -168,12 +172,15 @@ def export(args: list[str]) -> int:
     parser.add_argument("--tokenizer", default=None, help="tokenizer (name or folder) to save beside the model")
     ns = parser.parse_args(args)
     init_distributed()
-    tokenizer = None
-    if ns.tokenizer:
-        from transformers import AutoTokenizer
+    try:
+        tokenizer = None
+        if ns.tokenizer:
+            from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
-    print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
+            tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
+        print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
+    finally:
+        _destroy_process_group()
     return 0
 
 

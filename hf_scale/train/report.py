@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..log import log_rank0
+from ..zoo import HUB_IDS
 from .config import JobConfig
 from .metrics import LOSS_CURVE
 
@@ -48,7 +49,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
     on_hub = not (job.data.path.startswith("builtin:") or Path(job.data.path).exists())
     return {
         "model_name": (job.hub.repo_id or Path(job.train.output_dir).resolve().name).split("/")[-1],
-        "base_model": _base_model(job.model.name_or_path),
+        "base_model": HUB_IDS.get(job.model.name_or_path, job.model.name_or_path),
         "datasets": [job.data.path] if on_hub else [],
         "license": job.hub.license,
         "description": f"Fine-tuned with hf_scale ({job.model.task}) on `{job.data.path}`.",
@@ -81,11 +82,6 @@ def mesh_sizes(job: JobConfig, world: int) -> dict:
         return {}
     dims = ParallelDims.resolve(job.parallel, world, read_env().num_nodes)
     return {name: getattr(dims, name) for name in MESH_DIMS if getattr(dims, name) > 1}
-
-
-def _base_model(name: str) -> str:
-    return {"zoo:smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
-            "zoo:minilm": "sentence-transformers/all-MiniLM-L6-v2"}.get(name, name)
 
 
 def _print_summary(summary: dict, model_dir: Path | None) -> None:

@@ -152,17 +152,15 @@ def _ids(batch):
 
 def test_ranks_split_each_global_batch_like_one_big_batch():
     data, collate = _dataset(20), PadCollator(0)
-    one = ShardedBatches(data, 8, 0, 1, collate, seed=3)
-    ranks = [ShardedBatches(data, 4, r, 2, collate, seed=3) for r in range(2)]
-    for _ in range(5):  # 2 batches per epoch: crosses epoch boundaries
-        whole = _ids(next(iter_of(one)))
-        parts = [_ids(next(iter_of(r))) for r in ranks]
-        assert parts[0] + parts[1] == whole
-        assert len(set(whole)) == 8
-
-
-def iter_of(batches, _cache={}):  # noqa: B006 - one iterator per loader
-    return _cache.setdefault(id(batches), iter(batches))
+    one = iter(ShardedBatches(data, 8, 0, 1, collate, seed=3))
+    ranks = [iter(ShardedBatches(data, 4, r, 2, collate, seed=3)) for r in range(2)]
+    wholes = []
+    for _ in range(4):  # 2 batches per epoch: crosses epoch boundaries
+        whole = _ids(next(one))
+        parts = [_ids(next(r)) for r in ranks]
+        assert parts[0] + parts[1] == whole and len(set(whole)) == 8
+        wholes.append(whole)
+    assert wholes[0] != wholes[2]  # each epoch is a new permutation
 
 
 def test_resume_mid_epoch_continues_at_the_right_sample():

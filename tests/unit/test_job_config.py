@@ -99,3 +99,11 @@ def test_cli_usage(capsys):
     assert main(["finetune", "-h"]) == 0 and "hf-scale push" in capsys.readouterr().out
     assert main([]) == 2 and "usage:" in capsys.readouterr().err
     assert main(["finetune"]) == 2 and "finetune needs a recipe" in capsys.readouterr().err
+
+
+def test_unknown_zoo_model():
+    from hf_scale.train.config import ModelConfig
+    from hf_scale.train.model import load_tokenizer
+
+    with pytest.raises(HfScaleConfigError, match="'zoo:nope': the zoo has zoo:smollm2 and zoo:minilm"):
+        load_tokenizer(ModelConfig(name_or_path="zoo:nope"))

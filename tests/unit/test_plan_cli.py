@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hf_scale.cli import main
 from hf_scale.config import ParallelConfig
-from hf_scale.plans.report import plan_report
+from hf_scale.plan_report import plan_report
 from hf_scale.train.config import load_job
 from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 

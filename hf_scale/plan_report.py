@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ParallelConfig
-from ..mesh import ParallelDims
-from .from_hf import resolve_plan, wrap_units
+from .config import ParallelConfig
+from .mesh import ParallelDims
+from .plans import resolve_plan, wrap_units
 
 # fp32 master weights + gradients + AdamW's two moments
 BYTES_PER_PARAM_TRAINING = 16
