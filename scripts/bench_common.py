@@ -1,0 +1,186 @@
+"""What the benchmark scripts share: RSS sampling, a free port, launching ranks and collecting
+their JSON results with one failure reason per leg, tables with the ratios first, and writing a
+table into the docs between section markers (``--write``, see ``scripts/write_doc.py``).
+
+Usage::
+
+    from bench_common import RssSampler, launch_ranks, markdown_table, add_write_arg, write_doc
+    results, error = launch_ranks(cmd, out_dir, "leg", world=2, timeout=1800, env=env)
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from write_doc import write_section
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------ measuring inside a rank
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now (psutil)."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all processes, all cores)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal
+
+
+class RssSampler(threading.Thread):
+    """Samples this process's RSS every ``interval`` seconds; :meth:`stop` returns the peak."""
+
+    def __init__(self, interval: float = 0.005):
+        import psutil
+
+        super().__init__(daemon=True)
+        self.process = psutil.Process()
+        self.interval, self.done = interval, threading.Event()
+        self.peak = self.process.memory_info().rss
+
+    def run(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, self.process.memory_info().rss)
+            time.sleep(self.interval)
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return max(self.peak, self.process.memory_info().rss)
+
+
+# ------------------------------------------------------------------ launching legs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def revision() -> str:
+    """Where the measured hf_scale lives and its commit, '+dirty' if hf_scale/ has changes."""
+    import importlib.util
+
+    root = str(Path(importlib.util.find_spec("hf_scale").origin).parent.parent)
+    run = functools.partial(subprocess.run, capture_output=True, text=True)
+    git = lambda *a: run(["git", "-C", root, *a]).stdout
+    commit = git("rev-parse", "--short", "HEAD").strip() or "(no git)"
+    return f"{root} {commit}" + ("+dirty" if git("status", "--porcelain", "--", "hf_scale") else "")
+
+
+def failure_reason(log: str, returncode) -> str:
+    """One line saying why a leg failed: the last ``...Error: ...`` line of its log, else the code."""
+    errors = re.findall(r"^\s*(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b:? .*)$", log, re.MULTILINE)
+    reason = errors[-1].strip() if errors else f"exit code {returncode}"
+    return "failed: " + (reason[:160] + "..." if len(reason) > 160 else reason)
+
+
+def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None,
+               cwd: Path | None = None) -> str | None:
+    """Run ``cmd`` (its own process group) with its output in ``log_path``: None when it exited 0,
+    else one failure reason. On timeout the whole group is killed, so no rank is left behind."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = f"timeout after {timeout:.0f}s"
+    return None if code == 0 else failure_reason(log_path.read_text(errors="replace"), code)
+
+
+def torchrun(script: str, world: int, *args: str) -> list[str]:
+    """The command that runs ``script`` on ``world`` local ranks, on a free port."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *args]
+
+
+def launch_ranks(cmd: list[str], out_dir: Path, name: str, world: int, timeout: float,
+                 env: dict | None = None) -> tuple[list[dict], str | None]:
+    """Run ``cmd``, whose ranks each write ``out_dir/NAME.rankR.json`` with a ``status`` key
+    (``"ok"`` or why not); return the ranks' results and None, or what there is and one reason."""
+    error = run_logged(cmd, out_dir / f"{name}.log", timeout, env)
+    paths = [out_dir / f"{name}.rank{r}.json" for r in range(world)]
+    results = [json.loads(p.read_text()) for p in paths if p.exists()]
+    status = next((r.get("status") for r in results if r.get("status") != "ok"), None)
+    if status or error or len(results) < world:
+        return results, status or error or f"failed: {world - len(results)} rank(s) wrote no result"
+    return results, None
+
+
+# ------------------------------------------------------------------ reporting
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; short rows (a failed leg: name and reason) are padded with empty cells."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(list(r) + [""] * (len(header) - len(r))) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """Date, CPU count, RAM and library versions, for the line under a written table."""
+    import psutil
+    import torch
+
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    ram = psutil.virtual_memory().total / 2**30
+    return (f"{now}; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+            f"{ram:.0f} GiB RAM; torch {torch.__version__}; python {platform.python_version()}; "
+            f"load average {os.getloadavg()[0]:.2f} at the end")
+
+
+def command_line() -> str:
+    """The command that ran this script, as a user would type it from the repository root."""
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    return shlex.join(["python", script, *sys.argv[1:]])
+
+
+def add_write_arg(parser, section: str) -> None:
+    parser.add_argument("--write", metavar="DOC", help="replace the section between "
+                        "<!-- bench:SECTION:start/end --> markers in DOC (e.g. docs/benchmarks.md) "
+                        "with what this run printed")
+    parser.add_argument("--section", default=section, help=f"the section to write (default {section})")
+
+
+def write_doc(args, body: str, note: str = "") -> None:
+    """With ``--write DOC``: put ``body`` (what the run printed) into DOC's section, under a line
+    with the date, the machine and the exact command. Checked before the run by :func:`check_doc`."""
+    if not args.write:
+        return
+    header = f"Written by `{command_line()}` on {machine()}." + (f" {note}" if note else "")
+    write_section(args.write, args.section, f"{header}\n\n{body.strip()}\n")
+    print(f"wrote section {args.section!r} of {args.write}")
+
+
+def check_doc(args) -> None:
+    """Fail before a long run, not after it, when ``--write``'s document lacks the markers."""
+    if args.write:
+        from write_doc import replace_section
+
+        replace_section(Path(args.write).read_text(encoding="utf-8"), args.section, "")
