@@ -2,11 +2,14 @@
 
 Run (one machine; the script launches every contender itself, 2 ranks each, gloo on CPU)::
 
-    python scripts/bench_parallelize.py --steps 3        # the full table, ~15 min on 2 CPU cores
-    python scripts/bench_parallelize.py --steps 1 --only hf_fsdp,torch_fsdp     # a quick check
+    python scripts/bench_parallelize.py --steps 3        # the 2 x 256 table, ~15 min on 2 CPU cores
+    python scripts/bench_parallelize.py --steps 1 --legs hf_fsdp,torch_fsdp     # a quick check
+    python scripts/bench_parallelize.py --steps 1 --legs hf_fsdp_ac_2k,hf_fsdp_ac_chunk_2k \
+        --write docs/benchmarks.md --section parallelize-2k   # chunked loss at 1 x 2048 tokens
 
 Every contender trains the real SmolLM2-135M (fp32) with AdamW (lr 1e-5, no weight decay) on the
-same fixed random token ids (labels = input_ids), 4 x 256 tokens per step (2 x 256 per rank),
+same fixed random token ids (labels = input_ids), 4 x 256 tokens per step (2 x 256 per rank;
+the ``_2k`` legs 1 x 2048 per rank, where SmolLM2's 49,152-wide logits dominate the memory),
 ``--warmup`` untimed steps then ``--steps`` timed ones, each contender in its own fresh
 ``torchrun --nproc_per_node 2`` (OMP_NUM_THREADS=1 per rank). Reported per contender:
 
@@ -14,13 +17,18 @@ same fixed random token ids (labels = input_ids), 4 x 256 tokens per step (2 x 2
 * peak RSS per rank: max over ranks of ``getrusage(RUSAGE_SELF).ru_maxrss`` (includes loading);
 * train-phase peak RSS per rank: max over ranks of the RSS sampled every 5 ms from just before
   the first (warm-up) step to the end;
+* load and parallelize (s): max over ranks of the wall time to load the model and of the call
+  that shards it (``hf_scale.parallelize``, the ``fully_shard`` loop, ``accelerator.prepare``;
+  transformers shards inside ``from_pretrained``, so its whole call is under load);
 * what it really ran (FSDP2 units, DTensor parameters, DDP, optimizer) and the last step's loss
   averaged over ranks, to show every contender trains the same thing;
 * other load: CPU cores used by other processes in the timed steps; above ~0.1 the machine was
   shared and tokens/s is not trustworthy.
 
 Ratios are against the FSDP anchors (torch ``fully_shard``, transformers
-``DistributedConfig(fsdp_size=2)``, accelerate's FSDP2 plugin) that really ran FSDP.
+``DistributedConfig(fsdp_size=2)``, accelerate's FSDP2 plugin) that really ran FSDP; for the
+``_2k`` legs against hf_scale fsdp + full AC at the same 1 x 2048 tokens. ``--write DOC`` puts
+the printed table into DOC between ``<!-- bench:SECTION:start/end -->`` markers.
 
 glibc's malloc keeps freed memory resident and fragmented: RSS grows over steps at a constant
 0.8 GB of live tensors, by up to 1 GB, in an order that depends on allocation patterns. The ranks
@@ -34,18 +42,29 @@ import argparse
 import functools
 import json
 import os
-import re
 import resource
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-GLOBAL_BATCH, SEQ_LEN, WORLD, LR = 4, 256, 2, 1e-5
-ANCHORS = ("torch_fsdp", "transformers", "accelerate")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (
+    RssSampler,
+    add_write_arg,
+    busy_cpu_seconds,
+    check_doc,
+    launch_ranks,
+    markdown_table,
+    ran_as,
+    revision,
+    torchrun,
+    write_doc,
+)
+
+WORLD, LR = 2, 1e-5
+SHORT, LONG = (2, 256), (1, 2048)  # (sequences, tokens each) per rank
+ANCHORS = {SHORT: ("torch_fsdp", "transformers", "accelerate"), LONG: ("hf_fsdp_ac_2k",)}
 
 
 class Unavailable(Exception):
@@ -61,6 +80,11 @@ def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
 
 
+def _timed(fn, *args, **kwargs):
+    start = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - start
+
+
 def hf_scale_run(config: dict):
     import hf_scale
     from hf_scale.zoo import load_smollm2
@@ -68,9 +92,10 @@ def hf_scale_run(config: dict):
     missing = set(config) - set(hf_scale.ParallelConfig.__dataclass_fields__)
     if missing:
         raise Unavailable(f"n/a (option missing: {', '.join(sorted(missing))})")
-    model, _ = load_smollm2()
-    model = hf_scale.parallelize(model, config)
-    return model, hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0), f"hf_scale {config}"
+    (model, _), load_s = _timed(load_smollm2)
+    model, parallelize_s = _timed(hf_scale.parallelize, model, config)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    return model, optimizer, f"hf_scale {config}", load_s, parallelize_s
 
 
 def torch_fsdp(checkpoint: bool = False):
@@ -83,16 +108,20 @@ def torch_fsdp(checkpoint: bool = False):
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (WORLD,))
-    model, _ = load_smollm2()
-    layers = model.model.layers
-    for i in range(len(layers)):
-        if checkpoint:
-            impl = ckpt.CheckpointImpl.NO_REENTRANT
-            layers[i] = ckpt.checkpoint_wrapper(layers[i], checkpoint_impl=impl)
-        fully_shard(layers[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    (model, _), load_s = _timed(load_smollm2)
+
+    def wrap():
+        layers = model.model.layers
+        for i in range(len(layers)):
+            if checkpoint:
+                impl = ckpt.CheckpointImpl.NO_REENTRANT
+                layers[i] = ckpt.checkpoint_wrapper(layers[i], checkpoint_impl=impl)
+            fully_shard(layers[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+
+    _, wrap_s = _timed(wrap)
     note = "checkpoint_wrapper(NO_REENTRANT) + " if checkpoint else ""
-    return model, _adamw(model), f"torch {note}fully_shard"
+    return model, _adamw(model), f"torch {note}fully_shard", load_s, wrap_s
 
 
 def transformers_fsdp():
@@ -104,12 +133,12 @@ def transformers_fsdp():
 
     folder, how = smollm2_dir(), "from_pretrained(gguf, DistributedConfig(fsdp_size=2))"
     # GGUF loads with distributed_config (checked), so no re-save to safetensors is needed.
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32,
-        distributed_config=DistributedConfig(fsdp_size=WORLD),
+    model, load_s = _timed(
+        AutoModelForCausalLM.from_pretrained, folder, gguf_file=SMOLLM2_GGUF,
+        dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=WORLD),
     )
     AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)  # as load_smollm2 does
-    return model, _adamw(model), f"transformers {how}"
+    return model, _adamw(model), f"transformers {how}", load_s, None
 
 
 def accelerate_fsdp2():
@@ -123,12 +152,12 @@ def accelerate_fsdp2():
         transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
     )
     accelerator = Accelerator(cpu=True, fsdp_plugin=plugin)
-    model, _ = load_smollm2()
-    model, optimizer = accelerator.prepare(model, _adamw(model))
+    (model, _), load_s = _timed(load_smollm2)
+    (model, optimizer), prepare_s = _timed(accelerator.prepare, model, _adamw(model))
     kept = "kept" if getattr(accelerator.state, "fsdp_plugin", None) is not None else "dropped"
     return model, optimizer, (
         f"accelerate distributed_type={accelerator.distributed_type.value}, FSDP plugin {kept}"
-    )
+    ), load_s, prepare_s
 
 
 def _hf(**config):
@@ -136,76 +165,26 @@ def _hf(**config):
 
 
 FULL_AC = {"strategy": "fsdp", "activation_checkpointing": "full"}
-CONTENDERS = {  # name: (row label, builder returning (model, optimizer, note))
-    "hf_fsdp": ("1 hf_scale fsdp", _hf(strategy="fsdp")),
-    "hf_zero2": ("2 hf_scale zero2", _hf(strategy="zero2")),
-    "hf_zero1": ("3 hf_scale zero1", _hf(strategy="zero1")),
-    "hf_ddp": ("4 hf_scale ddp", _hf(strategy="ddp")),
-    "torch_fsdp": ("5 torch fully_shard", torch_fsdp),
-    "transformers": ("6 transformers DistributedConfig", transformers_fsdp),
-    "accelerate": ("7 accelerate FSDP2 plugin", accelerate_fsdp2),
-    "hf_fsdp_ac": ("8a hf_scale fsdp + full AC", _hf(**FULL_AC)),
+CONTENDERS = {  # name: (row label, builder returning (model, optimizer, note, load_s, par_s), shape)
+    "hf_fsdp": ("1 hf_scale fsdp", _hf(strategy="fsdp"), SHORT),
+    "hf_zero2": ("2 hf_scale zero2", _hf(strategy="zero2"), SHORT),
+    "hf_zero1": ("3 hf_scale zero1", _hf(strategy="zero1"), SHORT),
+    "hf_ddp": ("4 hf_scale ddp", _hf(strategy="ddp"), SHORT),
+    "torch_fsdp": ("5 torch fully_shard", torch_fsdp, SHORT),
+    "transformers": ("6 transformers DistributedConfig", transformers_fsdp, SHORT),
+    "accelerate": ("7 accelerate FSDP2 plugin", accelerate_fsdp2, SHORT),
+    "hf_fsdp_ac": ("8a hf_scale fsdp + full AC", _hf(**FULL_AC), SHORT),
     "torch_fsdp_ac": ("8b torch checkpoint_wrapper + fully_shard",
-                      functools.partial(torch_fsdp, checkpoint=True)),
+                      functools.partial(torch_fsdp, checkpoint=True), SHORT),
     "hf_fsdp_ac_chunk": ("9 hf_scale fsdp + full AC + chunked loss",
-                         _hf(**FULL_AC, loss_chunk_tokens=128)),
+                         _hf(**FULL_AC, loss_chunk_tokens=128), SHORT),
+    "hf_fsdp_ac_2k": ("10a hf_scale fsdp + full AC, 1x2048/rank", _hf(**FULL_AC), LONG),
+    "hf_fsdp_ac_chunk_2k": ("10b hf_scale fsdp + full AC + chunked loss (256), 1x2048/rank",
+                            _hf(**FULL_AC, loss_chunk_tokens=256), LONG),
 }
 
 
 # ------------------------------------------------------------------ the shared worker entry
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy since boot (all processes, all cores)."""
-    with open("/proc/stat") as f:
-        user, nice, system, idle, iowait, irq, softirq, steal = map(int, f.readline().split()[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-class RssSampler(threading.Thread):
-    """Samples this process's RSS every ``interval`` seconds; :meth:`stop` returns the peak."""
-
-    def __init__(self, interval: float = 0.005):
-        super().__init__(daemon=True)
-        self.interval, self.peak, self.done = interval, _rss_bytes(), threading.Event()
-
-    def run(self):
-        while not self.done.is_set():
-            self.peak = max(self.peak, _rss_bytes())
-            time.sleep(self.interval)
-
-    def stop(self) -> int:
-        self.done.set()
-        self.join()
-        return max(self.peak, _rss_bytes())
-
-
-def ran_as(model, note: str) -> tuple[str, bool]:
-    """What the prepared model really is, and whether it is a real FSDP run."""
-    import torch
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    params = list(model.parameters())
-    n_dtensor = sum(isinstance(p, DTensor) for p in params)
-    units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        kind = "DDP (DistributedDataParallel wrapper)"
-    elif n_dtensor:
-        kind = f"FSDP2 ({units} fully_shard units, {n_dtensor}/{len(params)} params DTensor)"
-    elif "replicate" in (_get_registry(model) or {}):
-        kind = "DDP (composable replicate)"
-    else:
-        kind = f"{type(model).__name__}, plain params"
-    return f"{kind}; {note}", n_dtensor == len(params) > 0
-
-
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -213,8 +192,9 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"{args.worker}.rank{rank}.json"
+    _, build, (per_rank, seq_len) = CONTENDERS[args.worker]
     try:
-        model, optimizer, note = CONTENDERS[args.worker][1]()
+        model, optimizer, note, load_s, parallelize_s = build()
     except Unavailable as e:
         out.write_text(json.dumps({"status": str(e)}))
         return
@@ -222,9 +202,8 @@ def worker(args) -> None:
     if rank == 0:
         print(f"[{args.worker}] {description}", flush=True)
     vocab = getattr(model, "module", model).config.vocab_size  # accelerate may return a DDP wrapper
-    shape = (args.warmup + args.steps, GLOBAL_BATCH, SEQ_LEN)
+    shape = (args.warmup + args.steps, per_rank * WORLD, seq_len)
     data = torch.randint(vocab, shape, generator=torch.Generator().manual_seed(1234))
-    per_rank = GLOBAL_BATCH // WORLD
     data = data[:, rank * per_rank : (rank + 1) * per_rank]
 
     model.train()
@@ -235,22 +214,20 @@ def worker(args) -> None:
         dist.barrier()
         start = time.perf_counter()
         if i == args.warmup:  # the timed phase starts: note the CPU used so far, ours and all
-            timed = (start, time.process_time(), _busy_cpu_seconds())
+            timed = (start, time.process_time(), busy_cpu_seconds())
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     wall, own_cpu = time.perf_counter() - timed[0], time.process_time() - timed[1]
-    all_cpu = _busy_cpu_seconds() - timed[2]
+    all_cpu = busy_cpu_seconds() - timed[2]
     train_peak = sampler.stop()
     totals = torch.tensor([float(loss.detach()), own_cpu], dtype=torch.float64)
     dist.all_reduce(totals)  # the loss and the CPU time of both ranks
     result = {
-        "status": "ok",
-        "ran_as": description,
-        "is_fsdp": is_fsdp,
-        "step_times": times[args.warmup :],
+        "status": "ok", "ran_as": description, "is_fsdp": is_fsdp,
+        "step_times": times[args.warmup :], "load_s": load_s, "parallelize_s": parallelize_s,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # KiB on Linux
         "train_peak_rss": train_peak,
         "last_loss": float(totals[0]) / WORLD,
@@ -264,103 +241,81 @@ def worker(args) -> None:
 # ------------------------------------------------------------------ the launcher
 
 
-def _revision() -> str:
-    """Where the measured hf_scale lives and its commit, '+dirty' if hf_scale/ has changes."""
-    import importlib.util
-
-    root = str(Path(importlib.util.find_spec("hf_scale").origin).parent.parent)
-    run = functools.partial(subprocess.run, capture_output=True, text=True)
-    git = lambda *a: run(["git", "-C", root, *a]).stdout  # noqa: E731
-    commit = git("rev-parse", "--short", "HEAD").strip() or "(no git)"
-    return f"{root} {commit}" + ("+dirty" if git("status", "--porcelain", "--", "hf_scale") else "")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _failure_reason(log: str, returncode) -> str:
-    errors = re.findall(r"^\s*(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b:? .*)$", log, re.M)
-    reason = errors[-1].strip() if errors else f"exit code {returncode}"
-    return "failed: " + (reason[:160] + "..." if len(reason) > 160 else reason)
-
-
 def launch(name: str, args, out_dir: Path) -> dict:
     """Run one contender as its own torchrun (2 ranks); merge the ranks' results into one row."""
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-        os.path.abspath(__file__), "--worker", name, "--out", str(out_dir),
-        "--steps", str(args.steps), "--warmup", str(args.warmup),
-    ]
+    cmd = torchrun(os.path.abspath(__file__), WORLD, "--worker", name, "--out", str(out_dir),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup))
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if not args.default_malloc:
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    log_path = out_dir / f"{name}.log"
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        try:
-            returncode = subprocess.run(
-                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout
-            ).returncode
-        except subprocess.TimeoutExpired:
-            returncode = f"timeout after {args.timeout}s"
+    results, error = launch_ranks(cmd, out_dir, name, WORLD, args.timeout, env)
     wall = time.perf_counter() - start
-    ranks = [out_dir / f"{name}.rank{r}.json" for r in range(WORLD)]
-    results = [json.loads(p.read_text()) for p in ranks if p.exists()]
-    if returncode != 0 or len(results) < WORLD or any(r["status"] != "ok" for r in results):
-        status = next((r["status"] for r in results if r["status"] != "ok"), None)
-        status = status or _failure_reason(log_path.read_text(errors="replace"), returncode)
-        return {"status": status, "wall": wall}
+    if error:
+        return {"status": error, "wall": wall}
+    per_rank, seq_len = CONTENDERS[name][2]
     slowest = [max(step) for step in zip(*(r["step_times"] for r in results))]
+    most = lambda key: None if results[0][key] is None else max(r[key] for r in results)
     first = results[0]
-    return dict(
-        status="ok", wall=wall, tok_s=GLOBAL_BATCH * SEQ_LEN * len(slowest) / sum(slowest),
-        peak=max(r["peak_rss"] for r in results) / 1e9,
-        train_peak=max(r["train_peak_rss"] for r in results) / 1e9,
-        ran_as=first["ran_as"], is_fsdp=first["is_fsdp"], loss=first["last_loss"],
-        other_load=first["other_load"],
-    )
+    return {
+        "status": "ok", "wall": wall,
+        "tok_s": WORLD * per_rank * seq_len * len(slowest) / sum(slowest),
+        "peak": max(r["peak_rss"] for r in results) / 1e9,
+        "train_peak": max(r["train_peak_rss"] for r in results) / 1e9,
+        "load_s": most("load_s"), "parallelize_s": most("parallelize_s"),
+        "ran_as": first["ran_as"], "is_fsdp": first["is_fsdp"], "loss": first["last_loss"],
+        "other_load": first["other_load"],
+    }
 
 
 def _ok(rows: dict, *names: str) -> bool:
     return all(rows.get(n, {}).get("status") == "ok" for n in names)
 
 
-def _anchors(rows: dict) -> list[dict]:
-    return [rows[a] for a in ANCHORS if _ok(rows, a) and rows[a]["is_fsdp"]]
+def _anchors(rows: dict, shape: tuple) -> list[dict]:
+    return [rows[a] for a in ANCHORS[shape] if _ok(rows, a) and rows[a]["is_fsdp"]]
 
 
 def table(rows: dict) -> str:
-    anchors = _anchors(rows)
-    best_tok = max((a["tok_s"] for a in anchors), default=None)
-    low_peak = min((a["peak"] for a in anchors), default=None)
-    header = ["contender", "ratio_tok/s_vs_best_FSDP_anchor", "ratio_peakRSS_vs_lowest_anchor",
-              "tok/s", "peak RSS/rank (GB)", "train-phase peak RSS/rank (GB)", "ran as",
-              "last loss", "other load (cores)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    header = ["contender", "ratio tok/s vs best anchor", "ratio peak RSS vs lowest anchor",
+              "tokens/rank", "tok/s", "peak RSS/rank (GB)", "train-phase peak RSS/rank (GB)",
+              "load (s)", "parallelize (s)", "ran as", "last loss", "other load (cores)"]
+    cells = []
     for name, row in rows.items():
-        label = CONTENDERS[name][0]
-        if name in ANCHORS and _ok(rows, name):
+        label, _, shape = CONTENDERS[name]
+        if name in ANCHORS[shape] and _ok(rows, name):
             label += " (anchor)" if row["is_fsdp"] else " (not an anchor: not FSDP)"
-        cells = [label, row["status"]] + [""] * (len(header) - 2)
-        if _ok(rows, name):
-            cells[1:] = [
-                f"{row['tok_s'] / best_tok:.2f}" if best_tok else "n/a",
-                f"{row['peak'] / low_peak:.2f}" if low_peak else "n/a",
-                f"{row['tok_s']:.0f}", f"{row['peak']:.3f}", f"{row['train_peak']:.3f}",
-                row["ran_as"], f"{row['loss']:.5f}", f"{row['other_load']:.2f}",
-            ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if not _ok(rows, name):
+            cells.append([label, row["status"]])
+            continue
+        anchors = _anchors(rows, shape)
+        best_tok = max((a["tok_s"] for a in anchors), default=None)
+        low_peak = min((a["peak"] for a in anchors), default=None)
+        par = row["parallelize_s"]
+        cells.append([
+            label, f"{row['tok_s'] / best_tok:.2f}" if best_tok else "n/a",
+            f"{row['peak'] / low_peak:.2f}" if low_peak else "n/a", f"{shape[0]}x{shape[1]}",
+            f"{row['tok_s']:.0f}", f"{row['peak']:.3f}", f"{row['train_peak']:.3f}",
+            f"{row['load_s']:.2f}", "in load" if par is None else f"{par:.2f}",
+            row["ran_as"], f"{row['loss']:.5f}", f"{row['other_load']:.2f}",
+        ])
+    return markdown_table(header, cells)
+
+
+def _chunk_check(rows: dict, tag: str, chunked: str, base: str, base_label: str) -> str:
+    c, f = rows[chunked], rows[base]
+    same = abs(c["loss"] - f["loss"]) <= 1e-3 * abs(f["loss"])
+    passed = c["peak"] <= 0.7 * f["peak"] and same
+    return (f"{tag} {'PASS' if passed else 'FAIL'}: {CONTENDERS[chunked][0]} peak RSS "
+            f"{c['peak'] / f['peak']:.3f}x {base_label} (need <= 0.70x; train-phase "
+            f"{c['train_peak'] / f['train_peak']:.3f}x); loss {c['loss']:.5f} vs {f['loss']:.5f} "
+            f"({'same' if same else 'DIFFERENT'} within 1e-3 relative)")
 
 
 def checks(rows: dict) -> list[str]:
-    """The issue's targets (a), (b), (c) as PASS/FAIL lines (n/a when a row is missing)."""
-    verdict = lambda passed: "PASS" if passed else "FAIL"  # noqa: E731
-    anchors, out = _anchors(rows), []
+    """The targets whose rows ran as PASS/FAIL lines (n/a, with why, when one of them failed)."""
+    verdict = lambda passed: "PASS" if passed else "FAIL"
+    anchors, out = _anchors(rows, SHORT), []
     if _ok(rows, "hf_fsdp") and anchors:
         tok = rows["hf_fsdp"]["tok_s"] / max(a["tok_s"] for a in anchors)
         peak = rows["hf_fsdp"]["peak"] / min(a["peak"] for a in anchors)
@@ -373,15 +328,14 @@ def checks(rows: dict) -> list[str]:
                    f"{h['peak'] / t['peak']:.3f}x checkpoint_wrapper+fully_shard (need <= 1.0x; "
                    f"train-phase {h['train_peak'] / t['train_peak']:.3f}x)")
     if _ok(rows, "hf_fsdp_ac_chunk", "hf_fsdp"):
-        c, f = rows["hf_fsdp_ac_chunk"], rows["hf_fsdp"]
-        same = abs(c["loss"] - f["loss"]) <= 1e-3 * abs(f["loss"])
-        out.append(f"(c) {verdict(c['peak'] <= 0.7 * f['peak'] and same)}: fsdp+full AC+chunked "
-                   f"loss peak RSS {c['peak'] / f['peak']:.3f}x fsdp (need <= 0.70x; train-phase "
-                   f"{c['train_peak'] / f['train_peak']:.3f}x); loss {c['loss']:.5f} vs "
-                   f"{f['loss']:.5f} ({'same' if same else 'DIFFERENT'} within 1e-3 relative)")
-    for check, names in (("(a)", ("hf_fsdp", *ANCHORS)), ("(b)", ("hf_fsdp_ac", "torch_fsdp_ac")),
-                         ("(c)", ("hf_fsdp_ac_chunk", "hf_fsdp"))):
-        if not any(line.startswith(check) for line in out):
+        out.append(_chunk_check(rows, "(c)", "hf_fsdp_ac_chunk", "hf_fsdp", "fsdp"))
+    if _ok(rows, "hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k"):
+        out.append(_chunk_check(rows, "(d)", "hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k",
+                                "fsdp + full AC at 1x2048/rank"))
+    needs = {"(a)": ("hf_fsdp", *ANCHORS[SHORT]), "(b)": ("hf_fsdp_ac", "torch_fsdp_ac"),
+             "(c)": ("hf_fsdp_ac_chunk", "hf_fsdp"), "(d)": ("hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k")}
+    for check, names in needs.items():
+        if any(n in rows for n in names) and not any(line.startswith(check) for line in out):
             missing = [f"{n}: {rows.get(n, {}).get('status', 'not run')}"
                        for n in names if not _ok(rows, n)]
             out.append(f"{check} n/a ({'; '.join(missing) or 'no FSDP anchor ran'})")
@@ -392,24 +346,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contender (>= 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    parser.add_argument("--only", default=",".join(CONTENDERS), help="comma-separated contenders")
+    short = [n for n, c in CONTENDERS.items() if c[2] == SHORT]
+    parser.add_argument("--legs", "--only", dest="legs", default=",".join(short),
+                        help=f"comma-separated contenders among {', '.join(CONTENDERS)} "
+                        "(default: the 2 x 256 ones)")
     parser.add_argument("--out", help="folder for per-rank results and logs (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per contender")
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc's default mmap threshold (RSS then includes freed memory)")
+    add_write_arg(parser, "parallelize")
     parser.add_argument("--worker", choices=CONTENDERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    names = [n.strip() for n in args.only.split(",") if n.strip()]
+    names = [n.strip() for n in args.legs.split(",") if n.strip()]
     if set(names) - set(CONTENDERS) or args.steps < 1:
-        parser.error(f"--steps must be >= 1 and --only names among {', '.join(CONTENDERS)}")
+        parser.error(f"--steps must be >= 1 and --legs names among {', '.join(CONTENDERS)}")
+    check_doc(args)
     out_dir = Path(args.out or tempfile.mkdtemp(prefix="bench_parallelize_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     malloc = "default" if args.default_malloc else "MALLOC_MMAP_THRESHOLD_=65536"
-    print(f"SmolLM2-135M fp32, AdamW lr {LR}, {GLOBAL_BATCH}x{SEQ_LEN} tokens/step over {WORLD} "
-          f"gloo ranks, {args.warmup} warm-up + {args.steps} timed steps, malloc {malloc}; "
-          f"hf_scale at {_revision()}; logs in {out_dir}", flush=True)
+    title = (f"SmolLM2-135M fp32, AdamW lr {LR}, {WORLD} gloo ranks, {args.warmup} warm-up + "
+             f"{args.steps} timed steps, malloc {malloc}; hf_scale at {revision()}")
+    print(f"{title}; logs in {out_dir}", flush=True)
     start, rows = time.perf_counter(), {}
     for name in names:
         row = rows[name] = launch(name, args, out_dir)
@@ -418,9 +377,12 @@ def main() -> None:
             shown = (f"{row['tok_s']:.0f} tok/s, peak {row['peak']:.3f} GB, "
                      f"other load {row['other_load']:.2f}")
         print(f"  {CONTENDERS[name][0]}: {shown} ({row['wall']:.0f} s)", flush=True)
-    print(f"\n{table(rows)}\n")
-    print("\n".join(checks(rows)))
-    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    result = f"{table(rows)}\n\n```\n" + "\n".join(checks(rows)) + "\n```"
+    print(f"\n{result}\n\ntotal wall time {time.perf_counter() - start:.0f} s")
+    shared = max((r["other_load"] for r in rows.values() if r["status"] == "ok"), default=0.0)
+    note = (f"Other processes used up to {shared:.2f} CPU cores during the timed steps: tok/s and "
+            "seconds are noisy, RSS is not." if shared > 0.1 else "")
+    write_doc(args, f"{title}.\n\n{result}", note)
 
 
 if __name__ == "__main__":
