@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -15,29 +14,9 @@ from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp
 from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .state import STATE_ATTR, ParallelState, get_state
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
-STATE_ATTR = "_hf_scale_state"
-
-
-@dataclass(frozen=True)
-class ParallelState:
-    """What :func:`parallelize` did to a model; read it with :func:`get_state`."""
-
-    config: ParallelConfig
-    plan: ModelPlan
-    env: DistEnv
-    dims: ParallelDims | None  # None in one process
-    mesh: Any  # DeviceMesh, or None in one process
-
-    @property
-    def dp_mesh(self):
-        return None if self.mesh is None else self.dims.dp_mesh(self.mesh)
-
-
-def get_state(model: nn.Module) -> ParallelState | None:
-    """The :class:`ParallelState` of a parallelized model, or None."""
-    return getattr(model, STATE_ATTR, None)
 
 
 def parallelize(

@@ -2,13 +2,18 @@
 
 :func:`hf_scale.parallelize` calls them in this order: activation checkpointing, then FSDP
 (fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision. The chunked loss is
-applied first of all: it only changes what the model's forward computes.
+applied first of all: it only changes what the model's forward computes. :mod:`.optim` holds the
+helpers that work under every strategy once it is applied (optimizer, clipping, ``no_sync``).
 """
 
 from .activation import apply_ac
 from .ddp import apply_ddp
 from .fsdp import apply_fsdp
 from .loss import apply_chunked_loss
+from .optim import build_optimizer, clip_grad_norm_, no_sync, parameter_groups
 from .precision import apply_autocast
 
-__all__ = ["apply_ac", "apply_ddp", "apply_fsdp", "apply_autocast", "apply_chunked_loss"]
+__all__ = [
+    "apply_ac", "apply_autocast", "apply_chunked_loss", "apply_ddp", "apply_fsdp",
+    "build_optimizer", "clip_grad_norm_", "no_sync", "parameter_groups",
+]

@@ -33,7 +33,7 @@ from .evaluate import evaluate
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .model import load_config, load_model, load_tokenizer
-from .optim import build_optimizer, clip_grad_norm_, no_sync
+from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
 from .report import finish_run
 
 

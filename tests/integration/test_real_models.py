@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_scale
-from hf_scale.train.optim import parameter_groups
+from hf_scale.parallel.optim import parameter_groups
 from hf_scale.zoo import load_smollm2, minilm_dir
 from tests.harness import run_ranks
 

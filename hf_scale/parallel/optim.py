@@ -1,4 +1,5 @@
-"""Optimizer, gradient clipping and gradient accumulation for a parallelized model.
+"""Optimizer, gradient clipping and gradient accumulation for a parallelized model (engine side:
+they read the mesh and strategy :func:`hf_scale.parallelize` left on the model).
 
 Parameters keep their names under every strategy (FSDP2 makes each one a ``DTensor``, DDP
 leaves it a plain tensor), so parameter groups are chosen by name as HF ``Trainer`` does.
@@ -12,9 +13,8 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from transformers.trainer_pt_utils import get_parameter_names
 
-from ..api import get_state
+from ..state import get_state
 
 # The same rule as transformers.Trainer.get_decay_parameter_names.
 _NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -25,6 +25,10 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Frozen parameters (``requires_grad=False``) are left out. Tied parameters appear once.
     """
+    from transformers.trainer_pt_utils import (
+        get_parameter_names,  # loads Trainer's utilities: only here
+    )
+
     decay_names = set(get_parameter_names(model, [nn.LayerNorm], _NO_DECAY_NAME_PATTERNS))
     decay, no_decay = [], []
     for name, param in model.named_parameters():

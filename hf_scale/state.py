@@ -1,0 +1,43 @@
+"""What :func:`hf_scale.parallelize` did to a model, kept on the model and read back by the
+engine helpers (optimizer, checkpoints) that need the mesh or the strategy.
+
+Usage::
+
+    state = hf_scale.get_state(model)       # None for a model that was not parallelized
+    state.config.strategy, state.dims.dp_degree if state.dims else 1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .config import ParallelConfig
+    from .distributed import DistEnv
+    from .mesh import ParallelDims
+    from .plans import ModelPlan
+
+STATE_ATTR = "_hf_scale_state"
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    """What :func:`parallelize` did to a model; read it with :func:`get_state`."""
+
+    config: ParallelConfig
+    plan: ModelPlan
+    env: DistEnv
+    dims: ParallelDims | None  # None in one process
+    mesh: Any  # DeviceMesh, or None in one process
+
+    @property
+    def dp_mesh(self):
+        return None if self.mesh is None else self.dims.dp_mesh(self.mesh)
+
+
+def get_state(model: nn.Module) -> ParallelState | None:
+    """The :class:`ParallelState` of a parallelized model, or None."""
+    return getattr(model, STATE_ATTR, None)

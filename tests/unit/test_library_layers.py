@@ -1,0 +1,111 @@
+"""The library apart from the application (issue 10, item 2).
+
+``import hf_scale`` must stay cheap (the configuration and the errors, no torch), the engine must
+load without the fine-tuning application, the Hub client or ``datasets``, and no library module
+may import an application module. Each check runs in a fresh interpreter so modules loaded by
+other tests do not hide an import.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_scale"
+# The application layer: it sits on top of the library and the library never imports it.
+APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.launch", "hf_scale.plan_report", "hf_scale.zoo")
+HEAVY = ("torch", "transformers", "datasets", "huggingface_hub", "accelerate", "hf_scale.hub",
+         "transformers.trainer", *APP)
+
+
+def loaded_after(code: str) -> list[str]:
+    """The modules of HEAVY that ``code`` leaves in sys.modules, in a fresh interpreter."""
+    probe = f"import sys, json\n{code}\nprint(json.dumps([m for m in {list(HEAVY)!r} if m in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_import_hf_scale_loads_no_torch_and_no_application():
+    assert loaded_after("import hf_scale; hf_scale.ParallelConfig(strategy='fsdp'); hf_scale.HfScaleHubError") == []
+
+
+def test_engine_names_load_without_application_hub_or_datasets():
+    code = ("import hf_scale\nfor n in ('parallelize', 'build_optimizer', 'clip_grad_norm_', 'no_sync', "
+            "'from_pretrained', 'save_pretrained', 'save_state', 'load_state', 'get_state'):\n"
+            "    getattr(hf_scale, n)")
+    loaded = loaded_after(code)
+    assert "torch" in loaded  # the engine itself did load
+    assert not set(loaded) & {"datasets", "hf_scale.hub", "transformers.trainer", *APP}, loaded
+
+
+def test_hub_names_load_on_first_use():
+    assert "hf_scale.hub" in loaded_after("import hf_scale; hf_scale.push_to_hub")
+
+
+def test_every_public_name_resolves_and_version_has_one_source():
+    import importlib.metadata
+
+    import hf_scale
+
+    for name in hf_scale.__all__:
+        assert getattr(hf_scale, name) is not None, name
+    assert hf_scale.__version__ == importlib.metadata.version("hf-scale")
+    assert "__version__ =" not in (PACKAGE / "__init__.py").read_text()
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        hf_scale.nope  # noqa: B018
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth (function-level imports included)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            module = ".".join([*base, node.module] if node.module else base)
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _is_app(module: str) -> bool:
+    return any(module == app or module.startswith(app + ".") for app in APP)
+
+
+def test_library_modules_never_import_the_application():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if _is_app(_module_name(path)):
+            continue
+        bad = sorted(m for m in _imports(path) if _is_app(m))
+        if bad:
+            offenders[_module_name(path)] = bad
+    assert offenders == {}
+
+
+def test_zoo_names_are_compared_only_in_zoo():
+    """Zoo knowledge lives in hf_scale/zoo.py: no other module branches on a ``zoo:`` name."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "zoo.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for side in (node.left, *node.comparators):
+                    if isinstance(side, ast.Constant) and str(side.value).startswith("zoo:"):
+                        offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert offenders == []
