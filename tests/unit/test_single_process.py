@@ -4,12 +4,13 @@ plus the optimizer helpers and the errors that need no process group."""
 import pytest
 import torch
 from transformers import Trainer
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_scale
 from hf_scale import HfScaleConfigError
 from hf_scale.api import _check_precision
 from hf_scale.distributed import DistEnv
-from hf_scale.train.optim import parameter_groups
+from hf_scale.parallel.optim import parameter_groups
 from tests.tiny_models import all_cases, tiny_batch, tiny_model
 
 
@@ -139,3 +140,31 @@ def test_no_sync_is_a_no_op_in_one_process():
     with hf_scale.no_sync(model):
         model(**tiny_batch("causal", 2)).loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_chunked_loss_runs_no_forward_when_applied():
+    """parallelize must not run the (possibly huge, unsharded) model to check the chunked loss."""
+    model = tiny_model("llama", "causal")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    hf_scale.parallelize(model, {"loss_chunk_tokens": 8})
+    assert calls == []
+
+
+def test_chunked_loss_refuses_a_forward_that_changes_the_logits_at_its_first_step():
+    from transformers import LlamaForCausalLM
+
+    class Doubled(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, **kwargs):
+            hidden = self.model(input_ids=input_ids).last_hidden_state
+            logits = self.lm_head(hidden) * 2.0  # a logit transform the config does not declare
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    model = Doubled(tiny_model("llama", "causal").config)
+    hf_scale.parallelize(model, {"loss_chunk_tokens": 8})
+    batch = tiny_batch("causal", 2)
+    with pytest.raises(HfScaleConfigError, match="changes the head's output before the loss"):
+        model(**batch)
+    with torch.no_grad():  # evaluation forwards are unchanged
+        assert model(**batch).logits is not None
