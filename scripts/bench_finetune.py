@@ -47,14 +47,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_parallelize import _failure_reason, _free_port, _revision
+from bench_common import add_write_arg, check_doc, free_port, revision, run_logged, write_doc
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "configs" / "quickstart.yaml")
@@ -171,13 +170,7 @@ def _env() -> dict:
 
 def _run(cmd: list[str], log_path: Path, timeout: int) -> str | None:
     """Run ``cmd`` with its output in ``log_path``; None when it succeeded, else why not."""
-    with open(log_path, "w") as log:
-        try:
-            code = subprocess.run(cmd, check=False, env=_env(), stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT).returncode
-        except subprocess.TimeoutExpired:
-            code = f"timeout after {timeout}s"
-    return None if code == 0 else _failure_reason(log_path.read_text(errors="replace"), code)
+    return run_logged(cmd, log_path, timeout, env=_env(), cwd=ROOT)
 
 
 def hf_scale_leg(args, out: Path, tag: str, extra: tuple = ()) -> dict:
@@ -208,7 +201,7 @@ def trainer_leg(args, out: Path, tag: str) -> dict:
             "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "LlamaDecoderLayer"]
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", str(WORLD),
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), *fsdp, __file__, "--worker", "--out",
+           "--main_process_port", str(free_port()), *fsdp, __file__, "--worker", "--out",
            str(leg_dir), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     error = _run(cmd, out / f"{tag}.log", args.timeout)
     paths = [leg_dir / f"trainer.rank{r}.json" for r in range(WORLD)]
@@ -290,10 +283,12 @@ def main() -> None:
                         help=f"comma-separated among {', '.join(LEGS)}")
     parser.add_argument("--out", help="folder for logs and results (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per leg")
+    add_write_arg(parser, "finetune")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return trainer_worker(args)
+    check_doc(args)
     names = [n.strip() for n in args.legs.split(",") if n.strip()]
     if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or set(names) - set(LEGS):
         parser.error(f"--steps, --warmup, --rounds must be >= 1, --legs among {', '.join(LEGS)}")
@@ -305,10 +300,12 @@ def main() -> None:
 
     print(f"command: python scripts/bench_finetune.py {' '.join(sys.argv[1:])}".rstrip())
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, accelerate "
-          f"{accelerate.__version__}; hf_scale at {_revision()}; {os.cpu_count()} CPUs, "
+          f"{accelerate.__version__}; hf_scale at {revision()}; {os.cpu_count()} CPUs, "
           f"OMP_NUM_THREADS=1 per rank; logs in {out}")
-    print(f"SmolLM2-135M-Instruct fp32, {configs_note()}; {args.warmup} warm-up + {args.steps} "
-          f"measured steps per leg, {args.rounds} round(s) of {', '.join(names)}", flush=True)
+    title = (f"SmolLM2-135M-Instruct fp32, {configs_note()}; {args.warmup} warm-up + "
+             f"{args.steps} measured steps per leg, {args.rounds} round(s) of {', '.join(names)}; "
+             f"hf_scale at {revision()}")
+    print(title, flush=True)
     start, runs = time.perf_counter(), {name: [] for name in names}
     for i in range(args.rounds):
         for name in names:
@@ -320,12 +317,16 @@ def main() -> None:
             print(f"  round {i} {name}: {shown} ({time.perf_counter() - began:.0f} s; load "
                   f"average {load:.2f} before, {os.getloadavg()[0]:.2f} after)", flush=True)
     legs = {name: _merge(rows) for name, rows in runs.items()}
-    print("\nwhat each leg ran:")
-    for name, leg in legs.items():
-        if leg["status"] == "ok":
-            print(f"  {name}: {leg['cmd']}\n    {leg['ran_as']}")
-    print("\n" + "\n".join(report(legs)))
+    ran = "\n".join(f"  {name}: {leg['cmd']}\n    {leg['ran_as']}"
+                    for name, leg in legs.items() if leg["status"] == "ok")
+    lines = report(legs)
+    cut = lines.index("")  # the table, then the targets and the losses
+    table, verdicts = "\n".join(lines[:cut]), "\n".join(lines[cut + 1 :])
+    print(f"\nwhat each leg ran:\n{ran}\n\n{table}\n\n{verdicts}")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+    write_doc(args, f"{title}.\n\nWhat each leg ran:\n\n```\n{ran}\n```\n\n{table}\n\n"
+                    f"```\n{verdicts}\n```", "Step times and tokens/s depend on what else the machine runs "
+              "(load average in this line); losses and data wait do not.")
 
 
 def configs_note() -> str:
