@@ -1,6 +1,7 @@
 """Benchmark: the parts of a fine-tuning step that explain ``bench_finetune.py``'s numbers.
 
     python scripts/bench_step_parts.py            # ~1 minute on 2 CPU cores
+    python scripts/bench_step_parts.py --write docs/benchmarks.md     # and into its doc section
 
 1. AdamW's step over the real SmolLM2-135M-Instruct parameters (one process, one thread):
    torch's fused kernel (what ``hf_scale.build_optimizer`` and HF ``Trainer`` use) against the
@@ -14,11 +15,16 @@ Ratios first, as in the other benchmarks. Times are medians over repeats.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import add_write_arg, check_doc, torchrun, write_doc
 
 BLOCK_PARAMS = 4_424_000  # one SmolLM2-135M decoder layer (fp32 elements)
 BLOCKS = 30
@@ -88,17 +94,25 @@ def collectives_worker() -> None:
 def main() -> None:
     import torch
 
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_write_arg(parser, "step-parts")
+    parser.add_argument("--collectives", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.collectives:
+        return collectives_worker()
+    check_doc(args)
     print(f"command: python {' '.join(sys.argv)}; torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.2f}\n")
-    print("\n".join(optimizer_table()) + "\n")
+    optimizer = "\n".join(optimizer_table())
+    print(optimizer + "\n", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    __file__, "--collectives"], check=True, env=env)
+    collectives = subprocess.run(torchrun(__file__, 2, "--collectives"), check=True, env=env,
+                                 stdout=subprocess.PIPE, text=True, timeout=600).stdout
+    print(collectives)
+    write_doc(args, f"{optimizer}\n\n{collectives}", "Times depend on what else the machine runs "
+              "(load average in this line).")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if "--collectives" in sys.argv:
-        collectives_worker()
-    else:
-        main()
+    main()
