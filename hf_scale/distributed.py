@@ -1,13 +1,17 @@
-"""The process group: read the torchrun environment, check it, start ``torch.distributed``.
+"""The process group: read the launcher's environment, check it, start ``torch.distributed``.
 
-CUDA + NCCL when this process can see a GPU, CPU + gloo otherwise. Nothing here knows about
-models; :func:`hf_scale.parallelize` calls :func:`init_distributed` before building the mesh.
+torchrun sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; ``mpirun`` (Open MPI, also under
+``accelerate``'s multi-CPU mode) sets ``OMPI_COMM_WORLD_*`` and MPICH / Intel MPI set
+``PMI_RANK`` / ``PMI_SIZE``: this is the one module that reads them. CUDA + NCCL when this
+process can see a GPU, CPU + gloo otherwise. Nothing here knows about models;
+:func:`hf_scale.parallelize` calls :func:`init_distributed` before building the mesh.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +20,51 @@ import torch.distributed as dist
 from .errors import HfScaleConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# (launcher, rank, size, local rank candidates, local size candidates), read when RANK is absent
+MPI_VARS = (
+    ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("MPICH / Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE",
+     ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"), ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE")),
+)
+# Every variable that makes a process a worker of some launcher (tests clear them all).
+LAUNCHER_VARS = TORCHRUN_VARS + ("LOCAL_WORLD_SIZE",) + tuple(
+    v for _, r, s, lr, ls in MPI_VARS for v in (r, s, *lr, *ls)
+)
+
+
+def mpi_ranks(env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
+    """``(launcher, {"RANK": .., "WORLD_SIZE": .., "LOCAL_RANK": .., "LOCAL_WORLD_SIZE": ..})``
+    from an MPI launcher's variables, when torchrun's ``RANK`` is absent; else None.
+
+    Without a local rank variable the processes are taken to share one node.
+    """
+    if "RANK" in env:
+        return None
+    for launcher, rank, size, local_ranks, local_sizes in MPI_VARS:
+        if rank in env and size in env:
+            local_rank = next((env[v] for v in local_ranks if v in env), env[rank])
+            local_size = next((env[v] for v in local_sizes if v in env), env[size])
+            return launcher, {"RANK": env[rank], "WORLD_SIZE": env[size],
+                              "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_size}
+    return None
+
+
+def launched_worker(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a worker process that torchrun or mpirun started (it trains; it launches nothing)."""
+    env = os.environ if environ is None else environ
+    return all(v in env for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK")) or mpi_ranks(env) is not None
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> int:
+    """The global rank the launcher gave this process (0 when none did, or it is unreadable)."""
+    env = os.environ if environ is None else environ
+    mpi = mpi_ranks(env)
+    value = mpi[1]["RANK"] if mpi else env.get("RANK", "0")
+    try:
+        return int(value or 0)
+    except ValueError:
+        return 0
 
 
 @dataclass(frozen=True)
@@ -37,22 +86,38 @@ class DistEnv:
         return max(1, self.world_size // max(1, self.local_world_size))
 
 
-def read_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """Read and check the torchrun variables; world size 1 when none are set.
+def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read and check the launcher's variables (torchrun's, else mpirun's); world size 1 when
+    none are set.
 
     Raises :class:`HfScaleConfigError` before any collective when the variables are partial
-    or inconsistent (``RANK`` without ``WORLD_SIZE``, a rank outside the world, ...).
+    or inconsistent (``RANK`` without ``WORLD_SIZE``, a rank outside the world, no
+    ``MASTER_ADDR`` under mpirun, ...).
     """
     env = os.environ if environ is None else environ
+    mpi = mpi_ranks(env)
+    launcher = "torchrun"
+    if mpi is not None:
+        launcher, ranks = mpi
+        env = {**env, **ranks}
     present = [v for v in TORCHRUN_VARS if v in env]
     if dist.is_available() and dist.is_initialized():
         world, rank = dist.get_world_size(), dist.get_rank()
         local_rank = int(env.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count() or world)))
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    elif not present or (present == ["LOCAL_RANK"] and env["LOCAL_RANK"] == "0"):
+    elif not present or (present == ["LOCAL_RANK"] and env["LOCAL_RANK"] == "0") or (
+        mpi is not None and env["WORLD_SIZE"] == "1"
+    ):
         world, rank, local_rank, local_world = 1, 0, 0, 1
     else:
         missing = [v for v in TORCHRUN_VARS if v not in env]
+        if missing and mpi is not None:
+            raise HfScaleConfigError(
+                f"{launcher} set this process's rank, but {', '.join(missing)} missing: the "
+                "processes meet at MASTER_ADDR:MASTER_PORT (rank 0's host and a free port). Set "
+                "them for every process, e.g. `mpirun -x MASTER_ADDR=<host of rank 0> -x "
+                "MASTER_PORT=29500 ...`."
+            )
         if missing:
             raise HfScaleConfigError(
                 f"incomplete torchrun environment: {', '.join(present)} set but "
@@ -65,14 +130,14 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
             local_world = int(env.get("LOCAL_WORLD_SIZE", world))
             int(env["MASTER_PORT"])
         except ValueError as e:
-            raise HfScaleConfigError(f"torchrun variable is not an integer: {e}") from None
+            raise HfScaleConfigError(f"{launcher} variable is not an integer: {e}") from None
         if world < 1 or not 0 <= rank < world:
             raise HfScaleConfigError(
-                f"RANK={rank} is outside WORLD_SIZE={world}: ranks run 0..WORLD_SIZE-1."
+                f"RANK={rank} is outside WORLD_SIZE={world} ({launcher}): ranks run 0..WORLD_SIZE-1."
             )
         if not 0 <= local_rank < local_world:
             raise HfScaleConfigError(
-                f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world}."
+                f"LOCAL_RANK={local_rank} is outside LOCAL_WORLD_SIZE={local_world} ({launcher})."
             )
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
@@ -88,9 +153,9 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
 
 
 def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
-    """Start the default process group if torchrun asked for one and it is not started yet.
+    """Start the default process group if a launcher asked for one and it is not started yet.
 
-    Returns the :class:`DistEnv`. In one process (no torchrun variables) no group is made.
+    Returns the :class:`DistEnv`. In one process (no launcher variables) no group is made.
     """
     env = read_env()
     if env.device.type == "cuda":
@@ -99,7 +164,7 @@ def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(
             backend=env.backend,
-            store=_attempt_store(timeout),
+            store=_attempt_store(env, timeout),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
@@ -108,7 +173,7 @@ def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
     return env
 
 
-def _attempt_store(timeout: datetime.timedelta):
+def _attempt_store(env: DistEnv, timeout: datetime.timedelta):
     """The torchrun rendezvous store, under a prefix unique to this restart attempt.
 
     torchrun keeps its store across ``--max-restarts`` attempts, and the process group
@@ -116,6 +181,7 @@ def _attempt_store(timeout: datetime.timedelta):
     dead worker's address and fail to connect (seen with torch 2.13). A per-attempt prefix
     gives every attempt clean keys.
     """
-    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    # rank and world given: under mpirun RANK / WORLD_SIZE are not in the environment
+    store, _, _ = next(dist.rendezvous("env://", rank=env.rank, world_size=env.world_size, timeout=timeout))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"hf_scale/attempt{attempt}", store)

@@ -2,31 +2,99 @@
 
 ``torchrun`` (``python -m torch.distributed.run``) is the launcher on one machine and many; this
 module only turns a :class:`LaunchConfig` into its arguments and checks them first, so a
-mistake fails here with one message instead of in every worker.
+mistake fails here with one message instead of in every worker. Under SLURM (``srun``, one
+task per node) the node count, node rank and rendezvous host come from SLURM's variables
+(:func:`resolve_launch`); see ``scripts/slurm_finetune.sbatch``.
 
 Usage::
 
-    argv = torchrun_argv(job.launch, ["-m", "hf_scale.cli", "finetune", "configs/quickstart.yaml"])
+    launch = resolve_launch(job.launch)
+    argv = torchrun_argv(launch, ["-m", "hf_scale.cli", "finetune", "configs/quickstart.yaml"])
     subprocess.call(argv)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import sys
 
 import torch
 
+from .distributed import launched_worker, mpi_ranks
 from .errors import HfScaleConfigError
 from .train.config import LaunchConfig
 
-UNDER_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 
 
 def under_torchrun(environ=None) -> bool:
-    """True inside a worker that torchrun (or an equivalent launcher) started."""
+    """True inside a worker that torchrun (or mpirun) started: it trains, it launches nothing.
+
+    ``srun`` with one task per node may also set ``PMI_RANK`` (its pmi2 plugin): those tasks
+    are torchrun agents, not workers.
+    """
     env = os.environ if environ is None else environ
-    return all(v in env for v in UNDER_TORCHRUN)
+    if mpi_ranks(env) is not None and _slurm_task_per_node(env):
+        return False
+    return launched_worker(env)
+
+
+def _slurm_task_per_node(env) -> bool:
+    nodes = next((env[v] for v in SLURM_NODES if v in env), None)
+    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
+    return nodes is not None and tasks == nodes
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compact host list -> host names, in order: ``"node[01-03,07],gpu1"`` ->
+    ``["node01", "node02", "node03", "node07", "gpu1"]`` (zero padding kept; what
+    ``scontrol show hostnames`` prints)."""
+    hosts: list[str] = []
+    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+        expanded = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
+            choices = [text + n for n in _expand_ranges(ranges, nodelist)] if ranges else [text]
+            expanded = [e + c for e in expanded for c in choices]
+        hosts += expanded
+    if not hosts or any(not h or "[" in h or "]" in h for h in hosts):
+        raise HfScaleConfigError(f"cannot read the SLURM node list {nodelist!r}: expected e.g. node[01-04,07].")
+    return hosts
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
+    out = []
+    for part in ranges.split(","):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part.strip())
+        if not match:
+            raise HfScaleConfigError(f"cannot read the SLURM node list {nodelist!r}: {part!r} is not N or N-M.")
+        first, last = match.group(1), match.group(2) or match.group(1)
+        out += [str(n).zfill(len(first)) for n in range(int(first), int(last) + 1)]
+    return out
+
+
+def resolve_launch(launch: LaunchConfig, environ=None) -> LaunchConfig:
+    """``launch`` with SLURM's layout filled in when run by ``srun`` on several nodes.
+
+    Nodes from ``SLURM_NNODES``, node rank from ``SLURM_NODEID``, the rendezvous on the first
+    host of ``SLURM_JOB_NODELIST`` at ``MASTER_PORT`` (default ``20000 + SLURM_JOB_ID % 10000``,
+    the same on every node), static rendezvous. A recipe that sets ``launch.nnodes`` > 1 or
+    ``launch.rdzv_endpoint`` keeps its own values.
+    """
+    env = os.environ if environ is None else environ
+    nodes = next((env[v] for v in SLURM_NODES if v in env), None)
+    nodelist = next((env[v] for v in SLURM_NODELIST if v in env), None)
+    if nodes is None or nodelist is None or "SLURM_NODEID" not in env:
+        return launch
+    if launch.nnodes > 1 or launch.rdzv_endpoint or int(nodes) == 1:
+        return launch
+    port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 10000)
+    return dataclasses.replace(
+        launch, nnodes=int(nodes), node_rank=int(env["SLURM_NODEID"]),
+        rdzv_endpoint=f"{expand_nodelist(nodelist)[0]}:{port}", rdzv_backend="static",
+    )
 
 
 def max_local_processes() -> tuple[int, str]:

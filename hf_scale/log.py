@@ -7,7 +7,8 @@ than 0 so a torchrun log shows each line once.
 from __future__ import annotations
 
 import logging
-import os
+
+from .ranks import rank
 
 logger = logging.getLogger("hf_scale")
 if not logger.handlers:
@@ -18,15 +19,6 @@ if not logger.handlers:
     logger.propagate = False
 
 _said: set[str] = set()
-
-
-def rank() -> int:
-    """This process's global rank: from the process group if one exists, else ``$RANK``."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)
 
 
 def log_rank0(message: str, *, level: int = logging.INFO, once: bool = False) -> None:

@@ -6,10 +6,9 @@ import os
 import shutil
 from pathlib import Path
 
-import torch.distributed as dist
-
 from ..errors import HfScaleCheckpointError
-from .safetensors_io import CHECKSUMS_FILE, rank_world, read_checksums, sha256_file, swap_into_place
+from ..ranks import my_share, run_together
+from .files import CHECKSUMS_FILE, mismatched, read_checksums, staged_folder
 from .state import resolve_checkpoint
 
 
@@ -19,35 +18,16 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
 
     A training checkpoint already stores its model in the Hub format, written by all ranks,
     so exporting is a verified copy at any world size: under torchrun each rank copies its
-    share of the files. Call on every rank (or in one process).
+    share of the files (and hashes the copies it made). Call on every rank (or in one process).
     """
     source = resolve_checkpoint(checkpoint) / "model"
-    rank, world = rank_world()
-    final = Path(out).resolve()
-    tmp = final.parent / f".{final.name}.partial"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if world > 1:
-        dist.barrier()
-    expected = read_checksums(source)
     files = sorted(p.name for p in source.iterdir() if p.is_file())
-    bad = []
-    for i, name in enumerate(files):
-        if i % world == rank:
-            shutil.copy2(source / name, tmp / name)
-            if name in expected and sha256_file(tmp / name) != expected[name]:
-                bad.append(name)
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, bad)
-        bad = [b for part in gathered for b in part]
-    if bad:
-        raise HfScaleCheckpointError(f"{source}: {bad} do not match {CHECKSUMS_FILE}; not exported.")
-    if rank == 0:
+    needed = sum((source / name).stat().st_size for name in files)
+    with staged_folder(out, needed_bytes=needed) as tmp:
+        run_together(lambda: [shutil.copy2(source / name, tmp / name) for name in my_share(files)])
+        bad = mismatched(tmp, files, read_checksums(source))
+        if bad:
+            raise HfScaleCheckpointError(f"{source}: {bad} do not match {CHECKSUMS_FILE}; not exported.")
         if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        swap_into_place(tmp, final)
-    if world > 1:
-        dist.barrier()
-    return final
+            run_together(tokenizer.save_pretrained, tmp, only_rank0=True)
+    return Path(out).resolve()

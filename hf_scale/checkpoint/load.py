@@ -1,8 +1,9 @@
 """Slice-wise load of a Hub-format safetensors folder into a parallel layout.
 
 The model is built with its parameters on the meta device (buffers real, so computed buffers
-such as rotary frequencies keep their values), parallelized, then each rank allocates and
-reads only the byte ranges of the parameter slices it owns, straight into their memory: peak
+such as rotary frequencies keep their values), parallelized, then each rank takes only the byte
+ranges of the parameter slices it owns: on the CPU as copy-on-write views of the mapped files
+(nothing read until used, as transformers' own load does), otherwise read with ``pread``. Peak
 memory stays near one rank's shard instead of the whole model.
 """
 
@@ -15,21 +16,16 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
+from ..ranks import rank0_first
+from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
-from .safetensors_io import (
-    CHECKSUMS_FILE,
-    checkpoint_names,
-    read_checksums,
-    reshard_all,
-    sha256_file,
-)
+from .safetensors_io import checkpoint_names, reshard_all
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
@@ -41,15 +37,25 @@ def from_pretrained(
     auto_class=None,
     dtype: torch.dtype = torch.float32,
     plan=None,
-    verify_checksums: bool = True,
+    verify_checksums: bool = False,
     revision: str | None = None,
 ) -> nn.Module:
     """Load a pretrained model straight into a parallel layout; call it on every rank.
 
     ``name_or_path`` is a local folder or a Hub repo id (downloaded through huggingface_hub's
     cache, safetensors only). ``auto_class`` defaults to the class named in the config's
-    ``architectures``. Shards listed in ``checksums.sha256`` are verified first (each rank
-    hashes its share of the files).
+    ``architectures``.
+
+    Each rank takes only its slices of the files. On the CPU they stay mapped copy-on-write
+    from the files, as in transformers' own load: pages are read when first used, writes
+    (training) never reach the files. Do not overwrite the loaded files in place while the model
+    lives (``hf_scale.save_pretrained`` into the same folder is safe: it writes a new folder
+    and swaps it in).
+
+    Every shard's size is checked against its header (a truncated or partly copied file is an
+    error). ``verify_checksums=True`` also hashes every shard against ``checksums.sha256``
+    (each rank its share of the files) before loading: a full read of the checkpoint, off by
+    default as in transformers.
 
     Usage::
 
@@ -71,13 +77,12 @@ def from_pretrained(
     sharded = parallel.sharded
     if sharded:
         model = parallelize(model, parallel, plan=plan)
-        device = get_state(model).env.device
+        device = torch.device("cpu") if parallel.cpu_offload else get_state(model).env.device
     else:
         device = _device()
     if verify_checksums:
         _verify_checksums(folder, weight_map)
-    _materialize(model, device)
-    load_owned_slices(model, folder, weight_map)
+    assign_from_files(model, folder, weight_map, device)
     if not sharded:
         model = parallelize(model, parallel, plan=plan)
     return model
@@ -91,12 +96,8 @@ def _resolve(name_or_path, revision) -> Path:
         raise HfScaleCheckpointError(f"{str(name_or_path)!r} is not a checkpoint folder.")
     from huggingface_hub import snapshot_download
 
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:  # one download; the other ranks read the shared cache
-        snapshot_download(str(name_or_path), revision=revision, allow_patterns=HUB_PATTERNS)
-    if dist.is_initialized():
-        dist.barrier()
-    return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=HUB_PATTERNS))
+    with rank0_first():  # one download; the other ranks read the shared cache
+        return Path(snapshot_download(str(name_or_path), revision=revision, allow_patterns=HUB_PATTERNS))
 
 
 def _model_class(config):
@@ -146,13 +147,7 @@ def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
     expected = read_checksums(folder)
     if not expected:
         return
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    files = sorted({p.name for p in weight_map.values()})
-    bad = [f for i, f in enumerate(files) if i % world == rank and f in expected and sha256_file(folder / f) != expected[f]]
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, bad)
-        bad = sorted(f for part in gathered for f in part)
+    bad = mismatched(folder, sorted({p.name for p in weight_map.values()}), expected)  # hashed in parallel
     if bad:
         raise HfScaleCheckpointError(
             f"shard(s) {bad} in {folder} do not match {CHECKSUMS_FILE}: the files are corrupt or "
@@ -160,42 +155,93 @@ def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
         )
 
 
-def _materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate the meta parameters on ``device``; keep the real buffers' values and the ties
-    (``to_empty`` gives every module its own new parameter)."""
+@torch.no_grad()
+def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path], device: torch.device) -> None:
+    """Give each meta parameter (sharded or not) its local block of the files, as transformers does.
+
+    On the CPU an FSDP shard in the checkpoint's dtype is one contiguous byte range: it becomes a
+    view of a private (copy-on-write) memory map of its file, so nothing is read or copied now,
+    and pages count in RSS only once used. Any other block (another dtype, a device, a
+    tensor-parallel slice, an unaligned offset) is read with ``pread`` into new memory. The new
+    tensors are put in place with ``load_state_dict(assign=True)``, whose FSDP hook takes them as
+    the sharded storage. Real buffers keep their values; tied parameters are tied again.
+    """
     from ..plans import find_tied_parameters
 
     ties = find_tied_parameters(model)
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
-    model.to_empty(device=device)
-    with torch.no_grad():
-        for name, value in buffers.items():
-            model.get_buffer(name).copy_(value)
+    maps: dict[Path, torch.UntypedStorage] = {}
+    new = {}
+    for key, target, path, start, dtype, local_shape, offset in _blocks(model, folder, weight_map):
+        if not target.is_meta:  # a real buffer saved with the model: read into it
+            local = target.to_local() if isinstance(target, DTensor) else target.data
+            if local.numel():
+                _read_block(path, start, dtype, tuple(target.shape), local, offset)
+            continue
+        local = _mapped_block(maps, path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
+        if local is None:
+            local = torch.empty(local_shape, dtype=target.dtype)
+            if local.numel():
+                _read_block(path, start, dtype, tuple(target.shape), local, offset)
+            local = local.to(device)
+        if isinstance(target, DTensor):
+            local = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                                       shape=target.shape, stride=target.stride())
+        new[key] = local
+    model.load_state_dict(new, strict=False, assign=True)
     for target, source in ties:
         owner, _, attr = target.rpartition(".")
-        module = model.get_submodule(owner)
-        if getattr(module, attr) is not model.get_parameter(source):
-            setattr(module, attr, model.get_parameter(source))
+        setattr(model.get_submodule(owner), attr, model.get_parameter(source))
+    left = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    if left:
+        raise HfScaleCheckpointError(f"{folder} left {left[:5]} of {type(model).__name__} unset (on the meta device).")
+
+
+def _mapped_block(maps, path: Path, start: int, dtype, global_shape, local_shape, offset, want, device):
+    """The block as a view of a copy-on-write map of ``path``, or None where it cannot be one."""
+    runs = list(contiguous_runs(tuple(local_shape), offset, global_shape))
+    if device.type != "cpu" or dtype != want or len(runs) != 1:
+        return None
+    first = start + runs[0][0] * dtype.itemsize
+    if first % dtype.itemsize:
+        return None
+    if path not in maps:  # MAP_PRIVATE: writes to the parameters never reach the file
+        maps[path] = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
+    strides = [1] * len(local_shape)
+    for i in range(len(local_shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * local_shape[i + 1]
+    return torch.empty(0, dtype=dtype).set_(maps[path], first // dtype.itemsize, tuple(local_shape), tuple(strides))
 
 
 @torch.no_grad()
 def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
-    """Read each parameter's local block straight from the files into its memory.
+    """Read each parameter's local block straight from the files into its existing memory
+    (resuming a model that trains: the optimizer holds its parameters).
 
     Plain ``pread`` at the offsets the safetensors header gives (an FSDP shard is one
-    contiguous byte range): no memory map, so the pages read never count against this rank's
-    memory, and no intermediate copy when dtypes match.
+    contiguous byte range), with no intermediate copy when dtypes match.
     """
+    reshard_all(model)
+    for _key, target, path, start, dtype, _shape, offset in _blocks(model, folder, weight_map):
+        local = target.to_local() if isinstance(target, DTensor) else target.data
+        if local.numel():
+            _read_block(path, start, dtype, tuple(target.shape), local, offset)
+
+
+def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
+    """``(state key, tensor, file, byte offset of its data, file dtype, local shape, global offset
+    of the local block)`` of every tensor to load, checked against the checkpoint's header."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    reshard_all(model)
+    from ..plans import find_tied_parameters
+
     state = model.state_dict(keep_vars=True)
-    names = checkpoint_names(model, {k: v for k, v in state.items()})
+    names = checkpoint_names(model, dict(state))
+    tied = {target for target, _ in find_tied_parameters(model)}
     headers: dict[Path, tuple[int, dict]] = {}
     for key, target in state.items():
         name = names[key]
         if name not in weight_map:
-            if _is_tied_copy(model, key):
+            if key in tied:
                 continue
             raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
         path = weight_map[name]
@@ -208,19 +254,17 @@ def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path
                 f"{name!r} in {path.name} has shape {entry['shape']}, the model expects "
                 f"{list(target.shape)}: the checkpoint is for another configuration."
             )
-        if isinstance(target, DTensor):
-            local = target.to_local()
-            _, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        else:
-            local, offset = target.data, (0,) * target.dim()
         dtype = DTYPES_BY_NAME[entry["dtype"]]
         if dtype.is_floating_point != target.dtype.is_floating_point:
             raise HfScaleCheckpointError(
                 f"{name!r} in {path.name} is {entry['dtype']}, the model's is {target.dtype}: "
                 "float and integer tensors do not convert; the checkpoint is for another model."
             )
-        if local.numel():
-            _read_block(path, data_start + entry["data_offsets"][0], dtype, tuple(target.shape), local, offset)
+        if isinstance(target, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        else:
+            shape, offset = tuple(target.shape), (0,) * target.dim()
+        yield key, target, path, data_start + entry["data_offsets"][0], dtype, tuple(shape), offset
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
@@ -264,9 +308,3 @@ def _read_block(path: Path, start: int, dtype: torch.dtype, global_shape, local:
         os.close(fd)
     if not direct:
         local.copy_(buffer)
-
-
-def _is_tied_copy(model: nn.Module, key: str) -> bool:
-    from ..plans import find_tied_parameters
-
-    return any(target == key for target, _ in find_tied_parameters(model))

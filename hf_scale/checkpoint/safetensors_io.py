@@ -11,22 +11,20 @@ has finished, so a crash mid-save leaves any previous folder intact.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import HfScaleCheckpointError
 from ..plans import find_tied_parameters
+from ..ranks import rank_world, run_together
+from .files import CHECKSUMS_FILE, share_digests, staged_folder
 from .layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
-
-CHECKSUMS_FILE = "checksums.sha256"
 
 
 def save_pretrained(
@@ -49,47 +47,54 @@ def save_pretrained(
     transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
     ``AutoModel*.from_pretrained``.
 
+    The free space is checked first; a save that does not fit (or fails) raises
+    :class:`HfScaleCheckpointError`, removes what it wrote and leaves a previous folder as it was.
+
     Usage::
 
         hf_scale.save_pretrained(model, "out/", tokenizer=tokenizer, max_shard_size="2GB")
     """
-    rank, world = rank_world()
+    plan = plan_save(model, max_shard_size)
     final = Path(save_directory).resolve()
-    tmp = final.parent / f".{final.name}.partial"
-    state = _checkpoint_state_dict(model)
-    files = plan_files([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()], max_shard_size)
-    owners = _owners(state, world)
-
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for f in files:
-            _create(tmp / f.name, f)
-    _barrier(world)
-    for f in files:
-        _write_my_bytes(tmp / f.name, f, state, owners, rank)
-    _barrier(world)
-    digests = {f.name: sha256_file(tmp / f.name) for i, f in enumerate(files) if checksums and i % world == rank}
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, digests)
-        digests = {k: v for d in gathered for k, v in d.items()}
-    if rank == 0:
-        _write_metadata(model, tmp, files, digests, tokenizer)
-        swap_into_place(tmp, final)
-    _barrier(world)
+    with staged_folder(final, needed_bytes=plan.nbytes) as tmp:
+        write_model_folder(model, tmp, plan, tokenizer=tokenizer, checksums=checksums)
     return final
 
 
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclass
+class SavePlan:
+    """What a save writes: the checkpoint's tensors, its files, and the owner of each
+    replicated tensor (identical on every rank)."""
+
+    state: dict[str, torch.Tensor]
+    files: list[ShardFile]
+    owners: dict[str, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+def plan_save(model: nn.Module, max_shard_size: int | str = "5GB") -> SavePlan:
+    state = _checkpoint_state_dict(model)
+    files = plan_files([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()], max_shard_size)
+    return SavePlan(state, files, _owners(state, rank_world()[1]))
+
+
+def write_model_folder(model: nn.Module, folder: Path, plan: SavePlan, *, tokenizer=None, checksums=True) -> None:
+    """Collective: fill ``folder`` (created if needed) with the model's files, every rank
+    writing its bytes; a failure on any rank (e.g. a full disk) raises on every rank."""
+    rank = rank_world()[0]
+    run_together(_create_files, folder, plan.files, only_rank0=True)
+    run_together(lambda: [_write_my_bytes(folder / f.name, f, plan.state, plan.owners, rank) for f in plan.files])
+    digests = share_digests(folder, [f.name for f in plan.files]) if checksums else {}
+    run_together(_write_metadata, model, folder, plan.files, digests, tokenizer, only_rank0=True)
+
+
+def _create_files(folder: Path, files: list[ShardFile]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        _create(folder / f.name, f)
 
 
 def reshard_all(model: nn.Module) -> None:
@@ -183,9 +188,9 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
             base = f.offsets[spec.name]
             for g_start, l_start, length in contiguous_runs(tuple(local.shape), offset, spec.shape):
                 view = memoryview(data[l_start * size : (l_start + length) * size])
-                written = os.pwrite(fd, view, base + g_start * size)
-                if written != len(view):
-                    raise HfScaleCheckpointError(f"short write of {spec.name} to {path}")
+                done = 0
+                while done < len(view):  # a short write is retried; a full disk raises ENOSPC
+                    done += os.pwrite(fd, view[done:], base + g_start * size + done)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -194,22 +199,6 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
 def model_class(model: nn.Module) -> type:
     """The model's own class, behind the FSDP / DDP classes torch derives from it."""
     return next(c for c in type(model).__mro__ if not c.__module__.startswith("torch."))
-
-
-def read_checksums(folder: Path) -> dict[str, str]:
-    """``{shard file name: sha256}`` from ``folder/checksums.sha256`` (empty when absent)."""
-    listed = folder / CHECKSUMS_FILE
-    if not listed.exists():
-        return {}
-    return {name: digest for digest, name in (line.split("  ", 1) for line in listed.read_text().splitlines() if line)}
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, tokenizer) -> None:
@@ -226,13 +215,3 @@ def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, 
         tokenizer.save_pretrained(folder)
     if digests:
         (folder / CHECKSUMS_FILE).write_text("".join(f"{digests[f.name]}  {f.name}\n" for f in files))
-
-
-def swap_into_place(tmp: Path, final: Path) -> None:
-    """Replace ``final`` by ``tmp``; the old folder is removed only once the new one is there."""
-    old = final.parent / f".{final.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        final.rename(old)
-    tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)

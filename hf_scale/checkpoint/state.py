@@ -16,6 +16,7 @@ beyond ``keep_last`` are removed. A ``.partial`` folder left by a crash is ignor
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -26,15 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
+from ..ranks import gather, rank_world, run_together
+from .files import staged_folder
 from .load import load_owned_slices, weight_map_of
-from .safetensors_io import rank_world, save_pretrained, swap_into_place
+from .safetensors_io import plan_save, write_model_folder
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -44,9 +47,9 @@ STEP_DIR = re.compile(r"step_(\d+)$")
 def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    *,
     scheduler=None,
     root: str | os.PathLike = "ckpt",
-    *,
     step: int,
     dataloader=None,
     keep_last: int | None = None,
@@ -54,25 +57,24 @@ def save_state(
     """Save a resumable training checkpoint as ``root/step_<step>``; call on every rank.
 
     ``dataloader`` (optional) must offer ``state_dict()`` / ``load_state_dict()`` (e.g.
-    torchdata's ``StatefulDataLoader``); its state is saved per rank.
+    torchdata's ``StatefulDataLoader``); its state is saved per rank. The free space is checked
+    first; a save that does not fit (or fails) raises :class:`HfScaleCheckpointError`, removes
+    its partial folder and leaves ``latest`` on the previous checkpoint.
 
     Usage::
 
-        hf_scale.save_state(model, optimizer, scheduler, "ckpt", step=1200, keep_last=3)
+        hf_scale.save_state(model, optimizer, scheduler=scheduler, root="ckpt", step=1200, keep_last=3)
     """
     rank, world = rank_world()
     root = Path(root).resolve()
     final = root / f"step_{step:08d}"
-    partial = root / f".{final.name}.partial"
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    _barrier(world)
-    # The model into a sibling folder first, then everything moves into the partial folder.
-    save_pretrained(model, partial / "model")
-    dcp.save({"optimizer": optimizer_state(model, optimizer)}, checkpoint_id=str(partial / "optimizer"))
-    torch.save(_rank_state(dataloader), partial / f"rank_{rank}.pt")
-    if rank == 0:
+    plan = plan_save(model)
+    optim = optimizer_state(model, optimizer)
+    needed = plan.nbytes + _state_nbytes(optim, sharded_plain=_zero_local(optimizer) is not None)
+    with staged_folder(final, needed_bytes=needed) as partial:
+        write_model_folder(model, partial / "model", plan)
+        _dcp_save(optim, partial / "optimizer")
+        run_together(torch.save, _rank_state(dataloader), partial / f"rank_{rank}.pt")
         layout = get_state(model)
         info = {
             "step": step,
@@ -80,24 +82,43 @@ def save_state(
             "strategy": layout.config.strategy if layout else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
         }
-        (partial / TRAINER_STATE).write_text(json.dumps(info, indent=2))
-    _barrier(world)
-    if rank == 0:
-        swap_into_place(partial, final)
-        _point_latest(root, final.name)
-        if keep_last:
-            for old in complete_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-    _barrier(world)
+        run_together((partial / TRAINER_STATE).write_text, json.dumps(info, indent=2), only_rank0=True)
+    run_together(_point_latest, root, final.name, keep_last, only_rank0=True)
     return final
+
+
+def _state_nbytes(state: dict[str, Any], sharded_plain: bool) -> int:
+    """Bytes the optimizer state takes on disk: DTensors at their global size (stored once);
+    plain tensors once, or summed over ranks when each rank holds its own (zero1)."""
+    global_bytes = plain = 0
+    for values in state["state"].values():
+        for t in values.values():
+            if isinstance(t, DTensor):
+                global_bytes += t.numel() * t.element_size()
+            elif isinstance(t, torch.Tensor):
+                plain += t.numel() * t.element_size()
+    return global_bytes + (sum(gather([plain])) if sharded_plain else plain)
+
+
+def _dcp_save(state: dict[str, Any], folder: Path) -> None:
+    """``dcp.save`` (collective; it raises on every rank when one fails), a full disk on any
+    rank raised as ``OSError(ENOSPC)``, which :func:`staged_folder` reports clearly."""
+    try:
+        dcp.save({"optimizer": state}, checkpoint_id=str(folder))
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                raise OSError(errno.ENOSPC, f"optimizer state: {cause}") from None
+        raise
 
 
 def load_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    *,
     scheduler=None,
     path: str | os.PathLike = "ckpt/latest",
-    *,
     dataloader=None,
 ) -> int:
     """Restore a checkpoint saved by :func:`save_state` into an already parallelized model and
@@ -263,12 +284,11 @@ def _restore_rank_state(state: dict[str, Any], dataloader) -> None:
         dataloader.load_state_dict(state["dataloader"])
 
 
-def _point_latest(root: Path, name: str) -> None:
+def _point_latest(root: Path, name: str, keep_last: int | None) -> None:
+    """``root/latest`` names ``name`` (replaced atomically); older folders beyond ``keep_last`` go."""
     tmp = root / f".{LATEST}.tmp"
     tmp.write_text(name + "\n")
     os.replace(tmp, root / LATEST)
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+    if keep_last:
+        for old in complete_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)

@@ -49,7 +49,7 @@ from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
 from ..checkpoint.layout import INDEX_FILE
 from ..checkpoint.load import weight_map_of
-from ..checkpoint.safetensors_io import CHECKSUMS_FILE, read_checksums, sha256_file
+from ..checkpoint.files import CHECKSUMS_FILE, read_checksums, sha256_file
 from ..errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScaleHubError
 from ..log import log_rank0
 from .card import CardInfo, as_card_info, validate_card, write_model_card

@@ -20,30 +20,15 @@ from __future__ import annotations
 
 import glob
 import os
-from contextlib import contextmanager
 from pathlib import Path
-
-import torch.distributed as dist
 
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
+from ..ranks import rank0_first  # tokenise on rank 0 first; the others read its cache
 from .config import DataConfig
 from .tasks import PREFIX, builtin_dataset
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-@contextmanager
-def rank0_first():
-    """Run the body on rank 0, then on the others (which then hit rank 0's ``datasets`` cache)."""
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed and dist.get_rank() != 0:
-        dist.barrier()
-    try:
-        yield
-    finally:
-        if distributed and dist.get_rank() == 0:
-            dist.barrier()
 
 
 def load_splits(cfg: DataConfig) -> dict:

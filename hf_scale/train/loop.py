@@ -78,7 +78,7 @@ def run(job: JobConfig) -> dict:
         if job.train.eval_every and step % job.train.eval_every == 0 and step != total_steps:
             evaluate_at(step)
         if job.checkpoint.every_steps and step % job.checkpoint.every_steps == 0:
-            save_state(model, optimizer, scheduler, job.checkpoint_dir, step=step, dataloader=batches,
+            save_state(model, optimizer, scheduler=scheduler, root=job.checkpoint_dir, step=step, dataloader=batches,
                        keep_last=job.checkpoint.keep_last)
     train_time = time.perf_counter() - began
     after = evaluate_at(total_steps)
@@ -185,7 +185,7 @@ def _resume(job: JobConfig, model, optimizer, scheduler, batches: ShardedBatches
     if not resume:
         return 0
     path = job.checkpoint_dir / "latest" if resume == "latest" else Path(resume)
-    step = load_state(model, optimizer, scheduler, path, dataloader=batches)
+    step = load_state(model, optimizer, scheduler=scheduler, path=path, dataloader=batches)
     expected = step * job.train.grad_accum
     if batches.position != expected:  # another world size: positions were not restored
         batches.seek(expected)

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..log import log_rank0
+from ..ranks import barrier, rank_world
 from ..zoo import HUB_IDS
 from .config import JobConfig
 from .metrics import LOSS_CURVE
@@ -25,16 +25,15 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
     """Write the summary (and, with a saved model, its card), print them, push if asked."""
     from ..hub import push_to_hub, write_model_card
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
+    if rank_world()[0] == 0:
         (Path(job.train.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _print_summary(summary, model_dir)
         if model_dir is not None:
-            write_model_card(model_dir, card_info(job, summary, model_dir, world))
+            info = card_info(job, summary, model_dir, world)
+            write_model_card(model_dir, info, template=job.hub.card_template)
             if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
                 print_generations(model_dir, tokenizer, eval_ds, job.train.sample_generations)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     if job.hub.push and model_dir is not None:
         push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 

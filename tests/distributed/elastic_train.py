@@ -40,7 +40,7 @@ def main() -> None:
     ckpt = Path(args.root) / "ckpt"
     step = 0
     if (ckpt / "latest").exists():
-        step = hf_scale.load_state(model, optimizer, scheduler, ckpt / "latest", dataloader=loader)
+        step = hf_scale.load_state(model, optimizer, scheduler=scheduler, path=ckpt / "latest", dataloader=loader)
     loss = None
     while step < STEPS:
         (loss,) = _train(model, optimizer, scheduler, loader, 1)
@@ -48,7 +48,7 @@ def main() -> None:
         if step % EVERY == 0:
             if attempt == 0 and rank == 1 and step == args.kill_at:
                 _die_mid_save()
-            hf_scale.save_state(model, optimizer, scheduler, ckpt, step=step, dataloader=loader, keep_last=2)
+            hf_scale.save_state(model, optimizer, scheduler=scheduler, root=ckpt, step=step, dataloader=loader, keep_last=2)
     if rank == 0:
         (Path(args.root) / "result.json").write_text(json.dumps({"loss": loss, "attempts": attempt + 1}))
 

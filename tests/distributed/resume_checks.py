@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import hf_scale
-from hf_scale.checkpoint.safetensors_io import rank_world
+from hf_scale.ranks import rank_world
 from tests.tiny_models import slice_batch, tiny_batch, tiny_model
 
 TOTAL = 6
@@ -65,13 +65,13 @@ def straight(config) -> list[float]:
 def first_half(config, root: str) -> list[float]:
     model, optimizer, scheduler, loader = _setup(config, seed=0)
     losses = _train(model, optimizer, scheduler, loader, TOTAL // 2)
-    hf_scale.save_state(model, optimizer, scheduler, root, step=TOTAL // 2, dataloader=loader, keep_last=2)
+    hf_scale.save_state(model, optimizer, scheduler=scheduler, root=root, step=TOTAL // 2, dataloader=loader, keep_last=2)
     return losses
 
 
 def second_half(config, root: str) -> dict:
     model, optimizer, scheduler, loader = _setup(config, seed=99)  # different init: must be overwritten
-    step = hf_scale.load_state(model, optimizer, scheduler, os.path.join(root, "latest"), dataloader=loader)
+    step = hf_scale.load_state(model, optimizer, scheduler=scheduler, path=os.path.join(root, "latest"), dataloader=loader)
     losses = _train(model, optimizer, scheduler, loader, TOTAL - step)
     return {"step": step, "position": loader.position, "losses": losses}
 
@@ -98,7 +98,7 @@ def snapshot(model, optimizer) -> dict:
 def save_and_snapshot(config, root: str) -> dict:
     model, optimizer, scheduler, loader = _setup(config, seed=0)
     _train(model, optimizer, scheduler, loader, 2)
-    hf_scale.save_state(model, optimizer, scheduler, root, step=2, dataloader=loader)
+    hf_scale.save_state(model, optimizer, scheduler=scheduler, root=root, step=2, dataloader=loader)
     return snapshot(model, optimizer)
 
 
@@ -108,7 +108,7 @@ def load_and_snapshot(config, root: str) -> dict:
     model, optimizer, scheduler, loader = _setup(config, seed=99)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        step = hf_scale.load_state(model, optimizer, scheduler, os.path.join(root, "latest"), dataloader=loader)
+        step = hf_scale.load_state(model, optimizer, scheduler=scheduler, path=os.path.join(root, "latest"), dataloader=loader)
     out = snapshot(model, optimizer)
     out.update(step=step, lr=scheduler.get_last_lr()[0], warned=[str(w.message) for w in caught])
     return out

@@ -57,13 +57,13 @@ from hf_scale.checkpoint import safetensors_io
 from tests.distributed.resume_checks import _setup, _train
 model, optimizer, scheduler, loader = _setup({{"strategy": "fsdp"}}, seed=0)
 _train(model, optimizer, scheduler, loader, 1)
-hf_scale.save_state(model, optimizer, scheduler, {str(tmp_path)!r}, step=1)
+hf_scale.save_state(model, optimizer, scheduler=scheduler, root={str(tmp_path)!r}, step=1)
 original = safetensors_io._write_my_bytes
 def die(*a, **k):
     original(*a, **k)
     os.kill(os.getpid(), signal.SIGKILL)
 safetensors_io._write_my_bytes = die
-hf_scale.save_state(model, optimizer, scheduler, {str(tmp_path)!r}, step=2)
+hf_scale.save_state(model, optimizer, scheduler=scheduler, root={str(tmp_path)!r}, step=2)
 """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import hf_scale
-from hf_scale.checkpoint.safetensors_io import read_checksums
+from hf_scale.checkpoint.files import read_checksums
 from hf_scale.errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleHubError
 from hf_scale.hub import main, upload
 from hf_scale.hub.upload import commit_groups
