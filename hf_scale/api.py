@@ -61,8 +61,10 @@ def parallelize(
 
     units = wrap_units(model, resolved)
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
-    if env.device.type != "cpu" and not config.sharded and not _on_meta(model):
-        model.to(env.device)  # FSDP moves each unit itself, never holding the whole model there
+    if env.device.type != "cpu" and (dims is None or not config.sharded) and not _on_meta(model):
+        # FSDP moves each unit itself, never holding the whole model there; DDP and one process
+        # (any strategy: nothing shards it) need the whole model on this rank's GPU.
+        model.to(env.device)
     if config.loss_chunk_tokens:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         try:

@@ -168,3 +168,14 @@ def test_chunked_loss_refuses_a_forward_that_changes_the_logits_at_its_first_ste
         model(**batch)
     with torch.no_grad():  # evaluation forwards are unchanged
         assert model(**batch).logits is not None
+
+
+def test_one_process_on_an_accelerator_moves_the_whole_model_there(monkeypatch):
+    """World 1 on a GPU: nothing shards the model, so parallelize puts it on the device whatever
+    the strategy (it stayed on the CPU under the default fsdp, found writing scripts/gpu_check.py).
+    The meta device stands in for CUDA here."""
+    import hf_scale.api as api
+
+    monkeypatch.setattr(api, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": "fsdp"})
+    assert {p.device.type for p in model.parameters()} == {"meta"}
