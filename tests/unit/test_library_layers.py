@@ -109,3 +109,16 @@ def test_zoo_names_are_compared_only_in_zoo():
                     if isinstance(side, ast.Constant) and str(side.value).startswith("zoo:"):
                         offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert offenders == []
+
+
+def test_zoo_models_serve_only_their_recipe_tasks():
+    from hf_scale.errors import HfScaleConfigError
+    from hf_scale.train.config import TASKS
+    from hf_scale.zoo import ZOO, check_zoo_task
+
+    assert {task for entry in ZOO.values() for task in entry.tasks} == set(TASKS)
+    check_zoo_task("zoo:minilm", "sequence_classification")
+    check_zoo_task("zoo:smollm2", "causal_lm")
+    with pytest.raises(HfScaleConfigError, match="zoo:smollm2 serves causal_lm, not task 'sequence_classification'; "
+                       "for sequence_classification use zoo:minilm"):
+        check_zoo_task("zoo:smollm2", "sequence_classification")
