@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -71,6 +72,27 @@ class RssSampler(threading.Thread):
         return max(self.peak, self.process.memory_info().rss)
 
 
+def ran_as(model, note: str) -> tuple[str, bool]:
+    """What the prepared model really is, and whether it is a real FSDP run."""
+    import torch
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    n_dtensor = sum(isinstance(p, DTensor) for p in params)
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        kind = "DDP (DistributedDataParallel wrapper)"
+    elif n_dtensor:
+        kind = f"FSDP2 ({units} fully_shard units, {n_dtensor}/{len(params)} params DTensor)"
+    elif "replicate" in (_get_registry(model) or {}):
+        kind = "DDP (composable replicate)"
+    else:
+        kind = f"{type(model).__name__}, plain params"
+    return f"{kind}; {note}", n_dtensor == len(params) > 0
+
+
 # ------------------------------------------------------------------ launching legs
 
 
@@ -81,14 +103,17 @@ def free_port() -> int:
 
 
 def revision() -> str:
-    """Where the measured hf_scale lives and its commit, '+dirty' if hf_scale/ has changes."""
+    """Where the measured hf_scale lives and its commit, with '+dirty:HASH' if hf_scale/ has
+    changes (HASH of the diff, so two different edits read differently)."""
     import importlib.util
 
     root = str(Path(importlib.util.find_spec("hf_scale").origin).parent.parent)
     run = functools.partial(subprocess.run, capture_output=True, text=True)
     git = lambda *a: run(["git", "-C", root, *a]).stdout
     commit = git("rev-parse", "--short", "HEAD").strip() or "(no git)"
-    return f"{root} {commit}" + ("+dirty" if git("status", "--porcelain", "--", "hf_scale") else "")
+    changes = git("status", "--porcelain", "--", "hf_scale") + git("diff", "HEAD", "--", "hf_scale")
+    digest = hashlib.sha1(changes.encode()).hexdigest()[:8]
+    return f"{root} {commit}" + (f"+dirty:{digest}" if changes else "")
 
 
 def failure_reason(log: str, returncode) -> str:

@@ -377,6 +377,8 @@ def main() -> None:
             shown = (f"{row['tok_s']:.0f} tok/s, peak {row['peak']:.3f} GB, "
                      f"other load {row['other_load']:.2f}")
         print(f"  {CONTENDERS[name][0]}: {shown} ({row['wall']:.0f} s)", flush=True)
+    if revision() != title.rsplit(" at ", 1)[1]:  # a commit or an edit landed during the run
+        title += f" at the start, {revision()} at the end"
     result = f"{table(rows)}\n\n```\n" + "\n".join(checks(rows)) + "\n```"
     print(f"\n{result}\n\ntotal wall time {time.perf_counter() - start:.0f} s")
     shared = max((r["other_load"] for r in rows.values() if r["status"] == "ok"), default=0.0)
