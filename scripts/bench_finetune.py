@@ -4,6 +4,7 @@ Run (one machine, 2 CPU cores; the script launches both legs itself, 2 ranks eac
 
     python scripts/bench_finetune.py                  # 2 warm-up + 8 measured steps, ~11 min
     python scripts/bench_finetune.py --rounds 2       # A B A B, for a machine whose speed drifts
+    python scripts/bench_finetune.py --write docs/benchmarks.md    # and into its doc section
 
 Both legs train the real SmolLM2-135M-Instruct (GGUF de-quantized to fp32 by
 ``hf_scale.zoo.load_smollm2``) on the quickstart recipe's data (``configs/quickstart.yaml``:
