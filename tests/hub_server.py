@@ -28,7 +28,9 @@ disk, the commit graph is in memory).
 Tests steer it with :meth:`HubServer.fail` (the next N requests matching a method and a path
 regex get an HTTP status, a dropped connection, or are done with their answer lost) and read
 :attr:`HubServer.requests`, the ``(method, path)`` of every request received (no query strings,
-headers or bodies); :attr:`HubServer.unrouted` lists requests for an API it does not implement.
+headers or bodies), and :attr:`HubServer.commits`, every commit that landed through the commit API
+(repo, branch, summary, the paths it added, changed or deleted), in order;
+:attr:`HubServer.unrouted` lists requests for an API it does not implement.
 
 Usage::
 
@@ -109,6 +111,16 @@ class Repo:
     trees: dict[str, dict[str, Entry]] = field(default_factory=dict)  # commit id -> path -> file
 
 
+@dataclass(frozen=True)
+class Commit:
+    """A commit that landed: what the client asked for, as the server applied it."""
+
+    repo: str
+    branch: str
+    summary: str
+    paths: tuple[str, ...]  # in the order the client sent them
+
+
 @dataclass
 class Rule:
     method: str
@@ -135,6 +147,7 @@ class HubServer:
         self.token = token
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
+        self.commits: list[Commit] = []  # landed through POST .../commit/{rev}
         self.unrouted: list[tuple[str, str]] = []  # requests for an API this server lacks
         self.rules: list[Rule] = []
         self.tickets: dict[str, tuple[str, int]] = {}  # LFS upload ticket -> (oid, size)
@@ -338,6 +351,7 @@ class HubServer:
             else:
                 raise HttpError(400, f"unsupported commit operation {key!r}")
         oid = self.new_commit(r, rev, changes, summary)
+        self.commits.append(Commit(repo, rev, summary, tuple(changes)))
         return 200, {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid,
                      "success": True, "pullRequestUrl": None}
 

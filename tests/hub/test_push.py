@@ -6,6 +6,9 @@ Round trip from a 2-rank fsdp save, resume after interrupted pushes, retries, er
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -16,9 +19,8 @@ from safetensors.torch import load_file
 import hf_scale
 from hf_scale.checkpoint.files import read_checksums
 from hf_scale.errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleHubError
-from hf_scale.hub import main, upload
-from hf_scale.hub.upload import commit_groups
-from tests.harness import run_ranks
+from hf_scale.hub import main
+from tests.harness import ROOT, run_ranks
 from tests.hub import push_ranks
 from tests.hub.conftest import TOKEN, point_hub_at
 from tests.tiny_models import tiny_model
@@ -45,7 +47,25 @@ def puts(hub, since: int = 0) -> set[str]:
 
 
 def commits(hub, since: int = 0) -> int:
+    """Commit requests sent since request number ``since`` (landed or not)."""
     return sum(1 for method, path in hub.requests[since:] if method == "POST" and "/commit/" in path)
+
+
+def landed(hub) -> list[tuple[str, ...]]:
+    """The paths of each commit the server applied to REPO, in order (as it received them)."""
+    return [c.paths for c in hub.commits if c.repo == REPO]
+
+
+def assert_each_file_committed_once(hub, folder, max_files: int) -> None:
+    """Observed on the server: commits of at most ``max_files`` files, every file of the folder
+    committed exactly once, shards first, config and index last (loadable only once complete)."""
+    groups = landed(hub)
+    assert all(0 < len(g) <= max_files for g in groups), groups
+    order = [name for g in groups for name in g]
+    assert sorted(order) == sorted(contents(folder)), order  # none twice, none missing
+    shards = [i for i, name in enumerate(order) if name.endswith(".safetensors")]
+    assert shards == list(range(len(shards))), order
+    assert set(order[-2:]) == {"config.json", "model.safetensors.index.json"}, order
 
 
 def test_round_trip_from_two_fsdp_ranks(hub, tmp_path):
@@ -93,18 +113,18 @@ def test_resume_after_a_dropped_commit(hub, checkpoint):
     """Two files per commit, no retries: the 2nd commit's connection drops. The next push makes
     only the missing commits and uploads no blob again (committed or not)."""
     hub.fail("POST", r"/commit/", action="drop", after=1)
-    groups = commit_groups(upload.local_files(checkpoint, None), 2, 10**9)
     with pytest.raises(HfScaleHubError, match="lost the connection"):
         hf_scale.push_to_hub(checkpoint, REPO, max_files_per_commit=2, retries=0)
-    assert set(hub.files(REPO)) == {".gitattributes", *groups[0]}
+    first = landed(hub)
+    assert len(first) == 1 and len(first[0]) == 2 and set(hub.files(REPO)) == {".gitattributes", *first[0]}
+    uploaded = puts(hub)  # the first two commits' blobs: one committed, one not
     start = len(hub.requests)
     hf_scale.push_to_hub(checkpoint, REPO, max_files_per_commit=2, retries=0)
-    assert commits(hub, start) == len(groups) - 1
+    assert commits(hub, start) == len(landed(hub)) - 1  # no commit request failed or repeated
+    assert_each_file_committed_once(hub, checkpoint, max_files=2)  # loadable only once complete
     digests = read_checksums(checkpoint)
-    assert puts(hub, start) == {digests[name] for group in groups[2:] for name in group if name in digests}
+    assert puts(hub, start) == set(digests.values()) - uploaded  # no blob sent twice
     assert_on_hub(hub, checkpoint)
-    order = [name for group in groups for name in group]
-    assert order[-2:] == ["config.json", "model.safetensors.index.json"]  # loadable only once complete
 
 
 def test_server_errors_and_dropped_connections_are_retried(hub, checkpoint):
@@ -114,10 +134,9 @@ def test_server_errors_and_dropped_connections_are_retried(hub, checkpoint):
     hub.fail("POST", r"/commit/", action="lose", after=1)  # 2nd commit lands, its answer is lost
     hub.fail("PUT", r"/_lfs/", action=500)
     url = hf_scale.push_to_hub(checkpoint, REPO, max_files_per_commit=8)
-    groups = commit_groups(upload.local_files(checkpoint, None), 8, 10**9)
-    assert len(groups) == 2 and commits(hub) == 3  # first one twice (500), second once (lost)
+    assert len(landed(hub)) == 2 and commits(hub) == 3  # first one twice (500), second once (lost)
+    assert_each_file_committed_once(hub, checkpoint, max_files=8)  # the lost one is not redone
     assert url.endswith(hub.repos[REPO].branches["main"])
-    assert len(hub.repos[REPO].trees) == 1 + len(groups)  # .gitattributes + one per group
     assert_on_hub(hub, checkpoint)
 
 
@@ -194,6 +213,23 @@ def test_bad_repo_id_no_token_unreachable_hub(hub, checkpoint, monkeypatch, tmp_
     point_hub_at(closed_port_url, tmp_path / "elsewhere", monkeypatch)
     with pytest.raises(HfScaleHubError, match=f"cannot reach the Hub at {closed_port_url} \\(set by HF_ENDPOINT\\)"):
         hf_scale.push_to_hub(checkpoint, REPO, token=TOKEN)
+
+
+def test_hf_scale_push_command(hub, checkpoint):
+    """``python -m hf_scale.cli push`` (the installed ``hf-scale push``) in its own process,
+    pointed at the local Hub by the environment the fixture set."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "hf_scale.cli", "push", str(checkpoint), REPO, "--commit-message", "from the CLI"]
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip() == f"{hub.url}/{REPO}/commit/{hub.repos[REPO].branches['main']}"
+    assert_each_file_committed_once(hub, checkpoint, max_files=len(contents(checkpoint)))
+    assert {c.summary for c in hub.commits} == {"from the CLI"}
+    assert_on_hub(hub, checkpoint)
+    bad = subprocess.run([*argv[:4], str(checkpoint / "nowhere"), REPO], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("hf-scale push: error:") and "Traceback" not in bad.stderr
+    assert TOKEN not in done.stdout + done.stderr + bad.stderr
 
 
 def test_cli_main(hub, checkpoint, capsys):
