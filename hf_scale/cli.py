@@ -14,11 +14,12 @@ Errors in configs and inputs print one line and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import subprocess
 import sys
 
-from .errors import HfScaleError
+from .errors import HfScaleConfigError, HfScaleError
 
 COMMANDS = ("finetune", "plan", "export", "push")
 LAUNCH_FLAGS = {  # flag -> the config field it sets
@@ -56,19 +57,72 @@ def usage() -> str:
     return "usage:\n" + commands.rstrip() + "\n\n" + explanation.replace("``", "`")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one-line :class:`HfScaleConfigError` (exit 2 through ``main``),
+    and which takes flags only as spelled (no abbreviations), as finetune's launch flags."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        raise HfScaleConfigError(f"{message}. See {self.prog} --help.")
+
+    def parse_strict(self, args: list[str]) -> argparse.Namespace:
+        """Parse ``args``; an unknown flag is an error naming the closest known one."""
+        ns, extras = self.parse_known_args(args)
+        if extras:
+            flags = (s for a in self._actions for s in a.option_strings)
+            known = [s for s in flags if s.startswith("--") and s != "--help"]
+            raise unknown_argument(extras[0], known, self.prog)
+        return ns
+
+
+def unknown_argument(arg: str, known: list[str], prog: str, also: str = "") -> HfScaleConfigError:
+    """The error for an argument ``prog`` does not take: the closest known flag, else the list."""
+    if not arg.startswith("-"):
+        return HfScaleConfigError(f"unexpected argument {arg!r}. See {prog} --help.")
+    flag = arg.partition("=")[0]
+    close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else f"{prog} takes {', '.join(known)}{also}."
+    return HfScaleConfigError(f"unknown flag {flag}: {hint} See {prog} --help.")
+
+
+def is_override(arg: str) -> bool:
+    """True for a ``--section.field`` (or ``--section.field=value``) recipe override."""
+    flag = arg.partition("=")[0]
+    return flag.startswith("--") and "." in flag
+
+
+def take_overrides(args: list[str]) -> tuple[list[str], list[str]]:
+    """(the other arguments, the ``--section.field value`` overrides with their values)."""
+    rest, overrides, args = [], [], list(args)
+    while args:
+        arg = args.pop(0)
+        if not is_override(arg):
+            rest.append(arg)
+            continue
+        overrides.append(arg)
+        if "=" not in arg and args:
+            overrides.append(args.pop(0))  # its value, even one that starts with '-' (-1)
+    return rest, overrides
+
+
 def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     """(the recipe path, ``--section.field value`` overrides), launch flags translated.
 
     The recipe is the first argument (or ``--config PATH``); ``--nproc-per-node 4`` becomes
     ``--launch.nproc_per_node 4`` and ``--resume latest`` ``--checkpoint.resume latest``.
+    Any other argument is an error naming the closest flag.
     """
-    from .errors import HfScaleConfigError
-
     config, overrides, args = None, [], list(args)
     while args:
         arg = args.pop(0)
         flag, eq, value = arg.partition("=")
-        if flag in LAUNCH_FLAGS or flag == "--config":
+        if is_override(arg):
+            overrides.append(arg)
+            if not eq and args:
+                overrides.append(args.pop(0))  # its value, even one that starts with '-' (-1)
+        elif flag in LAUNCH_FLAGS or flag == "--config":
             if not eq:
                 if not args:
                     raise HfScaleConfigError(f"flag {flag} has no value.")
@@ -80,14 +134,14 @@ def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
         elif config is None and not arg.startswith("-"):
             config = arg
         else:
-            overrides.append(arg)
+            known = ["--config", *(f for f in LAUNCH_FLAGS if "_" not in f)]
+            raise unknown_argument(arg, known, "hf-scale finetune", ", and --section.field value overrides")
     return config, overrides
 
 
 def finetune(args: list[str], task: str | None = None) -> int:
     """Load the recipe, then train here (torchrun worker, one process) or launch torchrun."""
-    from .errors import HfScaleConfigError
-    from .launch import check_launch, torchrun_argv, under_torchrun
+    from .launch import check_launch, resolve_launch, torchrun_argv, under_torchrun
     from .train.config import load_job
 
     if any(a in ("-h", "--help") for a in args):
@@ -97,6 +151,7 @@ def finetune(args: list[str], task: str | None = None) -> int:
     if config is None:
         raise HfScaleConfigError("finetune needs a recipe: hf-scale finetune configs/quickstart.yaml")
     job = load_job(config, overrides)
+    job.launch = resolve_launch(job.launch)  # nodes, node rank, rendezvous from SLURM under srun
     if task is not None and job.model.task != task:
         raise HfScaleConfigError(
             f"{config} trains model.task={job.model.task!r}, but this script is for {task!r}: "
@@ -136,15 +191,15 @@ def plan(args: list[str]) -> int:
     from .config import ParallelConfig, from_dict
     from .plan_report import format_report, plan_report
     from .train.config import ModelConfig, load_job
-    from .train.model import load_config
 
-    parser = argparse.ArgumentParser(prog="hf-scale plan", description=plan.__doc__)
+    parser = ArgumentParser(prog="hf-scale plan", description=plan.__doc__)
     parser.add_argument("source", help="a recipe .yaml, a Hub model id, a model folder or a config.json")
     parser.add_argument("--world-size", type=int, help="ranks to plan for (default: the recipe's launch)")
     parser.add_argument("--nnodes", type=int, help="nodes (default: the recipe's launch.nnodes, else 1)")
     parser.add_argument("--task", default=None, choices=("causal_lm", "sequence_classification"))
     parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
-    ns, overrides = parser.parse_known_args(args)
+    args, overrides = take_overrides(args)
+    ns = parser.parse_strict(args)
     if ns.source.endswith((".yaml", ".yml")):
         job = load_job(ns.source, overrides)
         model_cfg, parallel, launch = job.model, job.parallel, job.launch
@@ -153,12 +208,49 @@ def plan(args: list[str]) -> int:
         nnodes = ns.nnodes or launch.nnodes
         world = ns.world_size or launch.nproc_per_node * launch.nnodes
     else:
+        if overrides:
+            raise HfScaleConfigError(
+                f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a "
+                "recipe (.yaml): use --world-size, --nnodes, --task, --strategy, or plan a recipe."
+            )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
         parallel = ParallelConfig(strategy=ns.strategy or "fsdp")
         nnodes, world = ns.nnodes or 1, ns.world_size or 1
-    report = plan_report(load_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
+    report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0
+
+
+def read_model_config(model_cfg):
+    """The model's config (no weights); a source transformers cannot read is one clear error."""
+    from pathlib import Path
+
+    from huggingface_hub import constants
+
+    from .train.model import load_config
+
+    name = model_cfg.name_or_path
+    local = Path(name)
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise HfScaleConfigError(
+            f"model folder {name!r} has no config.json: give a folder written by save_pretrained, "
+            "its config.json, a recipe .yaml or a Hub id."
+        )
+    try:
+        return load_config(model_cfg)
+    except (OSError, ValueError) as e:
+        said = " ".join(str(e).split())
+        if local.exists() or isinstance(e, ValueError):
+            raise HfScaleConfigError(f"cannot read the model config of {name!r}: {said}") from None
+        where = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache"
+            if constants.HF_HUB_OFFLINE else f"the Hub at {constants.ENDPOINT} did not provide it ({said})"
+        )
+        raise HfScaleConfigError(
+            f"cannot find model {name!r}: it is not a local folder or config.json, and {where}. "
+            "Give a model folder, its config.json, a recipe .yaml, or a Hub id (with network access, "
+            "or downloaded before with `hf download`)."
+        ) from None
 
 
 def export(args: list[str]) -> int:
@@ -166,11 +258,11 @@ def export(args: list[str]) -> int:
     from .checkpoint.export import export_checkpoint
     from .distributed import init_distributed
 
-    parser = argparse.ArgumentParser(prog="hf-scale export", description=export.__doc__)
+    parser = ArgumentParser(prog="hf-scale export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a step_* folder, or <root>/latest")
     parser.add_argument("out")
     parser.add_argument("--tokenizer", default=None, help="tokenizer (name or folder) to save beside the model")
-    ns = parser.parse_args(args)
+    ns = parser.parse_strict(args)
     init_distributed()
     try:
         tokenizer = None

@@ -237,7 +237,13 @@ def apply_overrides(data: dict[str, Any], argv: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise HfScaleConfigError(f"--{key}: '{part}' is not a section.")
-        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise HfScaleConfigError(
+                f"--{key} {raw!r}: not a YAML value ({problem}); quote text, write lists as [a, b]."
+            ) from None
     return data
 
 
@@ -248,5 +254,17 @@ def load_yaml(cls: type[T], path: str | Path, overrides: list[str] | None = None
     path = Path(path)
     if not path.is_file():
         raise HfScaleConfigError(f"config file {str(path)!r} does not exist.")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        said = "; ".join(s for s in (e.context, e.problem) if s)
+        raise HfScaleConfigError(
+            f"{where}: YAML syntax error: {said} (line {mark.line + 1}, column {mark.column + 1}). "
+            "Fix the recipe there (indent with spaces, quote values containing ': ' or '#')."
+            if mark else f"{where}: YAML syntax error: {said}. Fix the recipe."
+        ) from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise HfScaleConfigError(f"{path}: not a readable YAML file ({' '.join(str(e).split())}).") from None
     return from_dict(cls, apply_overrides(data, overrides or []))

@@ -1,11 +1,13 @@
 """Model cards for checkpoints trained with hf_scale: :class:`CardInfo` -> ``README.md``.
 
-The card is rendered with huggingface_hub's ``ModelCard.from_template`` from a Jinja template
-in ``model_cards/`` (``default.md`` unless told otherwise; ``model_cards/README.md`` lists the
-variables). Its YAML header (``ModelCardData``) carries what the Hub indexes: base model,
-datasets, license, ``library_name: transformers``, the pipeline tag and the tags ``hf-scale``
-and the strategy. The body gives the parallel layout, hyperparameters, training time, tokens
-seen, final metrics, the loss curve when its image is in the folder, and how to load the model.
+The card is rendered with huggingface_hub's ``ModelCard.from_template`` from a Jinja template:
+``hf_scale/hub/templates/default.md`` (shipped in the package) unless told otherwise. The
+repository's ``model_cards/`` holds an identical copy to start your own from, and
+``model_cards/README.md`` lists the variables. Its YAML header (``ModelCardData``) carries
+what the Hub indexes: base model, datasets, license, ``library_name: transformers``, the
+pipeline tag and the tags ``hf-scale`` and the strategy. The body gives the parallel layout,
+hyperparameters, training time, tokens seen, final metrics, the loss curve when its image is
+in the folder, and how to load the model.
 
 Usage::
 
@@ -27,8 +29,9 @@ from ..config import from_dict
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "model_cards"
+TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data (pyproject.toml)
 DEFAULT_TEMPLATE = TEMPLATES / "default.md"
+VARIABLES_DOC = "model_cards/README.md in the hf_scale repository"
 
 # the model's head (from config.json's architectures) -> (pipeline tag, Auto class to load it)
 HEADS = {
@@ -101,7 +104,7 @@ def write_model_card(
     """Render ``folder/README.md`` from ``info`` and a template; return its path.
 
     ``template`` is a Jinja file as ``ModelCard.from_template`` takes it (default:
-    ``model_cards/default.md``). The Hub validates the YAML header when the card is pushed.
+    :data:`DEFAULT_TEMPLATE`, shipped in the package). The Hub validates the YAML header when the card is pushed.
 
     Usage::
 
@@ -112,12 +115,7 @@ def write_model_card(
     info, folder = as_card_info(info), Path(folder)
     if not folder.is_dir():
         raise HfScaleConfigError(f"cannot write a model card into {folder}: it is not a folder.")
-    template = Path(template) if template is not None else DEFAULT_TEMPLATE
-    if not template.is_file():
-        raise HfScaleConfigError(
-            f"model card template {template} does not exist: pass template= a Jinja markdown file "
-            f"(see {TEMPLATES / 'README.md'} for the variables it gets)."
-        )
+    template = check_template(template if template is not None else DEFAULT_TEMPLATE, "template=")
     pipeline_tag, auto_class = _head(folder)
     tags = ["hf-scale", *([info.strategy] if info.strategy else []), *info.tags]
     data = ModelCardData(
@@ -128,6 +126,35 @@ def write_model_card(
     card = ModelCard.from_template(data, template_path=str(template), **_template_vars(info, folder, auto_class))
     path = folder / "README.md"
     card.save(path)
+    return path
+
+
+def check_template(template: str | Path, where: str) -> Path:
+    """``template`` as a Path once it is a readable Jinja file (HfScaleConfigError otherwise).
+
+    ``where`` names the setting that gave it (``hub.card_template``), for the message. Called
+    when a recipe is loaded, so a bad template fails before training rather than after.
+    """
+    import jinja2
+
+    path = Path(template)
+    if not path.is_file():
+        raise HfScaleConfigError(
+            f"model card template {str(path)!r} ({where}) does not exist: give the path of a "
+            f"Jinja markdown file, e.g. a copy of {DEFAULT_TEMPLATE.name} from model_cards/ (see "
+            f"{VARIABLES_DOC} for the variables it gets)."
+        )
+    try:
+        jinja2.Environment().parse(path.read_text(encoding="utf-8"))
+    except jinja2.TemplateSyntaxError as e:
+        raise HfScaleConfigError(
+            f"model card template {str(path)!r} ({where}): Jinja syntax error on line {e.lineno}: "
+            f"{e.message}. Fix the template (see {VARIABLES_DOC} for the variables it gets)."
+        ) from None
+    except UnicodeDecodeError as e:
+        raise HfScaleConfigError(
+            f"model card template {str(path)!r} ({where}) is not UTF-8 text ({e.reason}): give a markdown file."
+        ) from None
     return path
 
 

@@ -10,7 +10,6 @@ Usage (``python -m hf_scale.hub`` runs the same)::
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -20,7 +19,9 @@ from .upload import push_to_hub
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, push, print the commit URL; return 0, or 2 after a one-line error (as every hf-scale command)."""
-    parser = argparse.ArgumentParser(
+    from ..cli import ArgumentParser  # one-line errors, unknown flags refused (as every hf-scale command)
+
+    parser = ArgumentParser(
         prog="hf-scale push",
         description="Upload a checkpoint folder written by hf_scale.save_pretrained to the Hub. "
         "Resumable: files already on the Hub are not sent again.",
@@ -32,8 +33,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allow-pattern", action="append", dest="allow_patterns", metavar="GLOB",
                         help="push only files matching GLOB (repeatable)")
     parser.add_argument("--commit-message", help="message of the commit(s)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_strict(list(sys.argv[1:] if argv is None else argv))
         url = push_to_hub(args.folder, args.repo_id, private=args.private, revision=args.revision,
                           allow_patterns=args.allow_patterns, commit_message=args.commit_message)
     except HfScaleError as e:

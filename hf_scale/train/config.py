@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -114,8 +115,9 @@ class TrainConfig:
         batch_size: examples per data-parallel rank per micro-batch.
         grad_accum: micro-batches per optimizer step (gradients reduced once, on the last).
         lr, weight_decay, betas, warmup_steps, scheduler: AdamW and its schedule
-            (``transformers.get_scheduler``).
-        max_grad_norm: clip the global gradient norm (``null``: no clipping).
+            (``transformers.get_scheduler``); lr > 0, weight_decay >= 0, each beta in [0, 1),
+            warmup_steps >= 0 and below ``max_steps`` when that is set.
+        max_grad_norm: clip the global gradient norm to this (> 0; ``null`` or 0: no clipping).
         eval_every: evaluate every N steps (0: before and after training only).
         eval_batch_size: examples per rank per evaluation forward.
         exact_match: also score greedy answers for prompt/response data (causal LM).
@@ -156,6 +158,35 @@ class TrainConfig:
             raise HfScaleConfigError(f"train.epochs={self.epochs}: must be > 0 (or set max_steps).")
         if len(self.betas) != 2:
             raise HfScaleConfigError(f"train.betas={self.betas}: needs two numbers, e.g. [0.9, 0.999].")
+        self._check_optimizer()
+
+    def _check_optimizer(self) -> None:
+        """AdamW's and the schedule's numbers, checked here rather than by torch after the model loads."""
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise HfScaleConfigError(f"train.lr={self.lr}: the learning rate must be > 0, e.g. 2e-5.")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise HfScaleConfigError(
+                f"train.weight_decay={self.weight_decay}: must be >= 0 (0: no decay), e.g. 0.01."
+            )
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise HfScaleConfigError(
+                    f"train.betas={self.betas}: betas[{i}]={beta} must be in [0, 1), e.g. [0.9, 0.999]."
+                )
+        if self.warmup_steps < 0:
+            raise HfScaleConfigError(f"train.warmup_steps={self.warmup_steps}: must be >= 0 (0: no warmup).")
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            raise HfScaleConfigError(
+                f"train.warmup_steps={self.warmup_steps} with train.max_steps={self.max_steps}: the run "
+                "would end before the warmup does; use fewer warmup steps than max_steps."
+            )
+        if self.max_grad_norm is not None and not (
+            math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0
+        ):
+            raise HfScaleConfigError(
+                f"train.max_grad_norm={self.max_grad_norm}: must be > 0 (the norm to clip to), or "
+                "null / 0 for no clipping."
+            )
 
 
 @dataclass
@@ -183,17 +214,30 @@ class CheckpointConfig:
 
 @dataclass
 class HubConfig:
-    """Push the final model and its card to the Hub (``HF_ENDPOINT``, ``HF_TOKEN`` honoured)."""
+    """The final model's card, and pushing it to the Hub (``HF_ENDPOINT``, ``HF_TOKEN`` honoured).
+
+    Attributes:
+        push: upload ``<output_dir>/model`` with its card at the end of the run.
+        repo_id / private / revision: the Hub repository, created private unless told, and branch.
+        license: the card's license (a Hub license id).
+        card_template: a Jinja markdown file for the model card (default: the one shipped with
+            hf_scale, copied in ``model_cards/default.md``); checked when the recipe is loaded.
+    """
 
     push: bool = False
     repo_id: Optional[str] = None
     private: bool = True
     revision: Optional[str] = None
     license: Optional[str] = None
+    card_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.push and not self.repo_id:
             raise HfScaleConfigError("hub.push is true but hub.repo_id is not set (e.g. org/my-finetune).")
+        if self.card_template is not None:
+            from ..hub.card import check_template
+
+            check_template(self.card_template, "hub.card_template")
 
 
 @dataclass

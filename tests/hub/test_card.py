@@ -74,3 +74,40 @@ def test_hub_validator_accepts_the_card_and_rejects_bad_metadata(hub, folder):
     with pytest.raises(HfScaleConfigError, match="rejected the metadata.*license"):
         hf_scale.push_to_hub(folder, "org/other", card={"license": "my-own-license"})
     assert [path for _, path in hub.requests[start:]] == ["/api/validate-yaml"]  # before any upload
+
+
+def test_default_template_ships_in_the_package_and_model_cards_is_its_copy():
+    from pathlib import Path
+
+    from hf_scale.hub.card import DEFAULT_TEMPLATE
+
+    package = Path(hf_scale.__file__).resolve().parent
+    assert DEFAULT_TEMPLATE.is_file() and package in DEFAULT_TEMPLATE.resolve().parents
+    copy = package.parent / "model_cards" / DEFAULT_TEMPLATE.name
+    assert copy.read_text() == DEFAULT_TEMPLATE.read_text(), (
+        f"{copy} differs from {DEFAULT_TEMPLATE}, the template hf_scale uses: edit the package's "
+        f"template and copy it over (cp {DEFAULT_TEMPLATE.relative_to(package.parent)} model_cards/)"
+    )
+
+
+def test_custom_template(folder, tmp_path):
+    template = tmp_path / "lab.md"
+    template.write_text("---\n{{ card_data }}\n---\n# {{ model_name }}, from the lab\n\nstrategy {{ strategy }}\n")
+    card = ModelCard.load(write_model_card(folder, INFO, template=template))
+    assert card.text.strip() == "# tiny-finetune, from the lab\n\nstrategy hsdp"
+    assert card.data.base_model == INFO.base_model
+    template.write_text("{% if strategy %}unclosed")
+    with pytest.raises(HfScaleConfigError, match="template=.*Jinja syntax error on line 1"):
+        write_model_card(folder, INFO, template=template)
+
+
+def test_a_recipe_names_the_template_of_its_run_card(folder, tmp_path):
+    from hf_scale.train.config import HubConfig, JobConfig, TrainConfig
+    from hf_scale.train.report import finish_run
+
+    template = tmp_path / "lab.md"
+    template.write_text("---\n{{ card_data }}\n---\n# {{ model_name }}: {{ hyperparameters.steps }} steps\n")
+    job = JobConfig(train=TrainConfig(output_dir=str(tmp_path)), hub=HubConfig(card_template=str(template)))
+    summary = {"steps": 7, "train_time_s": 1.0, "tokens_seen": 10, "final_loss": 0.5}
+    finish_run(job, folder, summary, None, None, world=1)
+    assert ModelCard.load(folder / "README.md").text.strip() == f"# {tmp_path.name}: 7 steps"

@@ -107,3 +107,81 @@ def test_unknown_zoo_model():
 
     with pytest.raises(HfScaleConfigError, match="'zoo:nope': the zoo has zoo:smollm2 and zoo:minilm"):
         load_tokenizer(ModelConfig(name_or_path="zoo:nope"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--train.lr", "-1"], "train.lr=-1.0: the learning rate must be > 0"),
+        (["--train.lr", "0"], "train.lr=0.0: the learning rate must be > 0"),
+        (["--train.lr", ".nan"], "train.lr=nan: the learning rate must be > 0"),
+        (["--train.betas", "[0.9, 1.0]"], "betas[1]=1.0 must be in [0, 1)"),
+        (["--train.betas", "[-0.1, 0.999]"], "betas[0]=-0.1 must be in [0, 1)"),
+        (["--train.weight_decay", "-0.01"], "train.weight_decay=-0.01: must be >= 0"),
+        (["--train.warmup_steps", "-1"], "train.warmup_steps=-1: must be >= 0"),
+        (["--train.max_steps", "10", "--train.warmup_steps", "10"],
+         "train.warmup_steps=10 with train.max_steps=10: the run would end before the warmup does"),
+        (["--train.max_grad_norm", "-1"], "train.max_grad_norm=-1.0: must be > 0 (the norm to clip to), or null / 0"),
+        (["--train.lr", "[1"], "--train.lr '[1': not a YAML value"),
+    ],
+)
+def test_bad_optimizer_settings_fail_when_the_recipe_loads(overrides, message):
+    with pytest.raises(HfScaleConfigError, match=_escape(message)):
+        load_job(CONFIGS / "quickstart.yaml", overrides)
+
+
+def test_optimizer_settings_at_their_limits_load():
+    job = load_job(CONFIGS / "quickstart.yaml", ["--train.max_grad_norm", "0", "--train.betas", "[0.0, 0.5]",
+                                                 "--train.max_steps", "10", "--train.warmup_steps", "9"])
+    assert job.train.max_grad_norm == 0 and job.train.betas == [0.0, 0.5] and job.train.warmup_steps == 9
+    assert load_job(CONFIGS / "quickstart.yaml", ["--train.max_grad_norm", "null"]).train.max_grad_norm is None
+
+
+@pytest.mark.parametrize(
+    ("text", "where", "problem"),
+    [
+        ("train:\n  lr: 1e-4\n   batch_size: 4\n", ":3:14: YAML syntax error", "mapping values are not allowed here"),
+        ("train:\n  betas: [0.9, 0.95\n", ":3:1: YAML syntax error", "expected ',' or ']'"),
+        ("train:\n\tlr: 1\n", ":2:1: YAML syntax error", "found character '\\t' that cannot start any token"),
+    ],
+)
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path, text, where, problem):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    with pytest.raises(HfScaleConfigError, match=_escape(str(recipe) + where) + ".*" + _escape(problem)):
+        load_job(recipe)
+
+
+def test_recipe_names_its_own_card_template(tmp_path):
+    template = tmp_path / "card.md"
+    template.write_text("---\n{{ card_data }}\n---\n# {{ model_name }} by my lab\n")
+    job = load_job(CONFIGS / "quickstart.yaml", ["--hub.card_template", str(template)])
+    assert job.hub.card_template == str(template)
+    with pytest.raises(HfScaleConfigError, match=_escape(f"model card template '{tmp_path / 'nope.md'}' "
+                                                         "(hub.card_template) does not exist")):
+        load_job(CONFIGS / "quickstart.yaml", ["--hub.card_template", str(tmp_path / "nope.md")])
+    template.write_text("# {{ model_name }\n")
+    with pytest.raises(HfScaleConfigError, match="hub.card_template.*Jinja syntax error on line 1"):
+        load_job(CONFIGS / "quickstart.yaml", ["--hub.card_template", str(template)])
+
+
+def test_every_command_refuses_unknown_flags_in_one_line(tmp_path, capsys):
+    from hf_scale.cli import main
+
+    quickstart = str(CONFIGS / "quickstart.yaml")
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("train:\n  lr: 1e-4\n   batch_size: 4\n")
+    for argv, message in [
+        (["finetune", quickstart, "--train.lr", "-1"], "train.lr=-1.0: the learning rate must be > 0"),
+        (["finetune", str(recipe)], f"{recipe}:3:14: YAML syntax error: mapping values are not allowed here"),
+        (["finetune", quickstart, "--nproc-per-nod", "2"],
+         "unknown flag --nproc-per-nod: did you mean --nproc-per-node?"),
+        (["finetune", quickstart, "-x"], "unknown flag -x: hf-scale finetune takes --config, --nproc-per-node"),
+        (["finetune", quickstart, "other.yaml"], "unexpected argument 'other.yaml'"),
+        (["export", "ckpt", "out", "--tokeniser", "gpt2"], "unknown flag --tokeniser: did you mean --tokenizer?"),
+        (["export", "ckpt"], "the following arguments are required: out. See hf-scale export --help."),
+        (["push", str(tmp_path), "org/x", "--privat"], "unknown flag --privat: did you mean --private?"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, (argv, err)

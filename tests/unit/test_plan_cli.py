@@ -66,3 +66,53 @@ def test_report_counts_sharded_state():
     assert report["params_per_rank"] == report["parameters"]  # ddp replicates
     sharded = plan_report(LlamaConfig(**LLAMA3["8b"]), ParallelConfig(), 8)
     assert sharded["params_per_rank"] == sharded["parameters"] // 8
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("plan") / "m", "llama", CAUSAL)
+
+
+@pytest.fixture
+def cli_output(capsys, tiny_folder):
+    """capsys, without the progress bar of saving the tiny model."""
+    capsys.readouterr()
+    return capsys
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--gpus", "8", "--bogus", "3"],
+         "unknown flag --gpus: hf-scale plan takes --world-size, --nnodes, --task, --strategy."),
+        (["--world-siz", "8"], "unknown flag --world-siz: did you mean --world-size?"),
+        (["--world", "8"], "unknown flag --world: did you mean --world-size?"),  # no abbreviations
+        (["--world-size", "x"], "argument --world-size: invalid int value: 'x'. See hf-scale plan --help."),
+        (["--train.lr", "1"], "--train.lr overrides a recipe field, but"),
+        (["extra"], "unexpected argument 'extra'."),
+    ],
+)
+def test_plan_refuses_what_it_does_not_take(tiny_folder, cli_output, extra, message):
+    assert main(["plan", tiny_folder, *extra]) == 2
+    captured = cli_output.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and message in captured.err, captured.err
+
+
+def test_plan_with_a_recipe_still_takes_overrides_and_refuses_bare_flags(tiny_folder, cli_output):
+    folder = tiny_folder
+    recipe = str(CONFIGS / "quickstart.yaml")
+    assert main(["plan", recipe, "--model.name_or_path", folder, "--train.lr=1e-4", "--world-size", "4"]) == 0
+    assert "fsdp over 4 rank(s)" in cli_output.readouterr().out
+    assert main(["plan", recipe, "--model.name_or_path", folder, "--strategy=ddp", "--bogus"]) == 2
+    assert "unknown flag --bogus" in cli_output.readouterr().err
+
+
+def test_plan_of_a_model_that_is_nowhere_is_one_line(tmp_path, cli_output):
+    assert main(["plan", "not-a-model-id-xyz"]) == 2  # offline (tests/conftest.py)
+    err = cli_output.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert ("cannot find model 'not-a-model-id-xyz': it is not a local folder or config.json, and HF_HUB_OFFLINE "
+            "is set and it is not in the local Hugging Face cache") in err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", str(tmp_path / "empty")]) == 2
+    assert "has no config.json" in cli_output.readouterr().err

@@ -1,0 +1,21 @@
+"""Bad input to the ``hf-scale`` process: one line, exit status 2, before any model is loaded."""
+
+from __future__ import annotations
+
+from tests.harness import run_cli
+
+
+def test_bad_lr_and_unknown_flag_exit_2_in_one_line(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"], '
+                                          '"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, '
+                                          '"num_attention_heads": 4, "vocab_size": 128}')
+    for args, message in [
+        (("finetune", "configs/quickstart.yaml", "--train.lr", "-1"),
+         "hf-scale finetune: error: train.lr=-1.0: the learning rate must be > 0, e.g. 2e-5."),
+        (("plan", str(tmp_path), "--gpus", "8", "--bogus", "3"),
+         "hf-scale plan: error: unknown flag --gpus: hf-scale plan takes --world-size, --nnodes, --task, --strategy."),
+        (("plan", "not-a-model-id-xyz"), "hf-scale plan: error: cannot find model 'not-a-model-id-xyz'"),
+    ]:
+        result = run_cli(*args, check=False, timeout=120)
+        assert result.returncode == 2, result.stdout
+        assert result.stdout.count("\n") == 1 and result.stdout.startswith(message), result.stdout
