@@ -53,7 +53,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
     ``["node01", "node02", "node03", "node07", "gpu1"]`` (zero padding kept; what
     ``scontrol show hostnames`` prints)."""
     hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", nodelist):
+    items = re.findall(r"(?:[^,\[\]]|\[[^\[\]]*\])+", nodelist)
+    if ",".join(items) != nodelist:  # an unclosed or stray bracket
+        items = []
+    for item in items:
         expanded = [""]
         for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", item):
             choices = [text + n for n in _expand_ranges(ranges, nodelist)] if ranges else [text]

@@ -47,12 +47,26 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-def _child(fn, rank, world, port, args, env, results) -> None:
+def torchrun_vars(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives a worker on one node."""
+    return dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def mpirun_vars(rank: int, world: int, port: int) -> dict[str, str]:
+    """What Open MPI's mpirun gives a process (plus the rendezvous address): no RANK."""
+    return dict(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(world),
+                OMPI_COMM_WORLD_LOCAL_RANK=str(rank), OMPI_COMM_WORLD_LOCAL_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) -> None:
+    from hf_scale.distributed import LAUNCHER_VARS
+
+    for var in LAUNCHER_VARS:
+        os.environ.pop(var, None)
     os.environ.update(env)
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )
+    os.environ.update(launcher(rank, world, port), OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
 
@@ -68,14 +82,19 @@ def _child(fn, rank, world, port, args, env, results) -> None:
 
 
 def run_ranks(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 600, env: dict | None = None
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600, env: dict | None = None,
+    launcher: Callable[[int, int, int], dict] = torchrun_vars,
 ) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result, rank order."""
+    """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result, rank order.
+
+    ``launcher(rank, world, port)`` gives each process its variables: torchrun's by default,
+    :func:`mpirun_vars` to start the ranks as mpirun would."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), results), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), results, launcher),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -114,17 +133,21 @@ def run_ranks(
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli_env() -> dict[str, str]:
-    """The environment of a command under test: offline, one thread, no inherited torchrun vars."""
+def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a command under test: offline, one thread, no inherited launcher
+    variables (torchrun's or mpirun's), then ``extra``."""
+    from hf_scale.distributed import LAUNCHER_VARS
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in LAUNCHER_VARS:
         env.pop(var, None)
-    return env
+    return {**env, **(extra or {})}
 
 
-def start_command(argv: list[str]) -> subprocess.Popen:
-    """Start ``argv`` in its own process group (so torchrun and its workers die together)."""
-    return subprocess.Popen(argv, cwd=ROOT, env=cli_env(), text=True, stdout=subprocess.PIPE,
+def start_command(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``argv`` in its own process group (so torchrun and its workers die together);
+    ``env`` adds variables (e.g. SLURM's) to :func:`cli_env`."""
+    return subprocess.Popen(argv, cwd=ROOT, env=cli_env(env), text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hf_scale.distributed import LAUNCHER_VARS
 from tests.distributed import resume_checks
 from tests.harness import run_ranks, to_plain
 
@@ -55,7 +56,7 @@ def test_state_reshards_across_layouts(runs, loaded, saved):
 
 
 def test_any_layout_into_one_process(runs, monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
     root, saved4, _ = runs
     got = resume_checks.load_and_snapshot({"strategy": "fsdp"}, os.path.join(root, "hsdp4"))

@@ -1,8 +1,10 @@
 import pytest
 
+from hf_scale.distributed import LAUNCHER_VARS
+
 
 @pytest.fixture(autouse=True)
 def _no_torchrun(monkeypatch):
-    """Unit tests run as one process, even when pytest itself was started under torchrun."""
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    """Unit tests run as one process, even when pytest itself was started by torchrun or mpirun."""
+    for var in LAUNCHER_VARS:
         monkeypatch.delenv(var, raising=False)
