@@ -220,14 +220,14 @@ def test_hf_scale_push_command(hub, checkpoint):
     pointed at the local Hub by the environment the fixture set."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "hf_scale.cli", "push", str(checkpoint), REPO, "--commit-message", "from the CLI"]
-    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.strip() == f"{hub.url}/{REPO}/commit/{hub.repos[REPO].branches['main']}"
     assert_each_file_committed_once(hub, checkpoint, max_files=len(contents(checkpoint)))
     assert {c.summary for c in hub.commits} == {"from the CLI"}
     assert_on_hub(hub, checkpoint)
     bad = subprocess.run([*argv[:4], str(checkpoint / "nowhere"), REPO], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("hf-scale push: error:") and "Traceback" not in bad.stderr
     assert TOKEN not in done.stdout + done.stderr + bad.stderr
 

@@ -16,7 +16,7 @@ def corrupted(tmp_path):
     """A training checkpoint whose one model shard has one byte flipped in its tensor data."""
     model = hf_scale.parallelize(tiny_model("gpt2", "causal"))
     optimizer = hf_scale.build_optimizer(model, lr=1e-3)
-    hf_scale.save_state(model, optimizer, None, tmp_path / "ckpt", step=1)
+    hf_scale.save_state(model, optimizer, root=tmp_path / "ckpt", step=1)
     shards = sorted((tmp_path / "ckpt" / "step_00000001" / "model").glob("*.safetensors"))
     assert shards, "save_state wrote no model shard"
     shard = shards[-1]
