@@ -63,13 +63,16 @@ def from_pretrained(
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig
+    from transformers.initialization import no_init_weights
 
     folder = _resolve(name_or_path, revision)
     config = AutoConfig.from_pretrained(folder)
     cls = auto_class or _model_class(config)
-    with init_empty_weights(include_buffers=False):
+    # No weight init: on meta parameters it does nothing, slowly (a second for SmolLM2)
+    with init_empty_weights(include_buffers=False), no_init_weights():
         build = getattr(cls, "_from_config", None) or cls.from_config  # model class / Auto class
         model = build(config, dtype=dtype)
+    _init_computed_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = weight_map_of(folder)
@@ -86,6 +89,16 @@ def from_pretrained(
     if not sharded:
         model = parallelize(model, parallel, plan=plan)
     return model
+
+
+def _init_computed_buffers(model: nn.Module) -> None:
+    """Run the model's own init on the modules that hold computed buffers and no parameters
+    (rotary frequencies, position ids): their values come from the config, not the checkpoint."""
+    init = getattr(model, "_init_weights", None)
+    for module in model.modules():
+        if init and module._non_persistent_buffers_set and not any(True for _ in module.parameters(recurse=False)):
+            with torch.no_grad():
+                init(module)
 
 
 def _resolve(name_or_path, revision) -> Path:
@@ -235,8 +248,11 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
     from ..plans import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
-    names = checkpoint_names(model, dict(state))
     tied = {target for target, _ in find_tied_parameters(model)}
+    if all(key in weight_map or key in tied for key in state):
+        names = {key: key for key in state}  # the checkpoint uses the module names
+    else:  # transformers' renames between module and checkpoint names (a second, slow)
+        names = checkpoint_names(model, dict(state))
     headers: dict[Path, tuple[int, dict]] = {}
     for key, target in state.items():
         name = names[key]

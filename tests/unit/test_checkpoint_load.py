@@ -23,18 +23,47 @@ def test_round_trip_in_one_process(arch, head, tmp_path):
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
 
 
+def _mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (from /proc/self/maps), or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5] if len(fields) > 5 else None
+    return None
+
+
 @pytest.fixture
 def saved(tmp_path):
     return hf_scale.save_pretrained(tiny_model("llama", "causal"), tmp_path / "m", max_shard_size=20000)
 
 
-def test_checksum_mismatch(saved):
+def test_checksum_mismatch_when_asked(saved):
     shard = sorted(saved.glob("model-*.safetensors"))[1]
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
     with pytest.raises(HfScaleCheckpointError, match=rf"{shard.name}.*do not match checksums.sha256"):
-        hf_scale.from_pretrained(saved)
+        hf_scale.from_pretrained(saved, verify_checksums=True)
+    # off by default (as in transformers): no full read of every shard before the load
+    loaded = hf_scale.from_pretrained(saved)
+    assert sum(p.numel() for p in loaded.parameters()) > 0
+
+
+def test_cpu_load_maps_the_files_copy_on_write(saved):
+    """Parameters are views of the mapped shards (nothing read or copied at load time), and a
+    write to them (training) never reaches the files."""
+    before = {p: p.read_bytes() for p in saved.glob("*.safetensors")}
+    loaded = hf_scale.from_pretrained(saved)
+    params = dict(loaded.named_parameters())
+    assert [n for n, p in params.items() if _mapped_file(p.data_ptr()) not in map(str, before)] == []
+    reference = tiny_model("llama", "causal").state_dict()
+    with torch.no_grad():
+        for name, p in params.items():
+            assert torch.equal(p, reference[name]), name
+            p.add_(1.0)
+    assert {p: p.read_bytes() for p in before} == before
 
 
 def test_truncated_shard_without_checksums(saved):
