@@ -4,15 +4,13 @@ rank is SIGKILLed restarts under torchrun, resumes, and ends with the uninterrup
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from hf_scale.checkpoint.state import complete_checkpoints, resolve_checkpoint
-from tests.harness import free_port
+from tests.harness import finish_command, free_port, start_command
 
 SCRIPT = Path(__file__).with_name("elastic_train.py")
 
@@ -23,9 +21,7 @@ def _torchrun(root: Path, *extra: str) -> None:
     # workers' addresses and fail in gloo's connectFullMesh.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--max-restarts", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(SCRIPT), str(root), *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    finish_command(start_command(cmd), timeout=600)  # own process group: a timeout kills every worker
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +61,8 @@ def die(*a, **k):
 safetensors_io._write_my_bytes = die
 hf_scale.save_state(model, optimizer, scheduler=scheduler, root={str(tmp_path)!r}, step=2)
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == -9, proc.stderr[-3000:]
+    proc = finish_command(start_command([sys.executable, "-c", code]), timeout=300, check=False)
+    assert proc.returncode == -9, proc.stdout[-3000:]
     assert (tmp_path / ".step_00000002.partial").exists()
     with pytest.warns(UserWarning, match="ignoring .step_00000002.partial"):
         assert resolve_checkpoint(tmp_path / "latest").name == "step_00000001"
@@ -85,8 +80,7 @@ def test_export_a_training_checkpoint_to_a_hub_folder(runs, tmp_path, nproc):
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                "--master_port", str(free_port()), *cmd[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    finish_command(start_command(cmd), timeout=300)
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (killed / "ckpt" / "step_00000008" / "model").iterdir())
     exported = AutoModelForCausalLM.from_pretrained(out)
     original = AutoModelForCausalLM.from_pretrained(killed / "ckpt" / "step_00000008" / "model")
