@@ -173,7 +173,7 @@ def machine() -> str:
     import psutil
     import torch
 
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     ram = psutil.virtual_memory().total / 2**30
     return (f"{now}; {os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
             f"{ram:.0f} GiB RAM; torch {torch.__version__}; python {platform.python_version()}; "

@@ -10,9 +10,9 @@ import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from write_doc import MarkerError, replace_section, write_section  # noqa: E402
+from write_doc import MarkerError, replace_section, write_section
 
-from hf_scale.errors import HfScaleError  # noqa: E402
+from hf_scale.errors import HfScaleError
 
 DOC = (
     "# Benchmarks\r\n\nintro, kept as is  \n"
@@ -67,10 +67,10 @@ def test_write_section_and_command_line(tmp_path):
     write_section(doc, "b", "measured\n")
     assert doc.read_bytes() == DOC.replace("checksums: hand-written, not ours", "measured").encode()
     script = [sys.executable, str(SCRIPTS / "write_doc.py")]
-    done = subprocess.run([*script, str(doc), "a"], input="from stdin", text=True,
+    done = subprocess.run([*script, str(doc), "a"], input="from stdin", text=True, check=False,
                           capture_output=True)
     assert done.returncode == 0, done.stderr
     assert "<!-- bench:a:start -->\nfrom stdin\n<!-- bench:a:end -->" in doc.read_text()
-    missing = subprocess.run([*script, str(doc), "nope"], input="x", text=True,
+    missing = subprocess.run([*script, str(doc), "nope"], input="x", text=True, check=False,
                              capture_output=True)
     assert missing.returncode != 0 and "bench:nope:start" in missing.stderr
