@@ -13,14 +13,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from ..cli_args import ArgumentParser
 from ..errors import HfScaleError
 from .upload import push_to_hub
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, push, print the commit URL; return 0, or 2 after a one-line error (as every hf-scale command)."""
-    from ..cli import ArgumentParser  # one-line errors, unknown flags refused (as every hf-scale command)
-
     parser = ArgumentParser(
         prog="hf-scale push",
         description="Upload a checkpoint folder written by hf_scale.save_pretrained to the Hub. "
