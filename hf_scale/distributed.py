@@ -105,8 +105,8 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         world, rank = dist.get_world_size(), dist.get_rank()
         local_rank = int(env.get("LOCAL_RANK", rank % max(1, torch.cuda.device_count() or world)))
         local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-    elif not present or (present == ["LOCAL_RANK"] and env["LOCAL_RANK"] == "0") or (
-        mpi is not None and env["WORLD_SIZE"] == "1"
+    elif not set(present) - {"MASTER_ADDR", "MASTER_PORT"} or (  # an exported port alone: one process
+        present == ["LOCAL_RANK"] and env["LOCAL_RANK"] == "0") or (mpi is not None and env["WORLD_SIZE"] == "1"
     ):
         world, rank, local_rank, local_world = 1, 0, 0, 1
     else:

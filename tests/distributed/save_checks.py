@@ -61,3 +61,29 @@ def load_cases(folder: str, configs: list[dict]) -> list[dict]:
         results.append({"params": params if rank == 0 else None, "share": local / total, "logits": logits,
                         "class": type(model).__name__})
     return results
+
+
+def full_disk_on_one_rank(root: str) -> dict:
+    """Rank 1's writes hit ENOSPC (rank 0's succeed): every rank must raise the same clear
+    error instead of rank 0 waiting at a barrier for ever, and nothing may be left behind."""
+    import errno
+
+    from hf_scale import HfScaleCheckpointError
+
+    rank = int(os.environ["RANK"])
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": "fsdp"})
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.pwrite = full if rank == 1 else real
+    try:
+        hf_scale.save_pretrained(model, os.path.join(root, "model"))
+        outcome = "saved"
+    except HfScaleCheckpointError as e:
+        outcome = str(e)
+    finally:
+        os.pwrite = real
+    torch.distributed.barrier()
+    return {"outcome": outcome, "left": sorted(os.listdir(root))}

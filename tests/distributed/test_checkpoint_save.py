@@ -88,3 +88,12 @@ def test_hsdp_replica_groups_write_nothing_twice(saved):
     total = sum(p.numel() * p.element_size() for p in tiny_model("llama", "causal").parameters())
     written = [r["bytes_written"] for r in ranks]
     assert sum(written) == total and written.count(0) == 2  # one replica group wrote it all
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_cleanly(tmp_path):
+    from tests.distributed.save_checks import full_disk_on_one_rank
+
+    results = run_ranks(full_disk_on_one_rank, 2, str(tmp_path), timeout=180)
+    for r in results:
+        assert r["outcome"].startswith("no space left for") and "bytes) free" in r["outcome"]
+        assert r["left"] == []  # the partial folder was removed

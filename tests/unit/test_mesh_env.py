@@ -45,6 +45,8 @@ def test_hsdp_on_one_node_needs_dp_replicate():
 def test_no_torchrun_variables_means_one_process():
     env = read_env({})
     assert (env.rank, env.world_size, env.backend) == (0, 1, "gloo" if not torch.cuda.is_available() else "nccl")
+    # an exported rendezvous address (as batch scripts do) does not make a process a worker
+    assert read_env(dict(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")).world_size == 1
 
 
 FULL = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
