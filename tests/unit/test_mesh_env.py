@@ -150,3 +150,21 @@ def test_slurm_sets_nodes_node_rank_and_rendezvous():
     assert resolve_launch(mine, SLURM) == mine
     assert resolve_launch(LaunchConfig(), {}) == LaunchConfig()
     assert resolve_launch(LaunchConfig(), dict(SLURM, SLURM_NNODES="1")) == LaunchConfig()
+
+
+def test_example_sbatch_script_runs_one_agent_per_node(tmp_path):
+    """scripts/slurm_finetune.sbatch under a stand-in ``srun`` that prints what it would run."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/bash\necho "srun $*"; echo "MASTER_PORT=$MASTER_PORT"\n')
+    fake.chmod(0o755)
+    script = Path(__file__).parents[2] / "scripts" / "slurm_finetune.sbatch"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_GPUS_ON_NODE": "4"}
+    env.pop("MASTER_PORT", None)
+    out = subprocess.run(["bash", str(script), "my.yaml", "--train.max_steps", "5"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    assert "--mpi=none" in out and "MASTER_PORT=29500" in out
+    assert "hf-scale finetune my.yaml --launch.nproc_per_node 4 --train.max_steps 5" in out
