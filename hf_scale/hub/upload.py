@@ -47,11 +47,12 @@ from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, Re
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
+from ..checkpoint.files import CHECKSUMS_FILE, read_checksums, sha256_file
 from ..checkpoint.layout import INDEX_FILE
 from ..checkpoint.load import weight_map_of
-from ..checkpoint.files import CHECKSUMS_FILE, read_checksums, sha256_file
 from ..errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScaleHubError
 from ..log import log_rank0
+from ..ranks import rank_world
 from .card import CardInfo, as_card_info, validate_card, write_model_card
 from .failures import hub_errors, is_transient, mask, resolve_token
 
@@ -110,11 +111,12 @@ def run_on_rank0(fn: Callable[[], T], secret: str | None = None) -> T:
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    rank, world = rank_world()
+    if world == 1:
         return fn()
     outcome: list[Any] = [None]
     error = None
-    if dist.get_rank() == 0:
+    if rank == 0:
         try:
             outcome[0] = ("ok", fn())
         except HfScaleError as e:
