@@ -1,29 +1,28 @@
-"""Benchmark: hf_scale's parallel Hub-format save and slice-wise load on SmolLM2-135M (fp32).
+"""Benchmark: hf_scale's parallel Hub-format save and slice-wise load.
 
-Run (one machine; every measurement is its own fresh ``torchrun --standalone --nproc_per_node 2``
-launched by the script, gloo on CPU, OMP_NUM_THREADS=1)::
+Run (one machine; every measurement is its own fresh ``torchrun`` launched by the script, gloo
+on CPU, OMP_NUM_THREADS=1)::
 
-    python scripts/bench_checkpoint.py                    # full run, ~10 min on 2 CPU cores
-    python scripts/bench_checkpoint.py --quick            # smoke run: (a), (b), (e1) only
-    python scripts/bench_checkpoint.py --root /tmp/ckpt   # output folder root (one disk)
+    python scripts/bench_checkpoint.py --root /tmp/bench_ck        # loads, then saves
+    python scripts/bench_checkpoint.py --part load                 # loads only (2 and 4 ranks)
+    python scripts/bench_checkpoint.py --part save --quick         # smoke run: (a), (b) only
 
-The model: ``hf_scale.parallelize(hf_scale.zoo.load_smollm2()[0], {"strategy": "fsdp"})``.
-(a) disk: 1 GiB of random bytes in 64 MiB writes + fsync, in the launcher process.
-(b) ``hf_scale.save_pretrained(model, dir)`` from both ranks.
+Loads (printed first): ``hf_scale.from_pretrained`` against transformers'
+``from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=W))`` at 2 and 4 ranks, on
+SmolLM2-135M and on a 1.76 GB random Llama; see ``scripts/bench_checkpoint_load.py``.
+
+Saves, on ``hf_scale.parallelize(hf_scale.zoo.load_smollm2()[0], {"strategy": "fsdp"})`` over 2
+ranks: (a) disk: 1 GiB of random bytes in 64 MiB writes + fsync, in the launcher process.
+(b) ``hf_scale.save_pretrained(model, dir)`` from both ranks (b2: ``checksums=False``).
 (c) what users do today: ``get_model_state_dict(model, options=StateDictOptions(
     full_state_dict=True, cpu_offload=True))`` to rank 0, then ``model.save_pretrained(dir,
     state_dict=...)`` there.
 (d) ``torch.distributed.checkpoint.save(get_model_state_dict(model))`` (sharded state dict).
-(e) loads of (b)'s folder: (e1) ``hf_scale.from_pretrained(dir, parallel={"strategy": "fsdp"})``;
-    (e2) ``AutoModelForCausalLM.from_pretrained(dir)`` on every rank + ``hf_scale.parallelize``;
-    (e3) ``AutoModelForCausalLM.from_pretrained(dir, distributed_config=DistributedConfig(
-    fsdp_size=2))``.
 
 Seconds: slowest rank, between barriers; saves are timed ``--repeats`` times (median), each into a
 fresh folder. Extra RSS in save: max over ranks and repeats of (max RSS sampled every 2 ms during
-the call - RSS just before). Peak RSS: ``ru_maxrss``, max over ranks; for loads read after one
-pass over every weight (so weights left as lazily mapped file pages count). Base RSS: after
-imports and process-group start. MB = 1e6 bytes.
+the call - RSS just before). Peak RSS: ``ru_maxrss``, max over ranks. Base RSS: after imports and
+process-group start. MB = 1e6 bytes.
 """
 
 from __future__ import annotations
@@ -31,18 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import RssSampler, add_write_arg, check_doc, failure_reason, rss_bytes, write_doc
+
 WORLD, MB = 2, 1e6
-LOAD_LIMIT, LOAD_POLL_S, LOAD_MAX_WAIT_S = 1.5, 60, 20 * 60
+LOAD_LIMIT, LOAD_POLL_S = 1.5, 60
 VERDICT = {True: "PASS", False: "FAIL"}
 SAVE_DIRS = {"save_hf": "hf_scale", "save_hf_nosum": "hf_scale_nosum", "save_gather": "gathered", "save_dcp": "dcp"}
 SAVE_PATTERNS = {"save_hf": "*.safetensors", "save_hf_nosum": "*.safetensors", "save_gather": "*.safetensors",
@@ -52,18 +52,8 @@ SAVE_PATTERNS = {"save_hf": "*.safetensors", "save_hf_nosum": "*.safetensors", "
 # ------------------------------------------------------------------ measuring inside a rank
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def ru_maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def sample_peak_rss(stop: threading.Event, peak: list[int]) -> None:
-    while not stop.wait(0.002):
-        peak[0] = max(peak[0], rss_bytes())
 
 
 def measure(fn, repeats: int = 1, setup=lambda: None):
@@ -75,17 +65,13 @@ def measure(fn, repeats: int = 1, setup=lambda: None):
     for _ in range(repeats):
         setup()
         dist.barrier()
-        before = rss_bytes()
-        peak, stop = [before], threading.Event()
-        sampler = threading.Thread(target=sample_peak_rss, args=(stop, peak), daemon=True)
+        before, sampler = rss_bytes(), RssSampler(0.002)
         sampler.start()
         start = time.perf_counter()
         value = fn()
         dist.barrier()
         times.append(time.perf_counter() - start)
-        stop.set()
-        sampler.join()
-        extra = max(extra, max(peak[0], rss_bytes()) - before)
+        extra = max(extra, sampler.stop() - before)
     return {"times": times, "extra_rss": extra, "peak_rss": ru_maxrss()}, value
 
 
@@ -101,24 +87,6 @@ def model_facts(model) -> dict:
     kind = f"FSDP2, {units} fully_shard units" if units else "no FSDP"
     ran_as = f"{type(model).__name__}: {kind}, {n_dtensor}/{len(params)} params DTensor"
     return {"ran_as": ran_as, "model_bytes": sum(sizes), "largest_param": max(sizes)}
-
-
-def weight_sum(model) -> float:
-    """Sum of every weight in float64 over all ranks, read in 1M-element chunks."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    sharded, plain = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
-        part = sum(c.sum(dtype=torch.float64) for c in local.detach().reshape(-1).split(1 << 20))
-        if isinstance(p, DTensor):
-            sharded += part
-        else:
-            plain += part
-    dist.all_reduce(sharded)
-    return float(sharded + plain)
 
 
 # ------------------------------------------------------------------ the measurements (every rank)
@@ -192,36 +160,6 @@ def save_task(name: str, save):
     return run
 
 
-def load_model(kind: str, folder: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
-
-    import hf_scale
-
-    if kind == "hf_scale":
-        return hf_scale.from_pretrained(folder, parallel={"strategy": "fsdp"})
-    if kind == "full":
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        return hf_scale.parallelize(model, {"strategy": "fsdp"})
-    config = DistributedConfig(fsdp_size=WORLD)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                distributed_config=config)
-
-
-def load_task(kind: str, call: str):
-    """A load row: time loading (b)'s folder; peak RSS after reading every weight once."""
-
-    def run(root: Path, repeats: int) -> dict:
-        stats, model = measure(lambda: load_model(kind, root / SAVE_DIRS["save_hf"]))
-        facts = model_facts(model)
-        facts["ran_as"] = f"{call} -> {facts['ran_as']}"
-        facts["checksum"] = weight_sum(model)
-        return stats | facts | {"peak_rss": ru_maxrss(), "peak_rss_at_return": stats["peak_rss"]}
-
-    return run
-
-
 TASKS = {  # name: (row label, function run on every rank)
     "save_hf": ("(b) hf_scale.save_pretrained", save_task("save_hf", save_hf_scale)),
     "save_hf_nosum": ("(b2) hf_scale.save_pretrained, checksums=False",
@@ -229,14 +167,8 @@ TASKS = {  # name: (row label, function run on every rank)
     "save_gather": ("(c) gather to rank 0 + save_pretrained (anchor)",
                     save_task("save_gather", save_gathered)),
     "save_dcp": ("(d) torch DCP save, sharded", save_task("save_dcp", save_dcp)),
-    "load_hf": ("(e1) hf_scale.from_pretrained, slices", load_task(
-        "hf_scale", "hf_scale.from_pretrained(dir, parallel={'strategy': 'fsdp'})")),
-    "load_full": ("(e2) full from_pretrained + parallelize (anchor)", load_task(
-        "full", "AutoModelForCausalLM.from_pretrained(dir) on each rank + hf_scale.parallelize")),
-    "load_transformers": ("(e3) transformers DistributedConfig(fsdp_size=2)", load_task(
-        "transformers", "from_pretrained(dir, distributed_config=DistributedConfig(fsdp_size=2))")),
 }
-QUICK_TASKS = ("save_hf", "load_hf")
+QUICK_TASKS = ("save_hf",)
 
 
 def worker(task: str, root: Path, repeats: int) -> None:
@@ -261,10 +193,10 @@ def worker(task: str, root: Path, repeats: int) -> None:
 # ------------------------------------------------------------------ the launcher
 
 
-def wait_for_quiet_machine() -> str:
-    """Wait up to 20 min for the 1-minute load average (as ``uptime`` shows) <= LOAD_LIMIT."""
+def wait_for_quiet_machine(max_wait_s: int) -> str:
+    """Wait up to ``max_wait_s`` for the 1-minute load average (as ``uptime`` shows) <= LOAD_LIMIT."""
     waited = 0
-    while (load := os.getloadavg()[0]) > LOAD_LIMIT and waited < LOAD_MAX_WAIT_S:
+    while (load := os.getloadavg()[0]) > LOAD_LIMIT and waited < max_wait_s:
         print(f"  1-min load {load:.2f} > {LOAD_LIMIT}: waited {waited // 60} min", flush=True)
         time.sleep(LOAD_POLL_S)
         waited += LOAD_POLL_S
@@ -286,13 +218,6 @@ def disk_write_mb_s(folder: Path, total: int, chunk: int = 64 << 20) -> float:
     seconds = time.perf_counter() - start
     path.unlink()
     return total / MB / seconds
-
-
-def failure_reason(log: str, returncode) -> str:
-    pattern = r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b:? .*)$"
-    errors = [e for e in re.findall(pattern, log, re.MULTILINE) if "ChildFailedError" not in e]
-    reason = errors[0].strip() if errors else f"exit code {returncode}"
-    return "failed: " + (reason[:200] + "..." if len(reason) > 200 else reason)
 
 
 def folder_bytes(folder: Path, pattern: str) -> tuple[int, int]:
@@ -370,13 +295,11 @@ def table(rows: dict, disk: float, disk_bytes: int) -> str:
         if row["status"] != "ok":
             lines.append([TASKS[name][0], row["status"]] + [""] * (len(header) - 2))
             continue
-        save = name in SAVE_DIRS
-        ref, rss_key = ("save_gather", "extra_rss") if save else ("load_full", "peak_rss")
-        mb_s = row["written"] / MB / row["seconds"] if save else None
-        lines.append([TASKS[name][0], ratio(row["seconds"], anchor(ref, "seconds")),
-                      ratio(mb_s, disk), ratio(row[rss_key], anchor(ref, rss_key)),
+        mb_s = row["written"] / MB / row["seconds"]
+        lines.append([TASKS[name][0], ratio(row["seconds"], anchor("save_gather", "seconds")),
+                      ratio(mb_s, disk), ratio(row["extra_rss"], anchor("save_gather", "extra_rss")),
                       fmt(row["seconds"], digits=2), fmt(row.get("written"), MB), fmt(mb_s),
-                      fmt(row["extra_rss"], MB) if save else "", fmt(row["peak_rss"], MB),
+                      fmt(row["extra_rss"], MB), fmt(row["peak_rss"], MB),
                       fmt(row["base_rss"], MB)])
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
@@ -404,31 +327,14 @@ def save_targets(rows: dict, disk: float) -> list[str]:
     return out
 
 
-def load_budget(r: dict) -> float:
-    return 1.15 * (r["model_bytes"] / WORLD + r["largest_param"] + r["base_rss"])
-
-
-def load_target(name: str, row: dict) -> str:
-    worst = max(row["ranks"], key=lambda r: r["peak_rss"] / load_budget(r))
-    tag = VERDICT[worst["peak_rss"] <= load_budget(worst)]
-    tag += "" if name == "load_hf" else " (info, not a target)"
-    return (f"{tag} {TASKS[name][0].split()[0]} peak RSS/rank <= 1.15 x (model "
-            f"{worst['model_bytes'] / MB:.1f} MB / {WORLD} + largest tensor "
-            f"{worst['largest_param'] / MB:.1f} MB + base {worst['base_rss'] / MB:.1f} MB) = "
-            f"{load_budget(worst) / MB:.0f} MB: worst rank {worst['peak_rss'] / MB:.0f} MB "
-            f"({worst['peak_rss_at_return'] / MB:.0f} MB when the load returned)")
-
-
 def report(rows: dict, disk: float, disk_bytes: int, root: Path) -> None:
     print(table(rows, disk, disk_bytes))
-    print("\nanchors: (c) for saves (RSS = extra RSS in save), (e2) for loads (RSS = peak RSS)\n")
-    loads = [load_target(n, r) for n, r in rows.items() if "checksum" in r]
-    print("\n".join(save_targets(rows, disk) + loads))
+    print("\nanchor: (c) (RSS = extra RSS in save)\n")
+    print("\n".join(save_targets(rows, disk)))
     print("\nwhat each row really ran:")
     print(f"  (a) {disk_bytes >> 20} MiB of random bytes, 64 MiB os.write calls + fsync, in {root}")
     for name, row in rows.items():
         note = row["ran_as"] if row["status"] == "ok" else row["status"]
-        note += f"; sum of all weights {row['checksum']:.6f}" if "checksum" in row else ""
         print(f"  {TASKS[name][0].split()[0]} {note}")
     if all(rows.get(n, {}).get("status") == "ok" for n in ("save_hf", "save_gather")):
         folders = [root / SAVE_DIRS[n] for n in ("save_hf", "save_gather")]
@@ -439,19 +345,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="/tmp/bench_checkpoint",
                         help="output folder root, on the disk to test")
-    parser.add_argument("--quick", action="store_true", help="smoke run: (a) on 256 MiB, (b) "
-                        "once, (e1); no wait for a quiet machine")
+    parser.add_argument("--part", choices=("all", "load", "save"), default="all")
+    parser.add_argument("--quick", action="store_true", help="saves: (a) on 256 MiB and (b) once")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per save (median)")
+    parser.add_argument("--worlds", default="2,4", help="loads: rank counts, comma-separated")
+    parser.add_argument("--rounds", type=int, default=2, help="loads: interleaved rounds (median)")
+    parser.add_argument("--wait", type=int, default=0, help="seconds to wait for 1-min load <= 1.5")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per torchrun")
     parser.add_argument("--worker", choices=TASKS, help=argparse.SUPPRESS)
+    add_write_arg(parser, "checkpoint-load")  # the load table; saves keep section "checkpoint"
     args = parser.parse_args()
     root = Path(args.root).resolve()
     if args.worker:
         return worker(args.worker, root, args.repeats)
+    check_doc(args)
 
     start = time.perf_counter()
-    print("machine: " + ("not checked (--quick)" if args.quick else wait_for_quiet_machine()),
-          flush=True)
+    print("machine: " + wait_for_quiet_machine(args.wait), flush=True)
+    if args.part in ("all", "load"):
+        from bench_checkpoint_load import run
+
+        worlds = [int(w) for w in args.worlds.split(",")]
+        table, notes = run(root, worlds, args.rounds, args.timeout)
+        print(f"\n{table}\n\n{notes}\n", flush=True)
+        write_doc(args, f"{table}\n\n```\n{notes}\n```")
+    if args.part in ("all", "save"):
+        run_saves(root, args)
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+
+
+def run_saves(root: Path, args) -> None:
     for sub in ["results", *SAVE_DIRS.values()]:
         shutil.rmtree(root / sub, ignore_errors=True)
     (root / "results").mkdir(parents=True)
@@ -460,17 +383,13 @@ def main() -> None:
     print(f"  (a) disk: {disk:.0f} MB/s", flush=True)
     rows = {}
     for task in QUICK_TASKS if args.quick else TASKS:
-        if task.startswith("load") and rows["save_hf"]["status"] != "ok":
-            rows[task] = {"status": "skipped: (b) failed, nothing to load"}
-            continue
         t0 = time.perf_counter()
         rows[task] = launch(task, root, repeats, args.timeout)
         wall = time.perf_counter() - t0
         print(f"  {TASKS[task][0]}: {rows[task]['status']} ({wall:.0f} s wall)", flush=True)
-    print(f"\nSmolLM2-135M fp32, FSDP over {WORLD} gloo ranks on CPU; {repeats} timed call(s) per "
-          f"save; outputs and logs in {root}\n")
+    print(f"\nSaves: SmolLM2-135M fp32, FSDP over {WORLD} gloo ranks on CPU; {repeats} timed call(s) "
+          f"per save; outputs and logs in {root}\n")
     report(rows, disk, disk_bytes, root)
-    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
