@@ -118,7 +118,9 @@ def revision() -> str:
 
 def failure_reason(log: str, returncode) -> str:
     """One line saying why a leg failed: the last ``...Error: ...`` line of its log, else the code."""
-    errors = re.findall(r"^\s*(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b:? .*)$", log, re.MULTILINE)
+    # Python names an exception outside builtins with its module: hf_scale.errors.HfScaleConfigError
+    pattern = r"^\s*(?:\[rank\d+\]:\s*)?(?:\w+\.)*(\w*(?:Error|Exception)\b:? .*)$"
+    errors = re.findall(pattern, log, re.MULTILINE)
     reason = errors[-1].strip() if errors else f"exit code {returncode}"
     return "failed: " + (reason[:160] + "..." if len(reason) > 160 else reason)
 
