@@ -25,9 +25,25 @@ def _placements(model):
     return sorted({str(p.placements) if isinstance(p, DTensor) else "plain" for p in model.parameters()})
 
 
+def state_facts(model) -> dict:
+    """What :func:`hf_scale.get_state` reports about a parallelized model."""
+    state = hf_scale.get_state(model)
+    mesh, dp_mesh = state.mesh, state.dp_mesh
+    return {
+        "type": type(state).__name__,
+        "config": {k: getattr(state.config, k) for k in ("strategy", "dp_replicate", "dp_shard", "cpu_offload")},
+        "plan": (state.plan.model_type, tuple(state.plan.wrap_modules), tuple(map(tuple, state.plan.tied_weights))),
+        "dims": None if state.dims is None else (state.dims.dp_replicate, state.dims.dp_shard, state.dims.world_size),
+        "env": (state.env.rank, state.env.world_size),
+        "mesh": None if mesh is None else (tuple(mesh.mesh_dim_names), tuple(mesh.shape)),
+        "dp_mesh_size": None if dp_mesh is None else dp_mesh.size(),
+    }
+
+
 def sharding_facts(strategy: str, extra: dict | None = None) -> dict:
     rank, world = _rank_world()
     model = hf_scale.parallelize(tiny_model("llama", "causal"), dict(strategy=strategy, **(extra or {})))
+    parallel_state = state_facts(model)
     total = sum(p.numel() for p in model.parameters())
     local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     batch = slice_batch(tiny_batch("causal", 2 * world), rank, world)
@@ -55,6 +71,7 @@ def sharding_facts(strategy: str, extra: dict | None = None) -> dict:
         "optimizer_states": len(local_optim.state),
         "params": len(list(model.parameters())),
         "groups": groups,
+        "state": parallel_state,
     }
 
 
