@@ -10,6 +10,7 @@ memory stays near one rank's shard instead of the whole model.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -173,8 +174,8 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     """Give each meta parameter (sharded or not) its local block of the files, as transformers does.
 
     On the CPU an FSDP shard in the checkpoint's dtype is one contiguous byte range: it becomes a
-    view of a private (copy-on-write) memory map of its file, so nothing is read or copied now,
-    and pages count in RSS only once used. Any other block (another dtype, a device, a
+    private (copy-on-write) memory map of those bytes of its file, so nothing is read or copied
+    now, and pages count in RSS only once used. Any other block (another dtype, a device, a
     tensor-parallel slice, an unaligned offset) is read with ``pread`` into new memory. The new
     tensors are put in place with ``load_state_dict(assign=True)``, whose FSDP hook takes them as
     the sharded storage. Real buffers keep their values; tied parameters are tied again.
@@ -182,7 +183,6 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     from ..plans import find_tied_parameters
 
     ties = find_tied_parameters(model)
-    maps: dict[Path, torch.UntypedStorage] = {}
     new = {}
     for key, target, path, start, dtype, local_shape, offset in _blocks(model, folder, weight_map):
         if not target.is_meta:  # a real buffer saved with the model: read into it
@@ -190,7 +190,7 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
             if local.numel():
                 _read_block(path, start, dtype, tuple(target.shape), local, offset)
             continue
-        local = _mapped_block(maps, path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
+        local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
         if local is None:
             local = torch.empty(local_shape, dtype=target.dtype)
             if local.numel():
@@ -209,20 +209,21 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
         raise HfScaleCheckpointError(f"{folder} left {left[:5]} of {type(model).__name__} unset (on the meta device).")
 
 
-def _mapped_block(maps, path: Path, start: int, dtype, global_shape, local_shape, offset, want, device):
-    """The block as a view of a copy-on-write map of ``path``, or None where it cannot be one."""
+def _mapped_block(path: Path, start: int, dtype, global_shape, local_shape, offset, want, device):
+    """The block as a tensor over a copy-on-write map of its own bytes of ``path`` (not of the
+    whole file: pages of other ranks' slices never enter this rank's memory), or None where it
+    cannot be one."""
     runs = list(contiguous_runs(tuple(local_shape), offset, global_shape))
-    if device.type != "cpu" or dtype != want or len(runs) != 1:
+    if device.type != "cpu" or dtype != want or len(runs) != 1 or not runs[0][2]:
         return None
-    first = start + runs[0][0] * dtype.itemsize
+    first, nbytes = start + runs[0][0] * dtype.itemsize, runs[0][2] * dtype.itemsize
     if first % dtype.itemsize:
         return None
-    if path not in maps:  # MAP_PRIVATE: writes to the parameters never reach the file
-        maps[path] = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=path.stat().st_size)
-    strides = [1] * len(local_shape)
-    for i in range(len(local_shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * local_shape[i + 1]
-    return torch.empty(0, dtype=dtype).set_(maps[path], first // dtype.itemsize, tuple(local_shape), tuple(strides))
+    page = first - first % mmap.ALLOCATIONGRANULARITY
+    with open(path, "rb") as fh:  # MAP_PRIVATE: writes to the parameters never reach the file
+        mapped = mmap.mmap(fh.fileno(), first + nbytes - page, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=page)
+    return torch.frombuffer(mapped, dtype=dtype, count=runs[0][2], offset=first - page).view(local_shape)
 
 
 @torch.no_grad()

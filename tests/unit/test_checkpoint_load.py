@@ -1,6 +1,7 @@
 """hf_scale.from_pretrained in one process, and every bad checkpoint it must refuse."""
 
 import json
+import mmap
 
 import pytest
 import torch
@@ -23,15 +24,15 @@ def test_round_trip_in_one_process(arch, head, tmp_path):
         torch.testing.assert_close(loaded(**batch).logits, model(**batch).logits)
 
 
-def _mapped_file(address: int) -> str | None:
-    """The file mapped at ``address`` in this process (from /proc/self/maps), or None."""
+def _mapping(address: int) -> tuple[str | None, int]:
+    """(file, size in bytes) of the mapping at ``address`` in this process (/proc/self/maps)."""
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
             start, end = (int(x, 16) for x in fields[0].split("-"))
             if start <= address < end:
-                return fields[5] if len(fields) > 5 else None
-    return None
+                return (fields[5] if len(fields) > 5 else None), end - start
+    return None, 0
 
 
 @pytest.fixture
@@ -57,7 +58,10 @@ def test_cpu_load_maps_the_files_copy_on_write(saved):
     before = {p: p.read_bytes() for p in saved.glob("*.safetensors")}
     loaded = hf_scale.from_pretrained(saved)
     params = dict(loaded.named_parameters())
-    assert [n for n, p in params.items() if _mapped_file(p.data_ptr()) not in map(str, before)] == []
+    assert [n for n, p in params.items() if _mapping(p.data_ptr())[0] not in map(str, before)] == []
+    # each maps its own bytes, not the whole file (a rank never maps its neighbours' slices)
+    slack = 2 * mmap.ALLOCATIONGRANULARITY
+    assert [n for n, p in params.items() if _mapping(p.data_ptr())[1] > p.nbytes + slack] == []
     reference = tiny_model("llama", "causal").state_dict()
     with torch.no_grad():
         for name, p in params.items():
