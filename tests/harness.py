@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -73,6 +74,7 @@ def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) ->
     torch.set_num_threads(1)
     try:
         out = to_plain(fn(*args))
+        pickle.dumps(out)  # here, reported; the queue pickles in a thread that drops the result
         results.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))

@@ -204,3 +204,8 @@ def hang() -> None:
         dist.all_reduce(torch.ones(1))
     else:
         time.sleep(600)
+
+
+def unpicklable():
+    """A result the harness cannot send back (a local function)."""
+    return {"fn": lambda: None}

@@ -145,3 +145,11 @@ def test_a_hung_collective_fails_within_the_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 20s"):
         run_ranks(layout_checks.hang, 2, timeout=20)
     assert time.monotonic() - start < 60
+
+
+def test_a_result_that_cannot_be_sent_back_fails_at_once():
+    """Not after the timeout as a "hung collective": the rank reports its pickling error."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank \d of 2 failed:(.|\n)*(pickle|Pickl)"):
+        run_ranks(layout_checks.unpicklable, 2, timeout=120)
+    assert time.monotonic() - start < 100
