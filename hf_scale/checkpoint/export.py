@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 from ..errors import HfScaleCheckpointError
+from ..log import log_rank0
 from ..ranks import my_share, run_together
 from .files import CHECKSUMS_FILE, mismatched, read_checksums, staged_folder
 from .state import resolve_checkpoint
@@ -25,7 +27,11 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
     needed = sum((source / name).stat().st_size for name in files)
     with staged_folder(out, needed_bytes=needed) as tmp:
         run_together(lambda: [shutil.copy2(source / name, tmp / name) for name in my_share(files)])
-        bad = mismatched(tmp, files, read_checksums(source))
+        expected = read_checksums(source)
+        if not expected:
+            log_rank0(f"{source} has no {CHECKSUMS_FILE} (saved with checksums=False?): the exported "
+                      "shards are copied but not verified", level=logging.WARNING)
+        bad = mismatched(tmp, files, expected)
         if bad:
             raise HfScaleCheckpointError(f"{source}: {bad} do not match {CHECKSUMS_FILE}; not exported.")
         if tokenizer is not None:

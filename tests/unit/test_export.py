@@ -31,6 +31,17 @@ def test_export_refuses_a_corrupted_shard(corrupted, tmp_path):
     with pytest.raises(HfScaleCheckpointError, match=rf"{shard}.*do not match checksums.sha256"):
         export_checkpoint(checkpoint, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    assert not (tmp_path / ".out.partial").exists()  # the copy that failed its check is removed
+
+
+def test_export_without_checksums_says_it_could_not_verify(corrupted, tmp_path, caplog):
+    checkpoint, _ = corrupted
+    from hf_scale.checkpoint.state import resolve_checkpoint
+
+    (resolve_checkpoint(checkpoint) / "model" / "checksums.sha256").unlink()
+    with caplog.at_level("WARNING", logger="hf_scale"):
+        export_checkpoint(checkpoint, tmp_path / "out")
+    assert "no checksums.sha256" in caplog.text and "not verified" in caplog.text
 
 
 def test_export_command_refuses_a_corrupted_shard(corrupted, tmp_path):
