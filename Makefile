@@ -37,8 +37,8 @@ test: $(STAMP)
 wheel-check:
 	rm -rf $(WHEEL_TMP) && mkdir -p $(WHEEL_TMP)/src $(WHEEL_TMP)/run
 	git ls-files -co --exclude-standard -z | xargs -0 tar -cf - | tar -xf - -C $(WHEEL_TMP)/src
-	python3 -m pip wheel --quiet --no-deps -w $(WHEEL_TMP)/dist $(WHEEL_TMP)/src
 	python3 -m venv $(WHEEL_TMP)/venv
+	$(WHEEL_TMP)/venv/bin/pip wheel --quiet --no-deps -w $(WHEEL_TMP)/dist $(WHEEL_TMP)/src
 	$(WHEEL_TMP)/venv/bin/pip install --quiet torch==2.13.0
 	$(WHEEL_TMP)/venv/bin/pip install --quiet $(WHEEL_TMP)/dist/hf_scale-*.whl pytest
 	cp tests/unit/test_installed_package.py $(WHEEL_TMP)/run/

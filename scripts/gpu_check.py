@@ -25,7 +25,6 @@ import tempfile
 import time
 
 import torch
-
 from bench_common import add_write_arg, check_doc, markdown_table, write_doc
 
 LEGS = {
@@ -121,7 +120,7 @@ def main() -> int:
         trained = model
     with tempfile.TemporaryDirectory() as tmp:
         hf_scale.save_pretrained(trained, tmp)
-        loaded = hf_scale.from_pretrained(tmp, {"strategy": "ddp"})  # one process: nothing sharded
+        loaded = hf_scale.from_pretrained(tmp)  # the default layout, in one process on the device
         from transformers import AutoModelForCausalLM
 
         plain = AutoModelForCausalLM.from_pretrained(tmp)

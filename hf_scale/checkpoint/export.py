@@ -20,7 +20,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tok
 
     A training checkpoint already stores its model in the Hub format, written by all ranks,
     so exporting is a verified copy at any world size: under torchrun each rank copies its
-    share of the files (and hashes the copies it made). Call on every rank (or in one process).
+    share of the files, then the copies are hashed in parallel (round-robin over ranks). Call on every rank (or in one process).
     """
     source = resolve_checkpoint(checkpoint) / "model"
     files = sorted(p.name for p in source.iterdir() if p.is_file())

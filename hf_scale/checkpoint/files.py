@@ -86,7 +86,12 @@ def swap_into_place(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
         final.rename(old)
-    tmp.rename(final)
+    try:
+        tmp.rename(final)
+    except OSError:
+        if old.exists() and not final.exists():
+            old.rename(final)  # the previous folder stays where it was
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -87,6 +87,8 @@ def from_pretrained(
     if verify_checksums:
         _verify_checksums(folder, weight_map)
     assign_from_files(model, folder, weight_map, device)
+    if sharded and get_state(model).dims is None and device.type != "cpu":
+        model.to(device)  # one process on a GPU: FSDP never moved it; buffers are still on the CPU
     if not sharded:
         model = parallelize(model, parallel, plan=plan)
     return model

@@ -11,6 +11,7 @@ has finished, so a crash mid-save leaves any previous folder intact.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -190,7 +191,10 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
                 view = memoryview(data[l_start * size : (l_start + length) * size])
                 done = 0
                 while done < len(view):  # a short write is retried; a full disk raises ENOSPC
-                    done += os.pwrite(fd, view[done:], base + g_start * size + done)
+                    wrote = os.pwrite(fd, view[done:], base + g_start * size + done)
+                    if wrote == 0:  # never loop forever on a device that accepts nothing
+                        raise OSError(errno.ENOSPC, f"{path}: the disk accepted no more bytes")
+                    done += wrote
         os.fsync(fd)
     finally:
         os.close(fd)

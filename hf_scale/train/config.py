@@ -116,7 +116,7 @@ class TrainConfig:
         grad_accum: micro-batches per optimizer step (gradients reduced once, on the last).
         lr, weight_decay, betas, warmup_steps, scheduler: AdamW and its schedule
             (``transformers.get_scheduler``); lr > 0, weight_decay >= 0, each beta in [0, 1),
-            warmup_steps >= 0 and below ``max_steps`` when that is set.
+            warmup_steps >= 0 (a warmup longer than the run is allowed, as in HF Trainer).
         max_grad_norm: clip the global gradient norm to this (> 0; ``null`` or 0: no clipping).
         eval_every: evaluate every N steps (0: before and after training only).
         eval_batch_size: examples per rank per evaluation forward.
@@ -175,11 +175,6 @@ class TrainConfig:
                 )
         if self.warmup_steps < 0:
             raise HfScaleConfigError(f"train.warmup_steps={self.warmup_steps}: must be >= 0 (0: no warmup).")
-        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            raise HfScaleConfigError(
-                f"train.warmup_steps={self.warmup_steps} with train.max_steps={self.max_steps}: the run "
-                "would end before the warmup does; use fewer warmup steps than max_steps."
-            )
         if self.max_grad_norm is not None and not (
             math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0
         ):

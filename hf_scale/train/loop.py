@@ -27,13 +27,13 @@ from ..api import get_state
 from ..checkpoint import load_state, save_pretrained, save_state
 from ..distributed import init_distributed
 from ..log import log_rank0
+from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
 from .config import JobConfig
 from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
 from .evaluate import evaluate
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .model import load_config, load_model, load_tokenizer
-from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
 from .report import finish_run
 
 

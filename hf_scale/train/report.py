@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..log import log_rank0
-from ..ranks import barrier, rank_world
+from ..ranks import run_together
 from ..zoo import HUB_IDS
 from .config import JobConfig
 from .metrics import LOSS_CURVE
@@ -25,7 +25,7 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
     """Write the summary (and, with a saved model, its card), print them, push if asked."""
     from ..hub import push_to_hub, write_model_card
 
-    if rank_world()[0] == 0:
+    def on_rank0() -> None:
         (Path(job.train.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _print_summary(summary, model_dir)
         if model_dir is not None:
@@ -33,7 +33,8 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
             write_model_card(model_dir, info, template=job.hub.card_template)
             if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
                 print_generations(model_dir, tokenizer, eval_ds, job.train.sample_generations)
-    barrier()
+
+    run_together(on_rank0, only_rank0=True)  # a card that fails to render fails every rank, not one
     if job.hub.push and model_dir is not None:
         push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 

@@ -67,7 +67,8 @@ def _check_outputs(out: Path, log: str) -> None:
     assert record["step"] == 1 and record["lr"] == pytest.approx(3e-3)  # the rate step 1 used (no warmup)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["before"]) == {"eval_loss", "eval_exact_match", "eval_examples"}
-    # 6 steps of a random tiny BERT stay near chance (ln 3): the eval must move, not improve
+    # the eval ran on the trained weights (it moved); that training is right is checked against
+    # plain transformers step by step, not by a few steps of a random tiny model improving
     assert summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert torch.isfinite(next(model.parameters())).all()
@@ -129,7 +130,8 @@ def test_classification_script(tmp_path):
     got, want = ([[r["loss"], r["grad_norm"]] for r in logged_steps(d)] for d in (out, one))
     assert len(got) == 6
     np.testing.assert_allclose(got, want, rtol=1e-5)
-    # 6 steps of a random tiny BERT stay near chance (ln 3): the eval must move, not improve
+    # the eval ran on the trained weights (it moved); that training is right is checked against
+    # plain transformers step by step, not by a few steps of a random tiny model improving
     assert summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
     from transformers import AutoModelForSequenceClassification
 

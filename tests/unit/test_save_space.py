@@ -128,3 +128,32 @@ def test_optional_arguments_are_keyword_only(trained, tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="positional"):
         hf_scale.load_state(model, optimizer, None, "ckpt/latest")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_that_accepts_nothing_is_a_full_disk_not_a_hang(trained, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: 0)
+    with pytest.raises(HfScaleCheckpointError, match="no space left"):
+        hf_scale.save_pretrained(trained[0], tmp_path / "model")
+    assert not (tmp_path / "model").exists() and _leftovers(tmp_path) == []
+
+
+def test_a_failed_swap_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    from hf_scale.checkpoint.files import swap_into_place
+
+    final, tmp = tmp_path / "model", tmp_path / ".model.partial"
+    final.mkdir()
+    (final / "old.txt").write_text("previous")
+    tmp.mkdir()
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self == tmp:
+            raise OSError(5, "I/O error")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(OSError, match="I/O error"):
+        swap_into_place(tmp, final)
+    assert (final / "old.txt").read_text() == "previous" and not (tmp_path / ".model.old").exists()
