@@ -186,13 +186,18 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
 
     ties = find_tied_parameters(model)
     new = {}
-    for key, target, path, start, dtype, local_shape, offset in _blocks(model, folder, weight_map):
+    blocks = list(_blocks(model, folder, weight_map))
+    maps_left = map_budget(len(blocks))
+    for key, target, path, start, dtype, local_shape, offset in blocks:
         if not target.is_meta:  # a real buffer saved with the model: read into it
             local = target.to_local() if isinstance(target, DTensor) else target.data
             if local.numel():
                 _read_block(path, start, dtype, tuple(target.shape), local, offset)
             continue
-        local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
+        local = None
+        if maps_left > 0:
+            local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
+            maps_left -= local is not None
         if local is None:
             local = torch.empty(local_shape, dtype=target.dtype)
             if local.numel():
@@ -209,6 +214,23 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     left = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
     if left:
         raise HfScaleCheckpointError(f"{folder} left {left[:5]} of {type(model).__name__} unset (on the meta device).")
+
+
+def map_budget(wanted: int) -> int:
+    """How many blocks may be memory-mapped: each map keeps a file descriptor open (Python's
+    mmap duplicates it) for the parameter's lifetime. The soft open-file limit is raised toward
+    the hard one when that is needed (often 1024 -> 524288); past half of it, blocks are read."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2 * wanted + 256:
+        target = 2 * wanted + 256 if hard == resource.RLIM_INFINITY else min(hard, 2 * wanted + 256)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, target), hard))
+            soft = max(soft, target)
+        except (ValueError, OSError):
+            pass
+    return wanted if soft == resource.RLIM_INFINITY else min(wanted, soft // 2)
 
 
 def _mapped_block(path: Path, start: int, dtype, global_shape, local_shape, offset, want, device):

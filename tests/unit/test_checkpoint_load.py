@@ -193,3 +193,23 @@ def test_one_process_on_an_accelerator_puts_buffers_there_too(tmp_path, monkeypa
     monkeypatch.setattr(load, "assign_from_files", lambda m, f, w, device: real(m, f, w, torch.device("cpu")))
     model = hf_scale.from_pretrained(tmp_path / "bert", {"strategy": "fsdp"})
     assert {t.device.type for t in [*model.parameters(), *model.buffers()]} == {"meta"}
+
+
+def test_maps_stay_under_the_open_file_limit(saved, monkeypatch):
+    """Each mapped block holds a file descriptor: past half the (raised) open-file limit the rest
+    are read, so a model with thousands of tensors per rank cannot run out of descriptors."""
+    import resource
+
+    import hf_scale.checkpoint.load as load
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (8, 8))  # soft = hard = 8: 4 maps at most
+    monkeypatch.setattr(resource, "setrlimit", lambda what, limits: None)
+    assert load.map_budget(100) == 4
+    maps = []
+    real = mmap.mmap
+    monkeypatch.setattr(mmap, "mmap", lambda *a, **k: maps.append(1) or real(*a, **k))
+    model = hf_scale.from_pretrained(saved)
+    assert len(maps) == 4
+    want = AUTO["causal"].from_pretrained(saved)
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=0, atol=0, msg=name)
