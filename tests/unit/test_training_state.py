@@ -25,7 +25,7 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
     hf_scale.save_state(model, optimizer, root=tmp_path, step=1)
     expected_draw = torch.rand(3)
     fresh = hf_scale.parallelize(tiny_model("gpt2", "causal", seed=5))
-    fresh_opt = hf_scale.build_optimizer(fresh, lr=1e-3)
+    fresh_opt = hf_scale.build_optimizer(fresh, lr=5e-4)  # another lr: the saved one must come back
     assert hf_scale.load_state(fresh, fresh_opt, path=tmp_path / "latest") == 1
     assert torch.equal(torch.rand(3), expected_draw)  # RNG as at save time
     for p, q in zip(fresh.parameters(), model.parameters()):
@@ -35,7 +35,7 @@ def test_round_trip_restores_weights_optimizer_and_rng(tmp_path):
         assert set(got) == set(want) == {"step", "exp_avg", "exp_avg_sq"}
         for key in want:  # the step count too: it sets Adam's bias correction
             assert torch.equal(torch.as_tensor(got[key]), torch.as_tensor(want[key])), key
-    assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in optimizer.param_groups]
+    assert [g["lr"] for g in fresh_opt.param_groups] == [g["lr"] for g in optimizer.param_groups] == [1e-3] * 2
 
 
 def test_incompatible_optimizer_state_is_explained(tmp_path):
