@@ -51,6 +51,9 @@ class ParallelConfig:
         ac_every: with ``"full"``, checkpoint one block in every ``ac_every`` (1 = all blocks).
         reshard_after_forward: free gathered parameters after forward (fsdp/hsdp). ``None``
             means True for fsdp/hsdp; zero2 is exactly this set to False.
+        tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
+            innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
+            strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.
         loss_chunk_tokens: causal LMs only: compute output head + cross-entropy this many tokens
             at a time, so the full logits never exist (see ``hf_scale.parallel.loss``). Training
             forwards (labels given, gradients on) then return ``logits=None``.
@@ -65,6 +68,7 @@ class ParallelConfig:
     activation_checkpointing: Optional[str] = None
     ac_every: int = 1
     reshard_after_forward: Optional[bool] = None
+    tp: int = 1
     loss_chunk_tokens: Optional[int] = None
     timeout_seconds: int = 1800
 
@@ -79,6 +83,14 @@ class ParallelConfig:
                     f"{name}={value!r}: must be a positive integer or None (derive it from the "
                     "world size)."
                 )
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
+            raise HfScaleConfigError(f"tp={self.tp!r}: must be a positive integer (1 = no tensor parallel).")
+        if self.tp > 1 and self.strategy in ("ddp", "zero1"):
+            raise HfScaleConfigError(
+                f"strategy={self.strategy!r} with tp={self.tp}: DDP does not take tensor-parallel "
+                "(DTensor) parameters. Use strategy='zero2' (gradients and optimizer state sharded, "
+                "parameters kept gathered: DDP's speed) or 'fsdp' with tp."
+            )
         if self.loss_chunk_tokens is not None and (
             not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
         ):

@@ -48,7 +48,12 @@ class ParallelDims:
         cls, config: ParallelConfig, world_size: int, num_nodes: int = 1
     ) -> "ParallelDims":
         """Fill the degrees ``config`` leaves open from the world size (and node count)."""
-        tp = pp = 1
+        tp, pp = config.tp, 1
+        if world_size % (tp * pp):
+            raise HfScaleConfigError(
+                f"tp={tp} does not divide WORLD_SIZE={world_size}: start a multiple of {tp} "
+                f"processes, or choose a tp that divides {world_size}."
+            )
         rest = world_size // (tp * pp)
         strategy = config.strategy
         if strategy in ("ddp", "zero1"):
@@ -56,13 +61,13 @@ class ParallelDims:
         else:
             replicate = config.dp_replicate
             if replicate is None and strategy == "hsdp" and config.dp_shard:
-                _check_divides("dp_shard", config.dp_shard, world_size)
+                _check_divides("dp_shard", config.dp_shard, rest)
                 replicate = rest // config.dp_shard
             elif replicate is None:
                 replicate = num_nodes if strategy == "hsdp" else 1
-            _check_divides("dp_replicate", replicate, world_size)
+            _check_divides("dp_replicate", replicate, rest)
             shard = config.dp_shard or rest // replicate
-            if strategy == "hsdp" and replicate < 2 and world_size > 1:
+            if strategy == "hsdp" and replicate < 2 and rest > 1:
                 raise HfScaleConfigError(
                     f"strategy='hsdp' needs dp_replicate >= 2 (got dp_replicate={replicate}, "
                     f"world size {world_size}, {num_nodes} node(s)). Set dp_replicate, e.g. "
@@ -74,6 +79,23 @@ class ParallelDims:
     def dp_degree(self) -> int:
         """How many data-parallel ranks see different data."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def dp_rank(self, mesh) -> int:
+        """This rank's data-parallel index (0 .. dp_degree - 1): ranks of one tensor-parallel
+        group share it, and so see the same batch."""
+        coords = dict(zip(MESH_DIMS, mesh.get_coordinate()))
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+
+    def dp_group(self, mesh):
+        """Process group of the ranks that see different data (None when dp_degree is 1)."""
+        if self.dp_degree == 1:
+            return None
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if (
+            self.dp_replicate > 1 and self.dp_shard > 1) else self.dp_mesh(mesh).get_group()
 
     @property
     def shard_enabled(self) -> bool:
@@ -93,11 +115,12 @@ class ParallelDims:
         return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
 
 
-def _check_divides(name: str, size: int, world_size: int) -> None:
-    if world_size % size:
+def _check_divides(name: str, size: int, dp_ranks: int) -> None:
+    """``size`` must divide the ``dp_ranks`` data-parallel ranks (WORLD_SIZE / tp)."""
+    if dp_ranks % size:
         raise HfScaleConfigError(
-            f"WORLD_SIZE={world_size} is not divisible by {name}={size}: choose a {name} that "
-            f"divides the number of processes, or start a multiple of {size} processes."
+            f"{name}={size} does not divide the {dp_ranks} data-parallel ranks (WORLD_SIZE / tp): "
+            f"choose a {name} that divides {dp_ranks}, or start a multiple of {size} processes."
         )
 
 

@@ -37,6 +37,28 @@ class ParallelState:
     def dp_mesh(self):
         return None if self.mesh is None else self.dims.dp_mesh(self.mesh)
 
+    @property
+    def tp_mesh(self):
+        """The 1-D tensor-parallel sub-mesh, or None without tensor parallel."""
+        return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
+
+    @property
+    def dp_degree(self) -> int:
+        """How many ranks see different batches (1 in one process)."""
+        return 1 if self.dims is None else self.dims.dp_degree
+
+    @property
+    def dp_rank(self) -> int:
+        """Which of the ``dp_degree`` batches this rank sees: ranks of one tensor-parallel
+        group share it. Use it, not RANK, to shard data."""
+        return 0 if self.mesh is None else self.dims.dp_rank(self.mesh)
+
+    @property
+    def dp_group(self):
+        """Process group over the data-parallel ranks (None when there is one), for reducing
+        per-batch metrics such as token counts without counting a tp group's tokens twice."""
+        return None if self.mesh is None else self.dims.dp_group(self.mesh)
+
 
 def get_state(model: nn.Module) -> ParallelState | None:
     """The :class:`ParallelState` of a parallelized model, or None."""

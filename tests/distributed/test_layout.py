@@ -109,7 +109,7 @@ def test_no_sync_skips_gradient_communication(world2):
 
 def test_bad_layout_fails_on_every_rank_without_hanging(world2):
     for r in world2:
-        assert "WORLD_SIZE=2 is not divisible by dp_replicate=3" in r["bad_layout"]
+        assert "dp_replicate=3 does not divide the 2 data-parallel ranks" in r["bad_layout"]
 
 
 def test_generate_works_after_fsdp_and_checkpointing(world2):

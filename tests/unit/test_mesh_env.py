@@ -33,7 +33,7 @@ def test_degrees_that_do_not_multiply_to_world_size_print_every_degree():
 
 
 def test_world_not_divisible():
-    with pytest.raises(HfScaleConfigError, match="WORLD_SIZE=6 is not divisible by dp_replicate=4"):
+    with pytest.raises(HfScaleConfigError, match="dp_replicate=4 does not divide the 6 data-parallel ranks"):
         ParallelDims.resolve(ParallelConfig(strategy="hsdp", dp_replicate=4), 6)
 
 
