@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Mapping
 
 from .cli_args import ArgumentParser, unknown_argument
 from .errors import HfScaleConfigError, HfScaleError
@@ -62,17 +63,32 @@ def is_override(arg: str) -> bool:
     return flag.startswith("--") and "." in flag
 
 
-def take_overrides(args: list[str]) -> tuple[list[str], list[str]]:
-    """(the other arguments, the ``--section.field value`` overrides with their values)."""
+def take_overrides(args: list[str], flags: Mapping[str, str] | None = None) -> tuple[list[str], list[str]]:
+    """(the other arguments, the recipe overrides with their values), in one pass.
+
+    Overrides are ``--section.field value`` (or ``--section.field=value``), kept as written, and
+    each flag of ``flags`` (flag -> the field it sets) turned into one: ``--resume latest``
+    becomes ``--checkpoint.resume latest``. A value is the next argument, even one that starts
+    with '-' (``-1``); a flag of ``flags`` without one is an error (an override without one is
+    reported by the recipe loader, naming the field).
+    """
+    flags = flags or {}
     rest, overrides, args = [], [], list(args)
     while args:
         arg = args.pop(0)
-        if not is_override(arg):
+        flag, eq, value = arg.partition("=")
+        if flag in flags:
+            if not eq:
+                if not args:
+                    raise HfScaleConfigError(f"flag {flag} has no value.")
+                value = args.pop(0)
+            overrides += [f"--{flags[flag]}", value]
+        elif is_override(arg):
+            overrides.append(arg)
+            if not eq and args:
+                overrides.append(args.pop(0))
+        else:
             rest.append(arg)
-            continue
-        overrides.append(arg)
-        if "=" not in arg and args:
-            overrides.append(args.pop(0))  # its value, even one that starts with '-' (-1)
     return rest, overrides
 
 
@@ -83,29 +99,16 @@ def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
     ``--launch.nproc_per_node 4`` and ``--resume latest`` ``--checkpoint.resume latest``.
     Any other argument is an error naming the closest flag.
     """
-    config, overrides, args = None, [], list(args)
-    while args:
-        arg = args.pop(0)
-        flag, eq, value = arg.partition("=")
-        if is_override(arg):
-            overrides.append(arg)
-            if not eq and args:
-                overrides.append(args.pop(0))  # its value, even one that starts with '-' (-1)
-        elif flag in LAUNCH_FLAGS or flag == "--config":
-            if not eq:
-                if not args:
-                    raise HfScaleConfigError(f"flag {flag} has no value.")
-                value = args.pop(0)
-            if flag == "--config":
-                config = value
-            else:
-                overrides += [f"--{LAUNCH_FLAGS[flag]}", value]
-        elif config is None and not arg.startswith("-"):
-            config = arg
-        else:
-            known = ["--config", *(f for f in LAUNCH_FLAGS if "_" not in f)]
-            raise unknown_argument(arg, known, "hf-scale finetune", ", and --section.field value overrides")
-    return config, overrides
+    rest, overrides = take_overrides(args, LAUNCH_FLAGS)
+    parser = ArgumentParser(prog="hf-scale finetune", add_help=False)
+    parser.add_argument("recipe", nargs="?")
+    parser.add_argument("--config")
+    ns, extras = parser.parse_known_args(rest)
+    if extras or (ns.recipe and ns.config):
+        known = ["--config", *(f for f in LAUNCH_FLAGS if "_" not in f)]
+        extra = extras[0] if extras else ns.recipe
+        raise unknown_argument(extra, known, "hf-scale finetune", ", and --section.field value overrides")
+    return ns.config or ns.recipe, overrides
 
 
 def finetune(args: list[str], task: str | None = None) -> int:
