@@ -124,8 +124,9 @@ class TrainConfig:
         log_every: write a metrics line every N steps.
         seed: model-independent randomness (dropout, shuffling).
         progress: a tqdm bar on rank 0.
-        sample_generations: after saving, reload the model with plain transformers and print
-            greedy answers to this many held-out prompts (causal LM prompt/response data).
+        sample_generations: at the end, the trained model (all ranks together, tensor parallel
+            included) and the saved folder reloaded with plain transformers print greedy
+            answers to this many held-out prompts (causal LM prompt/response data).
     """
 
     output_dir: str = "out/run"

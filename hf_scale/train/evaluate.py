@@ -1,4 +1,6 @@
-"""Evaluation on the held-out split: loss, and accuracy or exact match, summed over ranks.
+"""Evaluation on the held-out split: loss, and accuracy or exact match, summed over the
+data-parallel ranks (the ranks of one tensor-parallel group run the same forwards on the same
+examples, so they are counted once).
 
 Exact match (prompt/response data) asks whether greedy decoding from the prompt reproduces
 the answer and its end-of-turn token. That is decided in one teacher-forced forward: greedy
@@ -9,7 +11,9 @@ in lockstep, which sharded models need.
 
 Usage::
 
-    scores = evaluate(model, eval_ds, collate, task="causal_lm", batch_size=16, rank=r, world=w)
+    dp = DataParallel.of(model)
+    scores = evaluate(model, eval_ds, collate, task="causal_lm", batch_size=16,
+                      rank=dp.rank, world=dp.degree, group=dp.group)
     scores   # {"eval_loss": 1.93, "eval_exact_match": 0.41, "eval_examples": 200}
 """
 
@@ -25,8 +29,12 @@ from .loader import eval_batches
 
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, rank: int, world: int,
-             device: torch.device, exact_match: bool = True) -> dict[str, float]:
-    """Mean loss and exact match (causal LM) or accuracy (classification) over ``dataset``."""
+             device: torch.device, exact_match: bool = True, group=None) -> dict[str, float]:
+    """Mean loss and exact match (causal LM) or accuracy (classification) over ``dataset``.
+
+    ``rank`` / ``world`` are the data-parallel rank and degree and ``group`` their process
+    group (None: the default group, right when every rank sees different data).
+    """
     was_training = model.training
     model.eval()
     # loss sum, loss count (tokens or examples), correct examples, examples
@@ -38,7 +46,7 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
         score = _causal_scores if task == "causal_lm" else _classification_scores
         totals += score(logits, labels, weight.to(device)).cpu().double()
     if world > 1:
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=group)
     model.train(was_training)
     loss_sum, count, correct, examples = totals.tolist()
     metric = "eval_exact_match" if task == "causal_lm" else "eval_accuracy"

@@ -2,6 +2,8 @@
 
 Every epoch is one seeded permutation of the dataset, cut into *global* batches of
 ``world * batch_size`` examples; rank ``r`` takes the ``r``-th block of ``batch_size`` of each.
+``rank`` and ``world`` are the *data-parallel* rank and degree (:class:`~hf_scale.train.dp.DataParallel`):
+the ranks of one tensor-parallel group pass the same ``rank`` and get the same batches.
 So a run on W ranks sees the same global batches as one process with a W times larger batch,
 and the position (epoch, batch) is the same number on every rank: it is saved with the
 checkpoint and restored with :meth:`ShardedBatches.load_state_dict`. Incomplete last batches

@@ -4,9 +4,13 @@ Order: process group -> tokenizer and data (rank 0 tokenises first) -> pretraine
 parallel layout -> optimizer and schedule -> resume -> evaluate -> train (periodic eval and
 checkpoints) -> evaluate -> save the Hub-format model, loss curve and model card -> push.
 
-The loss of a step is the mean over every label token of the global batch (all ranks, all
-accumulated micro-batches), as one process would compute it on the whole batch: each
+The loss of a step is the mean over every label token of the global batch (all data-parallel
+ranks, all accumulated micro-batches), as one process would compute it on the whole batch: each
 micro-batch's mean loss is weighted by its share of the step's label tokens.
+
+Data is sharded over the data-parallel ranks (:class:`DataParallel`), not over all ranks: the
+ranks of one tensor-parallel group see the same batch, and token counts are reduced over the
+data-parallel group only, so every token counts once.
 
 Usage::
 
@@ -28,8 +32,10 @@ from ..checkpoint import load_state, save_pretrained, save_state
 from ..distributed import init_distributed
 from ..log import log_rank0
 from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
+from ..ranks import rank_world
 from .config import JobConfig
 from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
+from .dp import DataParallel
 from .evaluate import evaluate
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
@@ -49,8 +55,9 @@ def run(job: JobConfig) -> dict:
     train_ds, eval_ds, labels = _datasets(job, tokenizer)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id)
     device = get_state(model).env.device
+    dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
     collate = PadCollator(tokenizer.pad_token_id)
-    batches = ShardedBatches(train_ds, job.train.batch_size, rank, world, collate, seed=job.data.seed)
+    batches = ShardedBatches(train_ds, job.train.batch_size, dp.rank, dp.degree, collate, seed=job.data.seed)
     total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
     optimizer = build_optimizer(model, lr=job.train.lr, weight_decay=job.train.weight_decay,
                                 betas=tuple(job.train.betas))
@@ -58,19 +65,19 @@ def run(job: JobConfig) -> dict:
     start = _resume(job, model, optimizer, scheduler, batches)
     log_rank0(
         f"{len(train_ds)} training examples, {len(eval_ds) if eval_ds is not None else 0} eval; "
-        f"global batch {batches.global_batch * job.train.grad_accum} ({job.train.batch_size} x {world} "
-        f"ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
+        f"global batch {batches.global_batch * job.train.grad_accum} ({job.train.batch_size} x {dp.degree} "
+        f"data-parallel ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
     )
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
                       start_step=start)
-    evaluate_at = _evaluator(job, model, eval_ds, collate, rank, world, device, metrics)
+    evaluate_at = _evaluator(job, model, eval_ds, collate, dp, device, metrics)
     before = evaluate_at(start) if start == 0 else None
     began, tokens_seen = time.perf_counter(), 0
     stream = iter(batches)
     scaler = torch.amp.GradScaler(device.type, enabled=job.parallel.mixed_precision == "fp16")
     for step in range(start + 1, total_steps + 1):
         lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        values = {**_train_step(job, model, optimizer, scaler, stream, device, world), "lr": lr}
+        values = {**_train_step(job, model, optimizer, scaler, stream, device, dp), "lr": lr}
         scheduler.step()
         tokens_seen += values.pop("tokens")
         if step % job.train.log_every == 0 or step == total_steps:
@@ -92,7 +99,7 @@ def run(job: JobConfig) -> dict:
         save_pretrained(model, model_dir, tokenizer=tokenizer, max_shard_size=job.checkpoint.max_shard_size)
         if rank == 0:
             metrics.plot_loss(model_dir / LOSS_CURVE)
-    finish_run(job, model_dir, summary, eval_ds, tokenizer, world)
+    finish_run(job, model_dir, summary, eval_ds, tokenizer, world, dp_degree=dp.degree, model=model)
     return summary
 
 
@@ -109,11 +116,13 @@ def _datasets(job: JobConfig, tokenizer):
     return train, ev, labels
 
 
-def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world: int) -> dict:
+def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: DataParallel) -> dict:
     """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
 
-    ``world`` is the data-parallel degree (every rank sees different data while tp = pp = 1;
-    with tensor / pipeline parallel this becomes the dp mesh's size and group).
+    FSDP / DDP average gradients over the ``dp.degree`` data-parallel ranks (the ranks of a
+    tensor-parallel group hold slices of one gradient and are not averaged), so each rank's
+    loss is its micro-batch's share of the global label tokens times ``dp.degree``. Label and
+    token counts are summed over ``dp.group``: a tp group's ranks hold the same batch.
     """
     started = time.perf_counter()
     waited = 0.0
@@ -125,16 +134,15 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world:
         micro.append(batch)
     counts = torch.tensor([_loss_items(b, job.model.task) for b in micro] + [0.0], dtype=torch.float64)
     counts[-1] = sum(float(b["attention_mask"].sum()) for b in micro)
-    if world > 1:
-        dist.all_reduce(counts)
+    dp.all_reduce(counts)
     label_total, tokens = float(counts[:-1].sum()), int(counts[-1])
     loss_sum = torch.zeros((), dtype=torch.float64)
     for i, batch in enumerate(micro):
         share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
         with no_sync(model, enabled=i < len(micro) - 1):
-            loss = model(**batch).loss * (share * world)  # ranks' gradients are averaged
+            loss = model(**batch).loss * (share * dp.degree)  # gradients are averaged over dp ranks
             scaler.scale(loss).backward()
-        loss_sum += loss.detach().double().cpu() / world
+        loss_sum += _local(loss.detach()).double().cpu() / dp.degree
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, job.train.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
@@ -143,11 +151,18 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, world:
     elapsed = time.perf_counter() - started
     # the slowest rank's data wait and the largest peak memory are what limit the job
     worst = torch.tensor([waited / elapsed, peak_memory_gb(device)], dtype=torch.float64)
-    if world > 1:
-        dist.all_reduce(loss_sum)
+    dp.all_reduce(loss_sum)
+    if rank_world()[1] > 1:  # over every rank, tp ranks included
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
             "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens}
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor: a tensor-parallel loss may come back as a replicated DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def _loss_items(batch: dict, task: str) -> float:
@@ -156,12 +171,12 @@ def _loss_items(batch: dict, task: str) -> float:
     return float(batch["labels"].numel())
 
 
-def _evaluator(job, model, eval_ds, collate, rank, world, device, metrics):
+def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics):
     def evaluate_at(step: int):
         if eval_ds is None:
             return None
         scores = evaluate(model, eval_ds, collate, task=job.model.task, batch_size=job.train.eval_batch_size,
-                          rank=rank, world=world, device=device,
+                          rank=dp.rank, world=dp.degree, group=dp.group, device=device,
                           exact_match=job.train.exact_match and not job.data.text_column)
         metrics.event(step, scores)
         return scores

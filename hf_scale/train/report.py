@@ -1,8 +1,11 @@
-"""The end of a run: model card, optional push, a summary, and generations from the export.
+"""The end of a run: model card, optional push, a summary, and sample generations.
 
-The generations are the proof that the saved folder is a plain transformers checkpoint: rank 0
-reloads it with ``AutoModelForCausalLM.from_pretrained`` (no hf_scale involved) and answers a
-few held-out prompts greedily, printed beside the expected answers.
+The trained model answers a few held-out prompts greedily on every rank together (a sharded or
+tensor-parallel model needs all ranks in each forward; identical inputs give identical tokens,
+which is checked across ranks). Then rank 0 reloads the saved folder with
+``AutoModelForCausalLM.from_pretrained`` (no hf_scale involved) and answers the same prompts:
+the proof that the export is a plain transformers checkpoint of the model that was trained.
+Both are printed beside the expected answers.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from pathlib import Path
 import torch
 
 from ..log import log_rank0
-from ..ranks import run_together
+from ..state import get_state
+from ..ranks import gather, run_together
 from ..zoo import HUB_IDS
 from .config import JobConfig
 from .metrics import LOSS_CURVE
@@ -21,26 +25,38 @@ from .metrics import LOSS_CURVE
 SUMMARY_FILE = "summary.json"
 
 
-def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, tokenizer, world: int) -> None:
-    """Write the summary (and, with a saved model, its card), print them, push if asked."""
+def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, tokenizer, world: int,
+               dp_degree: int | None = None, model=None) -> None:
+    """Write the summary (and, with a saved model, its card), print them and sample
+    generations, push if asked. Call on every rank: ``model`` (the trained, parallelized
+    model) generates on all of them. ``dp_degree`` is how many ranks saw different data
+    (``world`` without tensor parallel)."""
     from ..hub import push_to_hub, write_model_card
+
+    prompts = []
+    if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
+        prompts = held_out_prompts(eval_ds, tokenizer, job.train.sample_generations)
+    live = greedy_answers(model, prompts, tokenizer.pad_token_id) if model is not None and prompts else None
+    same_on_ranks = live is None or all(x == live for x in gather([live]))
 
     def on_rank0() -> None:
         (Path(job.train.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _print_summary(summary, model_dir)
         if model_dir is not None:
-            info = card_info(job, summary, model_dir, world)
+            info = card_info(job, summary, model_dir, world, dp_degree)
             write_model_card(model_dir, info, template=job.hub.card_template)
-            if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
-                print_generations(model_dir, tokenizer, eval_ds, job.train.sample_generations)
+        if prompts:
+            print_generations(prompts, tokenizer, live, model_dir, world, same_on_ranks)
 
     run_together(on_rank0, only_rank0=True)  # a card that fails to render fails every rank, not one
     if job.hub.push and model_dir is not None:
         push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 
 
-def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dict:
-    """What the model card says about this run (``hf_scale.hub.CardInfo`` fields)."""
+def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_degree: int | None = None) -> dict:
+    """What the model card says about this run (``hf_scale.hub.CardInfo`` fields); the global
+    batch counts the ``dp_degree`` data-parallel ranks (``world`` without tensor parallel)."""
+    dp_degree = world if dp_degree is None else dp_degree
     before, after = summary.get("before") or {}, summary.get("after") or {}
     evals = {k: v for k, v in after.items() if k != "eval_examples"}
     evals.update({f"{k} (before fine-tuning)": v for k, v in before.items() if k != "eval_examples"})
@@ -59,7 +75,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int) -> dic
         "hyperparameters": {
             "learning_rate": train.lr, "scheduler": train.scheduler, "warmup_steps": train.warmup_steps,
             "weight_decay": train.weight_decay, "per_rank_batch_size": train.batch_size,
-            "gradient_accumulation": train.grad_accum, "global_batch_size": train.batch_size * world * train.grad_accum,
+            "gradient_accumulation": train.grad_accum, "global_batch_size": train.batch_size * dp_degree * train.grad_accum,
             "max_grad_norm": train.max_grad_norm, "max_seq_len": job.data.max_seq_len, "steps": summary["steps"],
             "seed": train.seed, "dtype": job.model.dtype, "mixed_precision": job.parallel.mixed_precision or "fp32",
             "activation_checkpointing": job.parallel.activation_checkpointing or "off",
@@ -95,21 +111,65 @@ def _print_summary(summary: dict, model_dir: Path | None) -> None:
               f"{summary['train_time_s']:.0f} s{saved}")
 
 
-@torch.no_grad()
-def print_generations(model_dir: Path, tokenizer, eval_ds, count: int) -> None:
-    """Reload ``model_dir`` with plain transformers and print greedy answers to held-out prompts."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    log_rank0(f"reloaded {model_dir} with transformers.AutoModelForCausalLM; greedy answers:")
+def held_out_prompts(eval_ds, tokenizer, count: int) -> list[dict]:
+    """The first ``count`` held-out examples as prompts: question text, prompt ids, expected answer."""
+    prompts = []
     for row in eval_ds.select(range(min(count, len(eval_ds)))):
         labels = row["labels"]
         start = next(i for i, t in enumerate(labels) if t != -100)
-        prompt = torch.tensor([row["input_ids"][:start]])
-        expected = tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
-                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        answer = tokenizer.decode(out[0, start:], skip_special_tokens=True)
-        question = tokenizer.decode(prompt[0], skip_special_tokens=True).strip().splitlines()
-        log_rank0(f"  {question[-2] if len(question) > 1 else question[-1]!r:40} -> {answer!r:10} (expected {expected!r})")
+        ids = torch.tensor([row["input_ids"][:start]])
+        question = tokenizer.decode(ids[0], skip_special_tokens=True).strip().splitlines()
+        prompts.append({"ids": ids, "question": question[-2] if len(question) > 1 else question[-1],
+                        "expected": tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)})
+    return prompts
+
+
+@torch.no_grad()
+def greedy_answers(model, prompts: list[dict], pad_id: int, max_new_tokens: int = 16) -> list[list[int]]:
+    """The new token ids ``model`` generates greedily for each prompt.
+
+    On a parallelized model every rank must call this with the same prompts: each forward is a
+    collective (FSDP all-gathers, tensor-parallel all-reduces), and greedy decoding of the same
+    prompt stops at the same step on every rank.
+    """
+    was_training = model.training
+    model.eval()
+    state = get_state(model)  # FSDP may keep parameters on the CPU (offload): inputs go to the rank's device
+    device = state.env.device if state is not None else next(model.parameters()).device
+    answers = []
+    for prompt in prompts:
+        ids = prompt["ids"].to(device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=pad_id)
+        answers.append(out[0, ids.shape[1]:].tolist())
+    model.train(was_training)
+    return answers
+
+
+def print_generations(prompts: list[dict], tokenizer, live: list[list[int]] | None, model_dir: Path | None,
+                      world: int, same_on_ranks: bool) -> None:
+    """Print the trained model's answers (``live``) and those of the export reloaded with plain
+    transformers, beside the expected answers; say where the two differ."""
+    exported = None
+    if model_dir is not None:
+        from transformers import AutoModelForCausalLM
+
+        exported = greedy_answers(AutoModelForCausalLM.from_pretrained(model_dir), prompts, tokenizer.pad_token_id)
+    if live is not None:
+        where = f"same tokens on all {world} ranks" if same_on_ranks else "RANKS GENERATED DIFFERENT TOKENS"
+        log_rank0(f"greedy answers of the trained model ({where}):")
+        _show(prompts, live, tokenizer)
+    if exported is not None:
+        log_rank0(f"reloaded {model_dir} with transformers.AutoModelForCausalLM; greedy answers:")
+        _show(prompts, exported, tokenizer)
+        if live is not None:
+            differ = sum(a != b for a, b in zip(live, exported))
+            log_rank0("the export gives the trained model's answers" if not differ else
+                      f"the export's answers differ from the trained model's on {differ} of {len(prompts)} "
+                      "prompts (expected only under mixed precision, which computes in lower precision)")
+
+
+def _show(prompts: list[dict], answers: list[list[int]], tokenizer) -> None:
+    for prompt, tokens in zip(prompts, answers):
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        log_rank0(f"  {prompt['question']!r:40} -> {answer!r:10} (expected {prompt['expected']!r})")
