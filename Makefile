@@ -3,6 +3,8 @@
 # Both create .venv and install what they need on first use.
 # make wheel-check: the package as a user installs it (a wheel, not -e), run from outside the repo.
 
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -ec  # a pipe fails when any command in it fails (wheel-check's tar | tar)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NPROC  ?= 2

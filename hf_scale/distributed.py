@@ -1,8 +1,8 @@
 """The process group: read the launcher's environment, check it, start ``torch.distributed``.
 
 torchrun sets ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``; ``mpirun`` (Open MPI, also under
-``accelerate``'s multi-CPU mode) sets ``OMPI_COMM_WORLD_*`` and MPICH / Intel MPI set
-``PMI_RANK`` / ``PMI_SIZE``: this is the one module that reads them. CUDA + NCCL when this
+``accelerate``'s multi-CPU mode) sets ``OMPI_COMM_WORLD_*``, and MPICH / Intel MPI (and
+``srun --mpi=pmi2``) set ``PMI_RANK`` / ``PMI_SIZE``: this is the one module that reads them. CUDA + NCCL when this
 process can see a GPU, CPU + gloo otherwise. Nothing here knows about models;
 :func:`hf_scale.parallelize` calls :func:`init_distributed` before building the mesh.
 """
@@ -20,12 +20,15 @@ import torch.distributed as dist
 from .errors import HfScaleConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# (launcher, rank, size, local rank candidates, local size candidates), read when RANK is absent
+# (launcher, rank, size, local rank candidates, local size candidates), read when RANK is absent.
+# srun's PMI sets no MPI local rank: its tasks read SLURM_LOCALID, and their count on this node
+# from SLURM_STEP_TASKS_PER_NODE (read last, so a hydra mpiexec's own variables win).
 MPI_VARS = (
     ("mpirun (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
      ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
     ("MPICH / Intel MPI (PMI)", "PMI_RANK", "PMI_SIZE",
-     ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID"), ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE")),
+     ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "SLURM_LOCALID"),
+     ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE")),
 )
 # Every variable that makes a process a worker of some launcher (tests clear them all).
 LAUNCHER_VARS = TORCHRUN_VARS + ("LOCAL_WORLD_SIZE",) + tuple(
@@ -37,17 +40,35 @@ def mpi_ranks(env: Mapping[str, str]) -> tuple[str, dict[str, str]] | None:
     """``(launcher, {"RANK": .., "WORLD_SIZE": .., "LOCAL_RANK": .., "LOCAL_WORLD_SIZE": ..})``
     from an MPI launcher's variables, when torchrun's ``RANK`` is absent; else None.
 
-    Without a local rank variable the processes are taken to share one node.
+    Without a local rank variable the processes are taken to share one node. Under ``srun``'s
+    PMI the local rank is ``SLURM_LOCALID``, the local size this node's entry of
+    ``SLURM_STEP_TASKS_PER_NODE``.
     """
     if "RANK" in env:
         return None
     for launcher, rank, size, local_ranks, local_sizes in MPI_VARS:
         if rank in env and size in env:
             local_rank = next((env[v] for v in local_ranks if v in env), env[rank])
-            local_size = next((env[v] for v in local_sizes if v in env), env[size])
+            size_var = next((v for v in local_sizes if v in env), size)
+            local_size = slurm_tasks_on_node(env) if size_var == "SLURM_STEP_TASKS_PER_NODE" else env[size_var]
             return launcher, {"RANK": env[rank], "WORLD_SIZE": env[size],
                               "LOCAL_RANK": local_rank, "LOCAL_WORLD_SIZE": local_size}
     return None
+
+
+def slurm_tasks_on_node(env: Mapping[str, str]) -> str:
+    """This node's task count from ``SLURM_STEP_TASKS_PER_NODE`` (``"4(x2),3"``: 4, 4, 3 tasks on
+    the step's nodes, indexed by ``SLURM_NODEID``); the value as given when it is unreadable, so
+    :func:`read_env` names it in its error."""
+    value = env["SLURM_STEP_TASKS_PER_NODE"]
+    counts = []
+    for part in value.split(","):
+        count, _, repeat = part.strip().partition("(x")
+        if not count.isdigit() or not (repeat == "" or repeat[:-1].isdigit() and repeat.endswith(")")):
+            return value
+        counts += [count] * (int(repeat[:-1]) if repeat else 1)
+    node = env.get("SLURM_NODEID", "0")
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else counts[0]
 
 
 def launched_worker(environ: Mapping[str, str] | None = None) -> bool:

@@ -3,8 +3,9 @@
 ``torchrun`` (``python -m torch.distributed.run``) is the launcher on one machine and many; this
 module only turns a :class:`LaunchConfig` into its arguments and checks them first, so a
 mistake fails here with one message instead of in every worker. Under SLURM (``srun``, one
-task per node) the node count, node rank and rendezvous host come from SLURM's variables
-(:func:`resolve_launch`); see ``scripts/slurm_finetune.sbatch``.
+task per node) the node count, node rank and rendezvous host come from the srun step's
+variables (:func:`resolve_launch`; an salloc shell or a batch script is no step, see
+:func:`srun_step`); see ``scripts/slurm_finetune.sbatch``.
 
 Usage::
 
@@ -26,26 +27,47 @@ from .distributed import launched_worker, mpi_ranks
 from .errors import HfScaleConfigError
 from .train.config import LaunchConfig
 
-SLURM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
 SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+# Step ids from here up are Slurm's own steps (batch script, extern, interactive), never srun's.
+SLURM_SPECIAL_STEPS = 0xFFFFFFF0
+
+
+def srun_step(environ=None) -> tuple[int, int] | None:
+    """``(tasks, nodes)`` of the ``srun`` job step this process is a task of; None outside one.
+
+    ``srun`` gives its tasks ``SLURM_STEP_ID``, ``SLURM_STEP_NUM_TASKS`` and
+    ``SLURM_STEP_NUM_NODES``. An ``salloc`` shell and ``sbatch``'s batch script also carry the
+    allocation's ``SLURM_NNODES`` / ``SLURM_NTASKS`` / ``SLURM_NODEID`` / ``SLURM_PROCID``, but no
+    srun started them: there those variables describe the allocation, not this process, and
+    are never read as a layout (a job started there runs on this node, or under mpirun).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        step = int(env["SLURM_STEP_ID"])
+        tasks = int(env["SLURM_STEP_NUM_TASKS"])
+        nodes = int(env.get("SLURM_STEP_NUM_NODES") or env["SLURM_NNODES"])
+    except (KeyError, ValueError):
+        return None
+    return None if step >= SLURM_SPECIAL_STEPS else (tasks, nodes)
 
 
 def under_torchrun(environ=None) -> bool:
     """True inside a worker that torchrun (or mpirun) started: it trains, it launches nothing.
 
-    ``srun`` with one task per node may also set ``PMI_RANK`` (its pmi2 plugin): those tasks
-    are torchrun agents, not workers.
+    ``srun`` with one task per node may also set ``PMI_RANK`` (its pmi2 plugin: ``PMI_RANK`` =
+    ``SLURM_PROCID``, ``PMI_SIZE`` = the step's tasks): those tasks are torchrun agents, not
+    workers. Ranks that an mpiexec started inside an allocation are workers.
     """
     env = os.environ if environ is None else environ
-    if mpi_ranks(env) is not None and _slurm_task_per_node(env):
+    if mpi_ranks(env) is not None and _srun_task_per_node(env):
         return False
     return launched_worker(env)
 
 
-def _slurm_task_per_node(env) -> bool:
-    nodes = next((env[v] for v in SLURM_NODES if v in env), None)
-    tasks = env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS"))
-    return nodes is not None and tasks == nodes
+def _srun_task_per_node(env) -> bool:
+    step = srun_step(env)
+    return (step is not None and step[0] == step[1] and env.get("PMI_RANK") == env.get("SLURM_PROCID")
+            and env.get("PMI_SIZE") == str(step[0]))
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -79,23 +101,36 @@ def _expand_ranges(ranges: str, nodelist: str) -> list[str]:
 
 
 def resolve_launch(launch: LaunchConfig, environ=None) -> LaunchConfig:
-    """``launch`` with SLURM's layout filled in when run by ``srun`` on several nodes.
+    """``launch`` with SLURM's layout filled in when ``srun`` started this process, one task on
+    each of several nodes.
 
-    Nodes from ``SLURM_NNODES``, node rank from ``SLURM_NODEID``, the rendezvous on the first
-    host of ``SLURM_JOB_NODELIST`` at ``MASTER_PORT`` (default ``20000 + SLURM_JOB_ID % 10000``,
-    the same on every node), static rendezvous. A recipe that sets ``launch.nnodes`` > 1 or
-    ``launch.rdzv_endpoint`` keeps its own values.
+    Only inside an srun step (:func:`srun_step`): nodes from ``SLURM_STEP_NUM_NODES``, node
+    rank from ``SLURM_PROCID`` (the task's rank, which with one task per node is the node's),
+    the rendezvous on the first host of the step's node list at ``MASTER_PORT`` (default
+    ``20000 + SLURM_JOB_ID % 10000``, the same on every node), static rendezvous. A recipe that
+    sets ``launch.nnodes`` > 1 or ``launch.rdzv_endpoint`` keeps its own values. Outside a step
+    (an salloc shell, sbatch's batch script) and in workers nothing changes. A step with more
+    tasks than nodes is refused: every task would start its own torchrun.
     """
     env = os.environ if environ is None else environ
-    nodes = next((env[v] for v in SLURM_NODES if v in env), None)
-    nodelist = next((env[v] for v in SLURM_NODELIST if v in env), None)
-    if nodes is None or nodelist is None or "SLURM_NODEID" not in env:
+    step = srun_step(env)
+    if step is None or under_torchrun(env):
         return launch
-    if launch.nnodes > 1 or launch.rdzv_endpoint or int(nodes) == 1:
+    tasks, nodes = step
+    if tasks != nodes:
+        raise HfScaleConfigError(
+            f"srun started {tasks} tasks on {nodes} node(s) (SLURM_STEP_NUM_TASKS={tasks}, "
+            f"SLURM_STEP_NUM_NODES={nodes}), and each would start its own torchrun: run one "
+            "hf-scale finetune per node (srun --ntasks-per-node=1, as scripts/slurm_finetune.sbatch "
+            "does); --launch.nproc_per_node sets the workers per node."
+        )
+    nodelist = next((env[v] for v in SLURM_NODELIST if v in env), None)
+    node_rank = env.get("SLURM_PROCID", env.get("SLURM_NODEID"))
+    if nodes == 1 or nodelist is None or node_rank is None or launch.nnodes > 1 or launch.rdzv_endpoint:
         return launch
     port = env.get("MASTER_PORT") or str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 10000)
     return dataclasses.replace(
-        launch, nnodes=int(nodes), node_rank=int(env["SLURM_NODEID"]),
+        launch, nnodes=nodes, node_rank=int(node_rank),
         rdzv_endpoint=f"{expand_nodelist(nodelist)[0]}:{port}", rdzv_backend="static",
     )
 

@@ -105,8 +105,9 @@ def test_workers_of_either_launcher_train_and_srun_agents_launch():
 
     assert under_torchrun(FULL) and under_torchrun(OMPI) and not under_torchrun({})
     # srun's pmi2 plugin sets PMI_* on its one task per node: that task is a torchrun agent
-    srun = dict(PMI_RANK="0", PMI_SIZE="2", SLURM_NNODES="2", SLURM_NTASKS="2", SLURM_NODEID="0")
-    assert not under_torchrun(srun) and under_torchrun(dict(srun, SLURM_NTASKS="8"))
+    srun = dict(PMI_RANK="0", PMI_SIZE="2", SLURM_STEP_ID="0", SLURM_STEP_NUM_NODES="2",
+                SLURM_STEP_NUM_TASKS="2", SLURM_NODEID="0", SLURM_PROCID="0")
+    assert not under_torchrun(srun) and under_torchrun(dict(srun, SLURM_STEP_NUM_TASKS="8", PMI_SIZE="8"))
 
 
 @pytest.mark.parametrize(
@@ -133,7 +134,8 @@ def test_unreadable_slurm_nodelist(nodelist):
         expand_nodelist(nodelist)
 
 
-SLURM = dict(SLURM_JOB_ID="1234", SLURM_NNODES="4", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu[07-10]")
+SLURM = dict(SLURM_JOB_ID="1234", SLURM_NNODES="4", SLURM_NODEID="2", SLURM_JOB_NODELIST="gpu[07-10]",
+             SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="4", SLURM_PROCID="2")  # a task of srun
 
 
 def test_slurm_sets_nodes_node_rank_and_rendezvous():
@@ -149,7 +151,7 @@ def test_slurm_sets_nodes_node_rank_and_rendezvous():
     mine = LaunchConfig(nnodes=2, rdzv_endpoint="10.0.0.1:29400")
     assert resolve_launch(mine, SLURM) == mine
     assert resolve_launch(LaunchConfig(), {}) == LaunchConfig()
-    assert resolve_launch(LaunchConfig(), dict(SLURM, SLURM_NNODES="1")) == LaunchConfig()
+    assert resolve_launch(LaunchConfig(), dict(SLURM, SLURM_NNODES="1", SLURM_STEP_NUM_TASKS="1")) == LaunchConfig()
 
 
 def test_example_sbatch_script_runs_one_agent_per_node(tmp_path):
