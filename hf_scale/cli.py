@@ -2,12 +2,14 @@
 
     hf-scale finetune configs/quickstart.yaml [--section.field value ...] [--resume latest]
     hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json
+    hf-scale generate zoo:smollm2 --tp 3 --prompt "What is 12 + 30?" [--max-new-tokens 32 --dtype bf16]
     hf-scale export ckpt/latest out/
     hf-scale push out/ org/my-finetune [--private]
 
 ``finetune`` starts its own workers with torchrun (``launch.nproc_per_node``, ``launch.nnodes``
 and the rendezvous options in the recipe, or ``--nproc-per-node`` / ``--nnodes`` /
-``--rdzv-endpoint`` flags), and runs in-process when it already is a torchrun worker.
+``--rdzv-endpoint`` flags), and runs in-process when it already is a torchrun worker;
+``generate`` starts ``--tp`` workers, each loading its slice of the model (``hf_scale.generate``).
 Errors in configs and inputs print one line and exit with status 2.
 """
 
@@ -21,7 +23,7 @@ from typing import Mapping
 from .cli_args import ArgumentParser, unknown_argument
 from .errors import HfScaleConfigError, HfScaleError
 
-COMMANDS = ("finetune", "plan", "export", "push")
+COMMANDS = ("finetune", "plan", "generate", "export", "push")
 LAUNCH_FLAGS = {  # flag -> the config field it sets
     "--nproc-per-node": "launch.nproc_per_node", "--nproc_per_node": "launch.nproc_per_node",
     "--nnodes": "launch.nnodes", "--node-rank": "launch.node_rank",
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
     try:
         if command == "finetune":
             return finetune(rest, task=task)
-        return {"plan": plan, "export": export, "push": push}[command](rest)
+        return {"plan": plan, "generate": generate, "export": export, "push": push}[command](rest)
     except HfScaleError as e:
         print(f"hf-scale {command}: error: {e}", file=sys.stderr)
         return 2
@@ -170,31 +172,35 @@ def plan(args: list[str]) -> int:
     parser.add_argument("--nnodes", type=int, help="nodes (default: the recipe's launch.nnodes, else 1)")
     parser.add_argument("--task", default=None, choices=("causal_lm", "sequence_classification"))
     parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel degree: show the tp layout (default: the recipe's parallel.tp, else 1)")
     args, overrides = take_overrides(args)
     ns = parser.parse_strict(args)
     if ns.source.endswith((".yaml", ".yml")):
         job = load_job(ns.source, overrides)
         model_cfg, parallel, launch = job.model, job.parallel, job.launch
-        if ns.strategy:
-            parallel = from_dict(ParallelConfig, {**vars(parallel), "strategy": ns.strategy})
+        if ns.strategy or ns.tp:
+            parallel = from_dict(ParallelConfig, {**vars(parallel), "strategy": ns.strategy or parallel.strategy,
+                                                  "tp": ns.tp or parallel.tp})
         nnodes = ns.nnodes or launch.nnodes
         world = ns.world_size or launch.nproc_per_node * launch.nnodes
     else:
         if overrides:
             raise HfScaleConfigError(
                 f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a "
-                "recipe (.yaml): use --world-size, --nnodes, --task, --strategy, or plan a recipe."
+                "recipe (.yaml): use --world-size, --nnodes, --task, --strategy, --tp, or plan a recipe."
             )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
-        parallel = ParallelConfig(strategy=ns.strategy or "fsdp")
-        nnodes, world = ns.nnodes or 1, ns.world_size or 1
+        parallel = ParallelConfig(strategy=ns.strategy or "fsdp", tp=ns.tp or 1)
+        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0
 
 
-def read_model_config(model_cfg):
-    """The model's config (no weights); a source transformers cannot read is one clear error."""
+def read_model_config(model_cfg, sources: str = "a model folder, its config.json, a recipe .yaml, or a Hub id"):
+    """The model's config (no weights); a source transformers cannot read is one clear error
+    that lists ``sources``, what the command takes instead."""
     from pathlib import Path
 
     from huggingface_hub import constants
@@ -206,7 +212,7 @@ def read_model_config(model_cfg):
     if local.is_dir() and not (local / "config.json").is_file():
         raise HfScaleConfigError(
             f"model folder {name!r} has no config.json: give a folder written by save_pretrained, "
-            "its config.json, a recipe .yaml or a Hub id."
+            f"or {sources.removeprefix('a model folder, ')}."
         )
     try:
         return load_config(model_cfg)
@@ -220,9 +226,15 @@ def read_model_config(model_cfg):
         )
         raise HfScaleConfigError(
             f"cannot find model {name!r}: it is not a local folder or config.json, and {where}. "
-            "Give a model folder, its config.json, a recipe .yaml, or a Hub id (with network access, "
-            "or downloaded before with `hf download`)."
+            f"Give {sources} (a Hub id with network access, or downloaded before with `hf download`)."
         ) from None
+
+
+def generate(args: list[str]) -> int:
+    """Generate text with a model split over ``--tp`` processes (see ``hf_scale.generate``)."""
+    from .generate import main as generate_main
+
+    return generate_main(args)
 
 
 def export(args: list[str]) -> int:

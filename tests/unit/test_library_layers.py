@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_scale"
 # The application layer: it sits on top of the library and the library never imports it.
-APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.launch", "hf_scale.plan_report", "hf_scale.zoo")
+APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.generate", "hf_scale.launch", "hf_scale.plan_report", "hf_scale.zoo")
 HEAVY = ("torch", "transformers", "datasets", "huggingface_hub", "accelerate", "hf_scale.hub",
          "transformers.trainer", *APP)
 

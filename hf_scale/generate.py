@@ -1,0 +1,225 @@
+"""``hf-scale generate``: text from a pretrained causal LM split over ``--tp`` processes.
+
+    hf-scale generate zoo:smollm2 --tp 3 --prompt "What is 12 + 30?" --max-new-tokens 32 --chat
+    hf-scale generate out/ --tp 2 --prompts-file prompts.txt --dtype bf16
+
+The command checks its arguments, that the model exists and that its sizes divide by ``--tp``
+(on the meta device, no weights read), then starts ``--tp`` workers with torchrun, as
+``hf-scale finetune`` does. Each worker loads only its slices of the safetensors files
+(:func:`hf_scale.from_pretrained` with ``tp``; a GGUF zoo model is loaded whole, then
+parallelized), and every rank runs the same ``generate`` calls: the vocabulary-parallel head
+gathers the logits, so each rank picks the same next token, and with ``--do-sample`` every rank
+seeds its generator with ``--seed`` before each prompt batch, so they draw the same tokens.
+The KV cache holds each rank's own heads. Rank 0 prints the completions and tokens/s.
+
+Application layer (next to ``cli.py``): the library never imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cli_args import ArgumentParser
+from .errors import HfScaleConfigError
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag -> ModelConfig.dtype
+
+
+@dataclass
+class GenerateArgs:
+    """What ``hf-scale generate`` was asked for (see :func:`parse_args`)."""
+
+    model: str
+    tp: int
+    prompts: list[str]
+    max_new_tokens: int
+    dtype: str
+    batch_size: int
+    chat: bool
+    do_sample: bool
+    seed: int
+    temperature: float
+    top_p: float
+
+
+def parse_args(args: list[str]) -> GenerateArgs:
+    """Strict parsing (one-line errors naming the closest flag) and value checks."""
+    p = ArgumentParser(prog="hf-scale generate", description="Generate text with a model split over --tp processes.")
+    p.add_argument("model", help="a model folder, a Hub id, or zoo:smollm2")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree = worker processes (default 1)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for several)")
+    p.add_argument("--prompts-file", help="a text file with one prompt per line")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32", help="weights and compute dtype")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts per generate call (left padded)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, the same on every rank")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    ns = p.parse_strict(args)
+    prompts = list(ns.prompt)
+    if ns.prompts_file:
+        path = Path(ns.prompts_file)
+        if not path.is_file():
+            raise HfScaleConfigError(f"--prompts-file {ns.prompts_file}: no such file; give a text file with one prompt per line.")
+        prompts += [line for line in path.read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise HfScaleConfigError("hf-scale generate needs a prompt: --prompt TEXT or --prompts-file FILE (one per line).")
+    for flag, value, low in (("--tp", ns.tp, 1), ("--max-new-tokens", ns.max_new_tokens, 1), ("--batch-size", ns.batch_size, 1)):
+        if value < low:
+            raise HfScaleConfigError(f"{flag} {value}: must be >= {low}.")
+    if not ns.temperature > 0 or not 0 < ns.top_p <= 1:
+        raise HfScaleConfigError(f"--temperature {ns.temperature} --top-p {ns.top_p}: need temperature > 0 and 0 < top-p <= 1.")
+    if not ns.do_sample and (ns.temperature != 1.0 or ns.top_p != 1.0):
+        raise HfScaleConfigError("--temperature and --top-p apply to sampling: add --do-sample, or drop them for greedy decoding.")
+    return GenerateArgs(ns.model, ns.tp, prompts, ns.max_new_tokens, ns.dtype, ns.batch_size, ns.chat,
+                        ns.do_sample, ns.seed, ns.temperature, ns.top_p)
+
+
+def model_config(opts: GenerateArgs):
+    """The job's :class:`ModelConfig` (task causal_lm, dtype from ``--dtype``)."""
+    from .train.config import ModelConfig
+
+    return ModelConfig(name_or_path=opts.model, task="causal_lm", dtype=DTYPES[opts.dtype])
+
+
+def check_before_launch(opts: GenerateArgs) -> None:
+    """Fail in this process, before any worker starts: a model that does not exist, a zoo model
+    that is not a causal LM, sizes ``--tp`` does not divide, more workers than the machine has."""
+    from .cli import read_model_config
+    from .launch import max_local_processes
+    from .plan_report import meta_model
+    from .plans import resolve_plan
+    from .plans.tp import tp_layout
+    from .zoo import check_zoo_task, is_zoo
+
+    cfg = model_config(opts)
+    if is_zoo(cfg.name_or_path):
+        check_zoo_task(cfg.name_or_path, cfg.task)
+    config = read_model_config(cfg, "a model folder, a Hub id, or a zoo name (zoo:smollm2)")
+    if opts.tp > 1:
+        model = meta_model(config)
+        tp_layout(model, resolve_plan(model), opts.tp)
+    limit, what = max_local_processes()
+    if opts.tp > limit:
+        raise HfScaleConfigError(
+            f"--tp {opts.tp} starts {opts.tp} processes, but this machine has {limit} {what}: "
+            f"use --tp {limit} or less (a divisor of the model's head counts)."
+        )
+
+
+def main(args: list[str]) -> int:
+    """``hf-scale generate``: check, then run here (``--tp 1``, or a torchrun worker) or launch."""
+    import subprocess
+
+    from .launch import torchrun_argv, under_torchrun
+    from .train.config import LaunchConfig
+
+    opts = parse_args(args)
+    if under_torchrun():
+        return run(opts)
+    check_before_launch(opts)
+    if opts.tp == 1:
+        return run(opts)
+    argv = torchrun_argv(LaunchConfig(nproc_per_node=opts.tp), ["-m", "hf_scale.cli", "generate", *args])
+    print(f"[hf_scale] launching: torchrun {' '.join(argv[3:])}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(argv)
+    except KeyboardInterrupt:  # Ctrl-C reached torchrun and its workers too: they stop
+        return 130
+
+
+def run(opts: GenerateArgs) -> int:
+    """Load the model at ``tp`` = world size, generate on every rank, print on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from .config import ParallelConfig
+    from .ranks import rank
+    from .train.model import load_model, load_tokenizer
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != opts.tp:
+        raise HfScaleConfigError(
+            f"hf-scale generate --tp {opts.tp} runs {opts.tp} processes, but WORLD_SIZE={world}: "
+            f"start it with --nproc-per-node {opts.tp}, or pass --tp {world}."
+        )
+    try:
+        cfg = model_config(opts)
+        tokenizer = load_tokenizer(cfg)
+        model = load_model(cfg, ParallelConfig(tp=opts.tp))
+        model.eval()
+        started = time.perf_counter()
+        texts, new_tokens = generate_texts(model, tokenizer, opts.prompts, opts)
+        seconds = time.perf_counter() - started
+        if rank() == 0:
+            print_completions(opts, texts, new_tokens, seconds)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def generate_texts(model, tokenizer, prompts: list[str], opts: GenerateArgs) -> tuple[list[str], int]:
+    """(each prompt's completion, new tokens generated in all), ``opts.batch_size`` prompts at a time.
+
+    Call it on every rank of the model's tp group with the same arguments: each ``generate``
+    call runs the collectives of every forward, and sampling draws from a generator seeded
+    with ``opts.seed`` on every rank, so all ranks produce the same tokens.
+    """
+    texts, total = [], 0
+    for start in range(0, len(prompts), opts.batch_size):
+        batch = [_format(tokenizer, p, opts.chat) for p in prompts[start : start + opts.batch_size]]
+        ids = generate_ids(model, tokenizer, batch, opts)
+        for row in ids:
+            texts.append(tokenizer.decode(row, skip_special_tokens=True))
+            total += len(row)
+    return texts, total
+
+
+def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs) -> list[list[int]]:
+    """The new token ids for each of ``texts`` (one left-padded batch), up to and including EOS."""
+    import torch
+
+    from .state import get_state
+
+    state = get_state(model)
+    device = state.env.device if state is not None else torch.device("cpu")
+    tokenizer.padding_side = "left"  # decoder-only models continue from the last position
+    enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not opts.chat).to(device)
+    sampling = dict(do_sample=True, temperature=opts.temperature, top_p=opts.top_p, top_k=None) if opts.do_sample else \
+        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if opts.do_sample:
+        torch.manual_seed(opts.seed)  # the same draws on every rank: the same tokens
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=opts.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    rows = []
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def _format(tokenizer, prompt: str, chat: bool) -> str:
+    if not chat:
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise HfScaleConfigError("--chat: this model's tokenizer has no chat template; drop --chat to send the raw prompt.")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+
+
+def print_completions(opts: GenerateArgs, texts: list[str], new_tokens: int, seconds: float) -> None:
+    """Each prompt and its completion between markers, then the throughput (rank 0's stdout)."""
+    n = len(texts)
+    for i, (prompt, text) in enumerate(zip(opts.prompts, texts), 1):
+        print(f"=== prompt {i}/{n} ===\n{prompt}\n=== completion {i}/{n} ===\n{text}")
+    mode = f"sampling, seed {opts.seed}" if opts.do_sample else "greedy"
+    print(f"=== {new_tokens} new tokens in {seconds:.2f} s: {new_tokens / max(seconds, 1e-9):.1f} tokens/s "
+          f"(tp {opts.tp}, {opts.dtype}, {mode}, batch {opts.batch_size}) ===", flush=True)
