@@ -24,6 +24,7 @@ from ..api import get_state, parallelize
 from ..config import ParallelConfig, as_parallel_config
 from ..errors import HfScaleCheckpointError
 from ..ranks import rank0_first
+from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
 from .safetensors_io import checkpoint_names, reshard_all
@@ -78,7 +79,7 @@ def from_pretrained(
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = weight_map_of(folder)
     parallel = as_parallel_config(parallel)
-    sharded = parallel.sharded
+    sharded = parallel.sharded or parallel.tp > 1  # parameters split: parallelize on meta, read slices
     if sharded:
         model = parallelize(model, parallel, plan=plan)
         device = torch.device("cpu") if parallel.cpu_offload else get_state(model).env.device
@@ -188,20 +189,21 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     new = {}
     blocks = list(_blocks(model, folder, weight_map))
     maps_left = map_budget(len(blocks))
-    for key, target, path, start, dtype, local_shape, offset in blocks:
+    for key, target, path, start, dtype, local_shape, boxes in blocks:
         if not target.is_meta:  # a real buffer saved with the model: read into it
             local = target.to_local() if isinstance(target, DTensor) else target.data
             if local.numel():
-                _read_block(path, start, dtype, tuple(target.shape), local, offset)
+                _read_block(path, start, dtype, tuple(target.shape), local, boxes)
             continue
         local = None
-        if maps_left > 0:
-            local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, offset, target.dtype, device)
+        if maps_left > 0 and len(boxes) == 1:
+            local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, boxes[0].offset,
+                                  target.dtype, device)
             maps_left -= local is not None
         if local is None:
             local = torch.empty(local_shape, dtype=target.dtype)
             if local.numel():
-                _read_block(path, start, dtype, tuple(target.shape), local, offset)
+                _read_block(path, start, dtype, tuple(target.shape), local, boxes)
             local = local.to(device)
         if isinstance(target, DTensor):
             local = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
@@ -259,17 +261,16 @@ def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path
     contiguous byte range), with no intermediate copy when dtypes match.
     """
     reshard_all(model)
-    for _key, target, path, start, dtype, _shape, offset in _blocks(model, folder, weight_map):
+    for _key, target, path, start, dtype, _shape, boxes in _blocks(model, folder, weight_map):
         local = target.to_local() if isinstance(target, DTensor) else target.data
         if local.numel():
-            _read_block(path, start, dtype, tuple(target.shape), local, offset)
+            _read_block(path, start, dtype, tuple(target.shape), local, boxes)
 
 
 def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
-    """``(state key, tensor, file, byte offset of its data, file dtype, local shape, global offset
-    of the local block)`` of every tensor to load, checked against the checkpoint's header."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    """``(state key, tensor, file, byte offset of its data, file dtype, local shape, boxes of the
+    local block)`` of every tensor to load, checked against the checkpoint's header. A packed
+    tensor-parallel slice (fused q;k;v) is several boxes."""
     from ..plans import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
@@ -302,10 +303,21 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
                 "float and integer tensors do not convert; the checkpoint is for another model."
             )
         if isinstance(target, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+            boxes = local_boxes(target)
+            shape = _local_shape(target, boxes)
         else:
-            shape, offset = tuple(target.shape), (0,) * target.dim()
-        yield key, target, path, data_start + entry["data_offsets"][0], dtype, tuple(shape), offset
+            shape = tuple(target.shape)
+            boxes = [Box(tuple(slice(0, n) for n in shape), (0,) * target.dim(), shape)]
+        yield key, target, path, data_start + entry["data_offsets"][0], dtype, shape, boxes
+
+
+def _local_shape(target: DTensor, boxes: list[Box]) -> tuple[int, ...]:
+    """The local tensor's shape, from its boxes (each dim ends where its last box ends)."""
+    if not boxes:  # this rank holds nothing (an uneven shard past the end)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        return tuple(compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)[0])
+    return tuple(max(b.local[d].stop for b in boxes) for d in range(target.dim()))
 
 
 def _read_header(path: Path) -> tuple[int, dict]:
@@ -330,22 +342,29 @@ def _read_header(path: Path) -> tuple[int, dict]:
     return 8 + length, entries
 
 
-def _read_block(path: Path, start: int, dtype: torch.dtype, global_shape, local: torch.Tensor, offset) -> None:
-    direct = local.dtype == dtype and local.device.type == "cpu" and local.is_contiguous()
-    buffer = local if direct else torch.empty(local.shape, dtype=dtype)
-    raw = buffer.view(-1).view(torch.uint8).numpy()
-    size = dtype.itemsize
+def _read_block(path: Path, start: int, dtype: torch.dtype, global_shape, local: torch.Tensor, boxes) -> None:
+    """Read every box of ``local``'s block from the file into it."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        for g_start, l_start, length in contiguous_runs(tuple(local.shape), offset, global_shape):
-            view = memoryview(raw[l_start * size : (l_start + length) * size])
-            done = 0
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], start + g_start * size + done)
-                if got <= 0:
-                    raise HfScaleCheckpointError(f"cannot read shard {path.name}: unexpected end of file.")
-                done += got
+        for box in boxes:
+            part = local[box.local]
+            direct = part.dtype == dtype and part.device.type == "cpu" and part.is_contiguous()
+            buffer = part if direct else torch.empty(box.shape, dtype=dtype)
+            _read_box(fd, path, start, dtype, global_shape, buffer, box)
+            if not direct:
+                part.copy_(buffer)
     finally:
         os.close(fd)
-    if not direct:
-        local.copy_(buffer)
+
+
+def _read_box(fd: int, path: Path, start: int, dtype: torch.dtype, global_shape, buffer: torch.Tensor, box) -> None:
+    raw = buffer.view(-1).view(torch.uint8).numpy()
+    size = dtype.itemsize
+    for g_start, l_start, length in contiguous_runs(box.shape, box.offset, global_shape):
+        view = memoryview(raw[l_start * size : (l_start + length) * size])
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], start + g_start * size + done)
+            if got <= 0:
+                raise HfScaleCheckpointError(f"cannot read shard {path.name}: unexpected end of file.")
+            done += got

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import HfScaleCheckpointError
 from ..plans import find_tied_parameters
 from ..ranks import rank_world, run_together
+from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, share_digests, staged_folder
 from .layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
 
@@ -143,7 +145,7 @@ def _owners(state: dict[str, torch.Tensor], world: int) -> dict[str, int]:
     load = [0] * world
     owners = {}
     for name, t in sorted(state.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
-        if isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements):
+        if isinstance(t, DTensor) and any(isinstance(p, (Shard, _StridedShard)) for p in t.placements):
             continue
         owner = min(range(world), key=load.__getitem__)
         owners[name] = owner
@@ -158,22 +160,18 @@ def _create(path: Path, f: ShardFile) -> None:
 
 
 def _local_block(name: str, t: torch.Tensor, owners: dict[str, int], rank: int):
-    """(local tensor, global offset) this rank writes for ``t``, or None."""
+    """(local tensor, its boxes) this rank writes for ``t``, or None. A tensor-parallel slice
+    of a packed weight (fused q;k;v) is several boxes of the global tensor."""
     if isinstance(t, DTensor) and name not in owners:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         coords = t.device_mesh.get_coordinate()
         for dim, placement in enumerate(t.placements):
             if isinstance(placement, Replicate) and coords[dim] != 0:
                 return None  # another replica group writes it
-            if not isinstance(placement, (Replicate, Shard)):
-                raise HfScaleCheckpointError(f"{name}: cannot save a {placement} placement.")
-        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        return t.to_local(), offset
+        return t.to_local(), local_boxes(t)
     if owners.get(name) != rank:
         return None
     local = t.full_tensor() if isinstance(t, DTensor) else t
-    return local, (0,) * t.dim()
+    return local, [Box(tuple(slice(0, n) for n in local.shape), (0,) * local.dim(), tuple(local.shape))]
 
 
 def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
@@ -183,21 +181,26 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
             block = _local_block(spec.name, state[spec.name], owners, rank)
             if block is None:
                 continue
-            local, offset = block
-            data = local.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            size = spec.dtype.itemsize
-            base = f.offsets[spec.name]
-            for g_start, l_start, length in contiguous_runs(tuple(local.shape), offset, spec.shape):
-                view = memoryview(data[l_start * size : (l_start + length) * size])
-                done = 0
-                while done < len(view):  # a short write is retried; a full disk raises ENOSPC
-                    wrote = os.pwrite(fd, view[done:], base + g_start * size + done)
-                    if wrote == 0:  # never loop forever on a device that accepts nothing
-                        raise OSError(errno.ENOSPC, f"{path}: the disk accepted no more bytes")
-                    done += wrote
+            local, boxes = block
+            local = local.detach().to("cpu")
+            for box in boxes:
+                _write_box(fd, path, local[box.local], box, spec, f.offsets[spec.name])
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _write_box(fd: int, path: Path, part: torch.Tensor, box: Box, spec: TensorSpec, base: int) -> None:
+    data = part.contiguous().reshape(-1).view(torch.uint8).numpy()
+    size = spec.dtype.itemsize
+    for g_start, l_start, length in contiguous_runs(box.shape, box.offset, spec.shape):
+        view = memoryview(data[l_start * size : (l_start + length) * size])
+        done = 0
+        while done < len(view):  # a short write is retried; a full disk raises ENOSPC
+            wrote = os.pwrite(fd, view[done:], base + g_start * size + done)
+            if wrote == 0:  # never loop forever on a device that accepts nothing
+                raise OSError(errno.ENOSPC, f"{path}: the disk accepted no more bytes")
+            done += wrote
 
 
 def model_class(model: nn.Module) -> type:

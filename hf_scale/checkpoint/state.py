@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
 from ..ranks import gather, rank_world, run_together
+from .dcp_boxes import checkpointable
 from .files import staged_folder
 from .load import load_owned_slices, weight_map_of
 from .safetensors_io import plan_save, write_model_folder
@@ -73,7 +74,7 @@ def save_state(
     needed = plan.nbytes + _state_nbytes(optim, sharded_plain=_zero_local(optimizer) is not None)
     with staged_folder(final, needed_bytes=needed) as partial:
         write_model_folder(model, partial / "model", plan)
-        _dcp_save(optim, partial / "optimizer")
+        _dcp_save(checkpointable(optim)[0], partial / "optimizer")
         run_together(torch.save, _rank_state(dataloader), partial / f"rank_{rank}.pt")
         layout = get_state(model)
         info = {
@@ -136,8 +137,10 @@ def load_state(
     model_dir = folder / "model"
     load_owned_slices(model, model_dir, weight_map_of(model_dir))
     target = {"optimizer": optimizer_state(model, optimizer)}
+    boxed, copy_back = checkpointable(target)  # packed tp slices placed box by box
     try:
-        dcp.load(target, checkpoint_id=str(folder / "optimizer"))
+        dcp.load(boxed, checkpoint_id=str(folder / "optimizer"))
+        copy_back()
     except (Exception, CheckpointException) as e:  # DCP's exception is not an Exception
         reason = re.findall(r"(?:RuntimeError|KeyError|ValueError): (.*)", str(e)) or [str(e)]
         raise HfScaleCheckpointError(
@@ -179,7 +182,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         pointer = root / LATEST
         name = pointer.read_text().strip() if pointer.exists() else None
         complete = complete_checkpoints(root)
-        if name and (root / name).is_dir():
+        if name and STEP_DIR.match(name) and (root / name).is_dir():
             path = root / name
         elif complete:
             path = complete[-1]
@@ -289,10 +292,34 @@ def _restore_rank_state(state: dict[str, Any], dataloader) -> None:
 
 
 def _point_latest(root: Path, name: str, keep_last: int | None) -> None:
-    """``root/latest`` names ``name`` (replaced atomically); older folders beyond ``keep_last`` go."""
+    """``root/latest`` names ``name``; older folders beyond ``keep_last`` go.
+
+    The pointer lies outside the staged folder, so it is replaced atomically: written in full
+    to a temporary file, flushed to disk, renamed over the old one (``os.replace``) and the
+    folder entry flushed. A crash at any point leaves ``latest`` naming either the previous
+    checkpoint or this one, never a torn name (a stale temporary file is overwritten next time).
+    """
     tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(name + "\n")
+    with open(tmp, "w") as fh:
+        fh.write(name + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
     if keep_last:
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush a folder's entries (a rename) to disk, where the platform allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
