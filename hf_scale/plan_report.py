@@ -2,7 +2,11 @@
 
 The model is built from its config on the meta device (no memory, no weights), its plan is
 resolved exactly as :func:`hf_scale.parallelize` would, and the mesh degrees are resolved for
-the given world size, so a recipe for 8 GPUs or 4 nodes can be checked on a laptop.
+the given world size, so a recipe for 8 GPUs or 4 nodes can be checked on a laptop. With
+``parallel.tp > 1`` it adds the tensor-parallel layout the engine would apply
+(:func:`hf_scale.plans.tp.tp_layout`): each module pattern's style with its count, the query and
+key/value heads per rank, and the parameters and bytes each tp rank holds (sharded ones / tp,
+plus the replicated ones); a plan that does not fit the degree fails with the engine's error.
 
 Usage::
 
@@ -11,6 +15,9 @@ Usage::
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import torch
 
@@ -42,8 +49,10 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     plan = resolve_plan(model)
     units = wrap_units(model, plan)
     params = sum(p.numel() for p in model.parameters())
-    dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 else None
-    shards = dims.dp_shard * dims.tp * dims.pp if dims and parallel.sharded else 1
+    dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp > 1 else None
+    tp = tp_report(model, plan, parallel.tp) if parallel.tp > 1 else None
+    per_tp_rank = tp["params_per_rank"] if tp else params
+    shards = dims.dp_shard * dims.pp if dims and parallel.sharded else 1
     return {
         "model_class": type(model).__name__,
         "model_type": plan.model_type,
@@ -54,9 +63,73 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
         "world_size": world_size,
         "num_nodes": num_nodes,
         "mesh": dims.describe() if dims else "one process",
-        "params_per_rank": params // shards,
-        "train_state_gb_per_rank": params * BYTES_PER_PARAM_TRAINING / shards / 2**30,
+        "params_per_rank": per_tp_rank // shards,
+        "train_state_gb_per_rank": per_tp_rank * BYTES_PER_PARAM_TRAINING / shards / 2**30,
+        "tp": tp,
     }
+
+
+def tp_report(model, plan, tp: int) -> dict:
+    """The tensor-parallel layout of ``model`` at degree ``tp``: styles per module pattern
+    (``layers.N`` collapsed to ``layers.*``, with how many modules), heads per rank, and the
+    parameters one tp rank holds (the largest shard where a vocabulary does not divide)."""
+    from .plans.tp import SIZE_ATTRS, tp_layout
+
+    layout = tp_layout(model, plan, tp)
+    patterns: dict[str, list] = {}
+    for name, style in layout.styles.items():
+        key = (re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name), style)
+        patterns.setdefault(key, []).append(name)
+    sharded = replicated = local = bytes_local = 0
+    seen: set[int] = set()  # a tied weight is one tensor under two modules: count it once
+    for module_name, module in model.named_modules():
+        style = layout.styles.get(module_name, "replicate")
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            dim = _shard_dim(module, p_name, style)
+            if dim is None:
+                replicated += param.numel()
+                kept = param.numel()
+            else:
+                sharded += param.numel()
+                kept = param.numel() // param.shape[dim] * math.ceil(param.shape[dim] / tp)
+            local += kept
+            bytes_local += kept * param.element_size()
+    config = getattr(model, "config", None)
+    heads = {}
+    for attr, label in SIZE_ATTRS.items():
+        value = getattr(config, attr, None)
+        if "heads" in label and isinstance(value, int) and not isinstance(value, bool) and label not in heads:
+            heads[label] = (value // tp, value)
+    return {
+        "degree": tp,
+        "styles": [(pattern, style, len(names)) for (pattern, style), names in patterns.items()],
+        "heads": heads,
+        "sharded_params": sharded,
+        "replicated_params": replicated,
+        "params_per_rank": local,
+        "bytes_per_rank": bytes_local,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+
+
+def _shard_dim(module, param_name: str, style: str) -> int | None:
+    """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
+    when the parameter stays whole (replicated modules, and a rowwise layer's bias, which is
+    added after the all-reduce)."""
+    if style == "replicate" or param_name not in ("weight", "bias"):
+        return None
+    rowwise = style.startswith("rowwise") or style == "embedding_rowwise"
+    if param_name == "bias":
+        return None if rowwise else 0
+    kind = type(module).__name__
+    if isinstance(module, torch.nn.Embedding):
+        return 0 if rowwise else 1
+    if kind == "Conv1D":  # weight [in, out]
+        return 0 if rowwise else 1
+    return 1 if rowwise else 0  # Linear weight [out, in]
 
 
 def format_report(report: dict) -> str:
@@ -76,7 +149,24 @@ def format_report(report: dict) -> str:
         f"per rank: {report['params_per_rank'] / 1e6:,.1f}M parameters; fp32 weights + gradients + AdamW "
         f"state ~{report['train_state_gb_per_rank']:.2f} GB (activations not included)",
     ]
+    if report.get("tp"):
+        lines += _tp_lines(report["tp"], report["parameters"])
     return "\n".join(lines)
+
+
+def _tp_lines(tp: dict, parameters: int) -> list[str]:
+    heads = ", ".join(f"{local} of {total} {label}" for label, (local, total) in tp["heads"].items())
+    lines = [
+        f"tensor parallel over {tp['degree']} ranks: per tp rank {heads or 'no head counts in the config'}; "
+        f"{tp['params_per_rank'] / 1e6:,.2f}M of {parameters / 1e6:,.2f}M parameters "
+        f"({tp['sharded_params'] / 1e6:,.2f}M sharded / {tp['degree']} + {tp['replicated_params'] / 1e6:,.2f}M "
+        f"replicated), {tp['bytes_per_rank'] / 2**20:,.1f} MiB in {tp['dtype']}",
+    ]
+    width = max(len(pattern) for pattern, _, _ in tp["styles"])
+    style_width = max(len(style) for _, style, _ in tp["styles"])
+    for pattern, style, count in tp["styles"]:
+        lines.append(f"  {pattern:{width}}  {style:{style_width}}  x{count}".rstrip())
+    return lines
 
 
 def _entries(tp_plan) -> str:

@@ -39,7 +39,7 @@ def test_gpu_recipes_resolve_on_the_meta_device(tmp_path, recipe, size, mesh, un
     assert report["mesh"] == mesh and report["units"] == units
     assert report["plan"].wrap_modules == ("LlamaDecoderLayer",)
     assert report["parameters"] / 1e9 == pytest.approx(billions, abs=0.01)
-    assert "layers.*.self_attn.q_proj" in report["plan"].tp_plan
+    assert "model.layers.*.self_attn.q_proj" in report["plan"].tp_plan  # names from the top model
     assert job.data.max_seq_len <= LLAMA3[size]["max_position_embeddings"]
 
 
@@ -83,8 +83,8 @@ def cli_output(capsys, tiny_folder):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--gpus", "8", "--bogus", "3"],
-         "unknown flag --gpus: hf-scale plan takes --world-size, --nnodes, --task, --strategy."),
+        (["--devices", "8", "--bogus", "3"],
+         "unknown flag --devices: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp."),
         (["--world-siz", "8"], "unknown flag --world-siz: did you mean --world-size?"),
         (["--world", "8"], "unknown flag --world: did you mean --world-size?"),  # no abbreviations
         (["--world-size", "x"], "argument --world-size: invalid int value: 'x'. See hf-scale plan --help."),
@@ -116,3 +116,68 @@ def test_plan_of_a_model_that_is_nowhere_is_one_line(tmp_path, cli_output):
     (tmp_path / "empty").mkdir()
     assert main(["plan", str(tmp_path / "empty")]) == 2
     assert "has no config.json" in cli_output.readouterr().err
+
+
+# The tiny Llama (tests/tiny_models.py): hidden 32, MLP 64, 4 query and 2 key/value heads of 8,
+# vocabulary 128 tied to the head, 2 layers. Every Linear and the embedding are split by tp;
+# only the RMSNorm weights (2 per layer + the final one) stay whole.
+TINY_SHARDED = 128 * 32 + 2 * (32 * 32 + 16 * 32 + 16 * 32 + 32 * 32 + 3 * 64 * 32)
+TINY_REPLICATED = 2 * 2 * 32 + 32
+
+
+def test_tp_layout_styles_heads_and_bytes_per_rank(tiny_folder, cli_output):
+    assert main(["plan", tiny_folder, "--tp", "2"]) == 0
+    out = cli_output.readouterr().out
+    per_rank = TINY_SHARDED // 2 + TINY_REPLICATED
+    assert "mesh: fsdp over 2 rank(s) on 1 node(s): pp=1 x dp_replicate=1 x dp_shard=1 x tp=2" in out
+    assert (f"tensor parallel over 2 ranks: per tp rank 2 of 4 query heads, 1 of 2 key/value heads; "
+            f"{per_rank / 1e6:,.2f}M of {(TINY_SHARDED + TINY_REPLICATED) / 1e6:,.2f}M parameters") in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    assert ["model.layers.*.self_attn.q_proj", "colwise", "x2"] in rows
+    assert ["model.layers.*.mlp.down_proj", "rowwise", "x2"] in rows
+    assert ["model.embed_tokens", "embedding_rowwise", "x1"] in rows and ["lm_head", "colwise_gather_output", "x1"] in rows
+    assert len(rows) == 9  # 7 per-layer patterns (layers.0/layers.1 collapsed), embedding, head
+
+    from hf_scale.train.model import load_config
+    from hf_scale.train.config import ModelConfig
+
+    config = load_config(ModelConfig(name_or_path=tiny_folder))
+    report = plan_report(config, ParallelConfig(tp=2), 4)
+    tp = report["tp"]
+    assert (tp["sharded_params"], tp["replicated_params"]) == (TINY_SHARDED, TINY_REPLICATED)
+    assert tp["params_per_rank"] == per_rank and tp["bytes_per_rank"] == 4 * per_rank  # fp32
+    assert report["params_per_rank"] == per_rank // 2  # fsdp over the 2 dp ranks shards it again
+    assert plan_report(config, ParallelConfig(strategy="hsdp", tp=2), 4, 2)["params_per_rank"] == per_rank
+    assert plan_report(config, ParallelConfig(), 4)["tp"] is None
+
+
+def test_tp_layout_from_a_recipe_override(tiny_folder, cli_output):
+    recipe = str(CONFIGS / "quickstart.yaml")
+    assert main(["plan", recipe, "--model.name_or_path", tiny_folder, "--parallel.tp", "2", "--world-size", "4"]) == 0
+    out = cli_output.readouterr().out
+    assert "dp_shard=2 x tp=2" in out and "tensor parallel over 2 ranks: per tp rank 2 of 4 query heads" in out
+
+
+def test_a_vocabulary_tp_does_not_divide_counts_the_largest_shard():
+    from tests.tiny_models import tiny_config
+
+    config = tiny_config("gpt2")
+    config.vocab_size = 129  # rank 0 holds 65 rows of the embedding, rank 1 64
+    tp = plan_report(config, ParallelConfig(tp=2), 2)["tp"]
+    embedding = 129 * 32
+    assert tp["params_per_rank"] - (tp["sharded_params"] - embedding) // 2 - tp["replicated_params"] == 65 * 32
+    assert ("transformer.h.*.attn.c_attn", "packed_colwise:3", 2) in tp["styles"]
+    # GPT-2's Conv1D: c_attn and c_fc shard their bias, the rowwise c_proj biases stay whole
+    assert tp["replicated_params"] == 64 * 32 + 2 * (4 * 32 + 32 + 32) + 2 * 32
+
+
+def test_tp_layout_that_does_not_fit_is_the_engines_error(tmp_path, cli_output):
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+    smollm2.save_pretrained(tmp_path)  # SmolLM2-135M's shapes
+    assert main(["plan", str(tmp_path / "config.json"), "--tp", "2"]) == 2
+    err = cli_output.readouterr().err
+    assert "tp=2 does not divide the query heads (num_attention_heads=9), key/value heads (num_key_value_heads=3)" in err
+    assert main(["plan", str(tmp_path / "config.json"), "--tp", "3"]) == 0
+    out = cli_output.readouterr().out
+    assert "per tp rank 3 of 9 query heads, 1 of 3 key/value heads" in out and "171.1 MiB in float32" in out
