@@ -181,3 +181,11 @@ def test_tp_layout_that_does_not_fit_is_the_engines_error(tmp_path, cli_output):
     assert main(["plan", str(tmp_path / "config.json"), "--tp", "3"]) == 0
     out = cli_output.readouterr().out
     assert "per tp rank 3 of 9 query heads, 1 of 3 key/value heads" in out and "171.1 MiB in float32" in out
+    # the shipped tp recipe (the real SmolLM2 is a zoo package: its shapes stand in here)
+    recipe = str(CONFIGS / "quickstart-tp3.yaml")
+    assert main(["plan", recipe, "--model.name_or_path", str(tmp_path / "config.json")]) == 0
+    out = cli_output.readouterr().out
+    assert "fsdp over 3 rank(s) on 1 node(s): pp=1 x dp_replicate=1 x dp_shard=1 x tp=3" in out
+    assert "per tp rank 3 of 9 query heads" in out
+    assert main(["plan", recipe, "--model.name_or_path", str(tmp_path / "config.json"), "--world-size", "6"]) == 0
+    assert "dp_shard=2 x tp=3" in cli_output.readouterr().out
