@@ -12,8 +12,9 @@ from .distributed import DistEnv, init_distributed
 from .errors import HfScaleConfigError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
-from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp
+from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .plans.tp import tp_layout
 from .state import STATE_ATTR, ParallelState, get_state
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,10 +28,12 @@ def parallelize(
 ) -> nn.Module:
     """Distribute a (pretrained) transformers model over the torchrun processes, in place.
 
-    Order: resolve the plan; start the process group; check the degrees; chunked loss;
-    activation checkpointing on the blocks; then FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the
-    data-parallel mesh, with mixed precision and CPU offload as configured. Without torchrun
-    (world size 1) only activation checkpointing, mixed precision and chunked loss apply.
+    Order: resolve the plan; start the process group; check the degrees (and, with ``tp``,
+    the head and MLP sizes); chunked / vocabulary-parallel loss; tensor parallel over the
+    ``tp`` mesh dimension; activation checkpointing on the blocks; then FSDP2 (fsdp / zero2 /
+    hsdp) or DDP (ddp / zero1) over the data-parallel mesh, with mixed precision and CPU
+    offload as configured. Without torchrun (world size 1) only activation checkpointing,
+    mixed precision and chunked loss apply.
 
     Returns the same module object (its class gains the FSDP / DDP mixin), so
     ``model.config``, ``model.generate`` and parameter names are unchanged. Build the
@@ -54,29 +57,39 @@ def parallelize(
     env = init_distributed(config.timeout_seconds)
     dtype = DTYPES[config.mixed_precision]
     _check_precision(dtype, env)
-    dims = mesh = None
+    dims = mesh = layout = None
     if env.world_size > 1:
         # Degrees are checked before any collective: a bad layout fails on every rank alike.
         dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
+        if dims.tp_enabled:
+            layout = tp_layout(model, resolved, dims.tp)
+    elif config.tp > 1:
+        raise HfScaleConfigError(
+            f"tp={config.tp} needs {config.tp} processes (or a multiple): start the script with "
+            f"torchrun --nproc_per_node {config.tp} (found one process, no torchrun environment)."
+        )
 
     units = wrap_units(model, resolved)
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
-    if env.device.type != "cpu" and (dims is None or not config.sharded) and not _on_meta(model):
-        # FSDP moves each unit itself, never holding the whole model there; DDP and one process
-        # (any strategy: nothing shards it) need the whole model on this rank's GPU.
+    unsharded = dims is None or not config.sharded or dims.dp_degree == 1
+    if env.device.type != "cpu" and unsharded and not _on_meta(model):
+        # FSDP moves each unit itself, never holding the whole model there; DDP, tensor parallel
+        # alone and one process (nothing shards it) need the whole model on this rank's GPU.
         model.to(env.device)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if config.loss_chunk_tokens:
-        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         try:
             apply_chunked_loss(model, head, config.loss_chunk_tokens)
         except ValueError as e:
             raise HfScaleConfigError(str(e)) from None
-    if config.activation_checkpointing:
-        count = apply_ac(units, config.activation_checkpointing, config.ac_every)
-        _disable_kv_cache(model)
-        log_rank0(f"activation checkpointing ({config.activation_checkpointing}) on {count} of {len(units)} blocks")
-
+    elif layout is not None and _vocab_sharded(model, head, layout):
+        try:  # the loss on vocabulary shards; a model whose forward does not allow it gathers logits
+            apply_chunked_loss(model, head, None)
+        except ValueError as e:
+            log_rank0(f"tensor parallel: the loss gathers the full logits ({e})", once=True)
     if dims is None:
+        if config.activation_checkpointing:
+            _apply_ac(model, units, config)
         log_rank0(
             "running in one process (no torchrun environment): only activation checkpointing, "
             "mixed precision and chunked loss apply",
@@ -87,7 +100,14 @@ def parallelize(
     else:
         mesh = build_mesh(dims, env.device.type)
         dp_mesh = dims.dp_mesh(mesh)
-        if config.sharded:
+        if layout is not None:
+            apply_tp(model, mesh["tp"], layout.styles, layout.local_attrs, resolved.tied_weights)
+        if config.activation_checkpointing:
+            _apply_ac(model, units, config)
+        if dims.dp_degree == 1:  # tensor parallel alone: no data-parallel wrapper
+            if dtype is not None:
+                apply_autocast(model, dtype, env.device.type, keep_fp32)
+        elif config.sharded:
             reshard = config.strategy != "zero2" and config.reshard_after_forward is not False
             apply_fsdp(
                 model,
@@ -109,6 +129,17 @@ def parallelize(
         )
     setattr(model, STATE_ATTR, ParallelState(config, resolved, env, dims, mesh))
     return model
+
+
+def _apply_ac(model: nn.Module, units: list[nn.Module], config: ParallelConfig) -> None:
+    count = apply_ac(units, config.activation_checkpointing, config.ac_every)
+    _disable_kv_cache(model)
+    log_rank0(f"activation checkpointing ({config.activation_checkpointing}) on {count} of {len(units)} blocks")
+
+
+def _vocab_sharded(model: nn.Module, head, layout) -> bool:
+    names = {id(m): n for n, m in model.named_modules()}
+    return isinstance(head, nn.Linear) and layout.styles.get(names.get(id(head), "")) == "colwise_gather_output"
 
 
 def _check_precision(dtype: torch.dtype | None, env: DistEnv) -> None:

@@ -94,8 +94,8 @@ class ParallelDims:
         """Process group of the ranks that see different data (None when dp_degree is 1)."""
         if self.dp_degree == 1:
             return None
-        return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group() if (
-            self.dp_replicate > 1 and self.dp_shard > 1) else self.dp_mesh(mesh).get_group()
+        both = self.dp_replicate > 1 and self.dp_shard > 1
+        return mesh["dp"].get_group() if both else self.dp_mesh(mesh).get_group()
 
     @property
     def shard_enabled(self) -> bool:
@@ -129,4 +129,11 @@ def build_mesh(dims: ParallelDims, device_type: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = tuple(getattr(dims, name) for name in MESH_DIMS)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    # Flattened views, so DTensor reduces over several dimensions in one collective (gradient
+    # norms over dp_shard x tp) and metrics reduce over all data-parallel ranks at once.
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if dims.dp_shard > 1 and dims.tp > 1:
+        mesh["dp_shard", "tp"]._flatten("dp_shard_tp")
+    return mesh

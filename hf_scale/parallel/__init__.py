@@ -12,8 +12,9 @@ from .fsdp import apply_fsdp
 from .loss import apply_chunked_loss
 from .optim import build_optimizer, clip_grad_norm_, no_sync, parameter_groups
 from .precision import apply_autocast
+from .tp import apply_tp
 
 __all__ = [
-    "apply_ac", "apply_autocast", "apply_chunked_loss", "apply_ddp", "apply_fsdp",
+    "apply_ac", "apply_autocast", "apply_chunked_loss", "apply_ddp", "apply_fsdp", "apply_tp",
     "build_optimizer", "clip_grad_norm_", "no_sync", "parameter_groups",
 ]

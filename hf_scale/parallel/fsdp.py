@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     MixedPrecisionPolicy,
@@ -50,7 +52,7 @@ def apply_fsdp(
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     )
-    common = dict(mesh=dp_mesh, offload_policy=offload)
+    common = dict(mesh=dp_mesh, offload_policy=offload, shard_placement_fn=_shard_placement)
     if param_dtype is not None:
         keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in fp32_modules:
@@ -66,3 +68,15 @@ def apply_fsdp(
         )
     # The root's parameters (embeddings, head) are needed again as soon as backward starts.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
+
+
+def _shard_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP's shard dimension: dim 0 (the default), except for a packed tensor-parallel weight
+    (``_StridedShard`` on the tp mesh, e.g. a fused qkv split per part): FSDP shards it on
+    another dimension, since a data-parallel shard of a strided tp shard on the same dimension
+    is not a layout DTensor can describe (its full tensor, and so checkpoints, come out wrong)."""
+    if isinstance(param, DTensor) and param.dim() > 1:
+        strided = {p.dim for p in param.placements if isinstance(p, _StridedShard)}
+        if 0 in strided:
+            return Shard(next(d for d in range(1, param.dim()) if d not in strided))
+    return None

@@ -6,6 +6,11 @@ activation of a step once the blocks are checkpointed: SmolLM2's 49k vocabulary 
 :func:`apply_chunked_loss` computes ``head`` + cross-entropy on ``chunk_tokens`` tokens at a time,
 each chunk under activation checkpointing, so only one chunk's logits exist at once, in forward
 and in backward.
+
+Under tensor parallel the head's weight is a ``DTensor`` sharded on the vocabulary: each rank
+computes the logits of its vocabulary slice, and the cross-entropy runs on those slices with
+PyTorch's ``loss_parallel`` (a max, a sum of exponentials and the target logits are all-reduced),
+so no rank ever holds the full logits; with ``chunk_tokens=None`` there is one chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ def chunked_cross_entropy(
     hidden: torch.Tensor,
     head: nn.Linear,
     labels: torch.Tensor,
-    chunk_tokens: int,
+    chunk_tokens: int | None,
     *,
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
@@ -38,6 +43,9 @@ def chunked_cross_entropy(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(flat_hidden.device)
+    if chunk_tokens is None:  # one chunk (a vocabulary-parallel head without chunking)
+        total = _chunk_loss(flat_hidden, head.weight, head.bias, flat_labels, ignore_index)
+        return _normalise(total, flat_labels, ignore_index, num_items_in_batch)
     if flat_hidden.shape[0] <= chunk_tokens and torch.is_grad_enabled():
         import logging
 
@@ -61,6 +69,10 @@ def chunked_cross_entropy(
             ignore_index,
             use_reentrant=False,
         )
+    return _normalise(total, flat_labels, ignore_index, num_items_in_batch)
+
+
+def _normalise(total, flat_labels, ignore_index, num_items_in_batch):
     if num_items_in_batch is None:
         num_items_in_batch = (flat_labels != ignore_index).sum()
     if isinstance(num_items_in_batch, torch.Tensor):
@@ -69,8 +81,41 @@ def chunked_cross_entropy(
 
 
 def _chunk_loss(hidden, weight, bias, labels, ignore_index):
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(weight, DTensor):  # tensor parallel: the head's vocabulary is sharded
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
+        logits = F.linear(hidden, weight, bias).float()
+        return _VocabParallelCrossEntropy.apply(logits, labels, ignore_index).to_local()
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of logits sharded on the vocabulary (a ``Shard(-1)`` DTensor).
+
+    ``loss_parallel`` computes it, and its gradient, on the shards; its rules apply only while
+    the context is active, so the gradient is computed here in forward (inside the context) and
+    kept for backward. Memory: one gradient the size of the local logits, which is what
+    ``cross_entropy`` itself keeps (its log-softmax).
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index):
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with torch.enable_grad(), loss_parallel():
+            leaf = logits.detach().requires_grad_()
+            loss = F.cross_entropy(leaf, labels, ignore_index=ignore_index, reduction="sum")
+            (grad,) = torch.autograd.grad(loss, leaf)
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_output, None, None
 
 
 # Config attributes of models that transform the head's output before the loss (soft-capping,
@@ -78,8 +123,9 @@ def _chunk_loss(hidden, weight, bias, labels, ignore_index):
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int) -> None:
-    """Make ``model``'s forward compute its loss with :func:`chunked_cross_entropy`.
+def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | None) -> None:
+    """Make ``model``'s forward compute its loss with :func:`chunked_cross_entropy`
+    (``chunk_tokens=None``: in one chunk, for a head that tensor parallel shards).
 
     Contract: ``model`` is a transformers causal LM whose forward calls ``head`` on the final
     hidden states and passes the result straight to ``model.loss_function`` (true of the HF
@@ -131,7 +177,10 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int) -> 
     def head_or_passthrough(hidden_states):
         if not state["active"]:
             return head_forward(hidden_states)
-        state["passed"] = hidden_states
+        # Under tensor parallel the head's input hook made it a replicated DTensor; its output
+        # hook hands the model the local tensor, which is what the loss will receive.
+        to_local = getattr(hidden_states, "to_local", None)
+        state["passed"] = to_local() if to_local else hidden_states
         return hidden_states
 
     @functools.wraps(loss_function)

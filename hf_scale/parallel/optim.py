@@ -59,7 +59,7 @@ def build_optimizer(
 
         optimizer = hf_scale.build_optimizer(model, lr=2e-5, weight_decay=0.1)
     """
-    groups = parameter_groups(model, weight_decay)
+    groups = _split_by_kind(parameter_groups(model, weight_decay))
     if fused is None:
         fused = _fused_supported([p for g in groups for p in g["params"]])
     defaults = dict(lr=lr, betas=betas, eps=eps, fused=fused, **adamw_kwargs)
@@ -74,6 +74,21 @@ def build_optimizer(
             **defaults,
         )
     return torch.optim.AdamW(groups, **defaults)
+
+
+def _split_by_kind(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensor parameters (by mesh) and its plain ones: a foreach or
+    fused step over one group cannot mix them (tensor parallel alone leaves norms and biases
+    plain beside sharded weights)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for group in groups:
+        kinds: dict = {}
+        for p in group["params"]:
+            kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+        out.extend({**group, "params": params} for params in kinds.values())
+    return out
 
 
 def _fused_supported(params: list[torch.Tensor]) -> bool:

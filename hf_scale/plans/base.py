@@ -32,8 +32,12 @@ class ModelPlan:
         keep_fp32_modules: module-name components (``"wo"`` matches ``...DenseReluDense.wo``)
             whose parameters and compute stay fp32 under mixed precision.
         tied_weights: ``(target, source)`` parameter names that share storage.
-        tp_plan: tensor-parallel styles per module pattern, in transformers' vocabulary
-            (``"layers.*.self_attn.q_proj": "colwise"``); read by the tensor-parallel engine.
+        tp_plan: tensor-parallel styles per module pattern, in transformers' vocabulary, with
+            names from the top model (``"model.layers.*.self_attn.q_proj": "colwise"``, as
+            transformers' ``model.tp_plan`` gives them); ``*`` matches one name component. Read
+            by :func:`hf_scale.plans.tp.tp_layout` and applied by the tensor-parallel engine.
+        tp_local_attrs: module pattern -> integer attributes its forward uses as head counts or
+            split sizes (GPT-2's ``split_size``); divided by the tp degree after sharding.
         pp_plan: pipeline stages' module names and their inputs/outputs, as transformers
             declares them (``base_model_pp_plan``).
         source: where each field came from, for ``hf-scale plan`` and error messages.
@@ -44,6 +48,7 @@ class ModelPlan:
     keep_fp32_modules: tuple[str, ...] = ()
     tied_weights: tuple[tuple[str, str], ...] = ()
     tp_plan: Mapping[str, str] = field(default_factory=dict)
+    tp_local_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     pp_plan: Mapping[str, Any] = field(default_factory=dict)
     source: Mapping[str, str] = field(default_factory=dict)
 
@@ -52,7 +57,7 @@ class ModelPlan:
 
 
 # Fields a registry entry or a user override may set.
-OVERRIDABLE = ("wrap_modules", "keep_fp32_modules", "tp_plan", "pp_plan")
+OVERRIDABLE = ("wrap_modules", "keep_fp32_modules", "tp_plan", "tp_local_attrs", "pp_plan")
 
 _REGISTRY: dict[str, dict[str, Any]] = {}
 
@@ -61,7 +66,10 @@ def register_plan(model_type: str, **fields: Any) -> None:
     """Record plan fields for ``model_type`` that transformers does not declare.
 
     Only the fields given are set; the rest still come from transformers. Registering a
-    model type twice replaces its entry.
+    model type twice replaces its entry. ``tp_plan`` and ``tp_local_attrs`` patterns are
+    relative to the base model, as transformers' ``base_model_tp_plan`` (``"h.*.attn.c_attn"``
+    for GPT-2; the ``transformer.`` prefix of GPT2LMHeadModel is added when resolving);
+    ``tp_plan`` may also be a function of the model's config returning such a dict.
     """
     check_override_fields(fields, f"register_plan({model_type!r})")
     _REGISTRY[model_type] = {k: _freeze(v) for k, v in fields.items()}

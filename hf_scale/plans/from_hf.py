@@ -39,10 +39,14 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
         if value:
             fields[name], source[name] = value, "transformers"
     for name, value in registered_fields(model_type).items():
+        if name in ("tp_plan", "tp_local_attrs"):
+            value = _from_base(model, value(config) if callable(value) else value)
         fields[name], source[name] = value, f"registry:{model_type}"
     if overrides:
         check_override_fields(overrides, "plan override")
         for name, value in overrides.items():
+            if name in ("tp_plan", "tp_local_attrs"):  # extends (and overrides entries of) the plan
+                value = {**fields.get(name, {}), **dict(value)}
             fields[name], source[name] = _freeze(value), "user"
 
     if source.get("wrap_modules") == "transformers":
@@ -101,14 +105,25 @@ def find_tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return tuple(ties)
 
 
+def _from_base(model: nn.Module, patterns: Mapping[str, Any]) -> dict[str, Any]:
+    """Patterns relative to the base model -> relative to ``model`` (``h.*`` -> ``transformer.h.*``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if not prefix or getattr(model, prefix, None) is None:
+        return dict(patterns)
+    return {f"{prefix}.{key}": value for key, value in patterns.items()}
+
+
 def _declared_fields(model: nn.Module) -> dict[str, Any]:
     config = getattr(model, "config", None)
+    tp_plan = getattr(model, "tp_plan", None)  # transformers: full names, head and embeddings included
+    if not isinstance(tp_plan, Mapping):
+        tp_plan = _from_base(model, getattr(config, "base_model_tp_plan", None) or {})
     fp32 = set(getattr(model, "_keep_in_fp32_modules", None) or ())
     fp32 |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     return {
         "wrap_modules": _freeze(set(getattr(model, "_no_split_modules", None) or ())),
         "keep_fp32_modules": tuple(sorted(fp32)),
-        "tp_plan": dict(getattr(config, "base_model_tp_plan", None) or {}),
+        "tp_plan": dict(tp_plan),
         "pp_plan": dict(getattr(config, "base_model_pp_plan", None) or {}),
     }
 

@@ -52,10 +52,14 @@ def test_fp32_modules_and_sources_for_t5():
 
 def test_tp_and_pp_plans_read_from_transformers():
     plan = resolve_plan(meta_model("llama", "causal"))
-    assert plan.tp_plan["layers.*.self_attn.q_proj"] == "colwise"
-    assert plan.tp_plan["layers.*.mlp.down_proj"] == "rowwise"
+    # names from the top model, as transformers' model.tp_plan gives them (head included)
+    assert plan.tp_plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan.tp_plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan.tp_plan["lm_head"] == "colwise_gather_output"
     assert "layers" in plan.pp_plan and plan.source["tp_plan"] == "transformers"
-    assert resolve_plan(meta_model("gpt2", "causal")).tp_plan == {}
+    gpt2 = resolve_plan(meta_model("gpt2", "causal"))  # declared by none: hf_scale's registry
+    assert gpt2.tp_plan["transformer.h.*.attn.c_attn"] == "packed_colwise:3"
+    assert gpt2.source["tp_plan"] == "registry:gpt2"
 
 
 def test_registry_entries_fill_what_transformers_lacks():

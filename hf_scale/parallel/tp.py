@@ -1,0 +1,190 @@
+"""Tensor parallel: shard a model's layers over the ``tp`` mesh dimension with PyTorch's DTensor
+styles (``torch.distributed.tensor.parallel``), following a plan of module names -> styles.
+
+The styles use transformers' vocabulary, so a ``tp_plan`` written for transformers works here:
+
+====================== ===================================================================
+``colwise``            output features sharded (Linear weight dim 0, Conv1D weight dim 1,
+                       Embedding weight dim 1); input replicated, output stays local
+                       ``Shard(-1)`` (the local heads of an attention projection)
+``rowwise``            input features sharded; input local ``Shard(-1)``, output all-reduced
+``colwise_gather_output`` ``colwise`` whose output is all-gathered (replicated)
+``rowwise_split_input`` ``rowwise`` whose replicated input is split locally (no collective)
+``embedding_rowwise``  an Embedding's vocabulary sharded; output all-reduced
+``packed_colwise``     a fused ``[a; b]`` projection (gate_up): each part split by ``tp``, so
+                       rank r holds ``[a_r; b_r]`` (``_StridedShard``, split_factor 2) and its
+                       output is ``[a_r, b_r]`` -- what the model's ``chunk(2)`` expects
+``packed_colwise:N``   the same for N equal parts (fused ``q; k; v``: N = 3)
+``replicate``          nothing: parameters stay whole on every tp rank
+====================== ===================================================================
+
+Modules: ``nn.Linear``, ``nn.Embedding`` and transformers' ``Conv1D`` (GPT-2, weight
+``[in, out]``). :func:`apply_tp` never names a model; the plan says what goes where.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from ..plans.tp import packed_parts
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh,
+    styles: dict[str, str],
+    local_attrs: dict[str, tuple[str, ...]] | None = None,
+    ties: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """Shard the modules named in ``styles`` (full module names -> style) over ``tp_mesh``.
+
+    Sharded parameters become ``DTensor`` s on ``tp_mesh``; others stay plain tensors, whole on
+    every rank. ``local_attrs`` names integer attributes of modules (head counts, split sizes)
+    that the module's forward uses on its local shard: they are divided by the tp degree.
+    ``ties`` (``(target, source)`` parameter names, the plan's ``tied_weights``) are tied again
+    afterwards: each module distributes its own copy, so both sides must get the same placement.
+
+    Usage::
+
+        apply_tp(model, mesh["tp"], {"model.layers.0.self_attn.q_proj": "colwise", ...})
+    """
+    tp = tp_mesh.size()
+    plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items() if style != "replicate"}
+    parallelize_module(model, tp_mesh, plan)
+    for name, attrs in (local_attrs or {}).items():
+        module = model.get_submodule(name)
+        for attr in attrs:
+            _divide_attr(module, attr, tp)
+    _retie(model, ties)
+
+
+def _divide_attr(module: nn.Module, attr: str, tp: int) -> None:
+    """``module.<attr> //= tp``. A dotted attribute (``"config.num_attention_heads"``, read by
+    Phi-3's attention) is set on a copy of the object it lives in, made for this module alone:
+    the config is shared by the whole model and must keep the global counts."""
+    owner = module
+    *path, leaf = attr.split(".")
+    if path:
+        for part in path[:-1]:
+            owner = getattr(owner, part)
+        copied = copy.copy(getattr(owner, path[-1]))
+        setattr(owner, path[-1], copied)
+        owner = copied
+    setattr(owner, leaf, getattr(owner, leaf) // tp)
+
+
+def _style(module: nn.Module, style: str):
+    conv1d = _is_conv1d(module)
+    parts = packed_parts(style)
+    if parts:
+        return PackedColwise(parts, conv1d=conv1d)
+    if conv1d:
+        return {"colwise": Conv1DColwise(), "colwise_gather_output": Conv1DColwise(output_layouts=Replicate()),
+                "rowwise": Conv1DRowwise(), "rowwise_split_input": Conv1DRowwise(input_layouts=Replicate())}[style]
+    return {
+        "colwise": lambda: ColwiseParallel(),
+        "rowwise": lambda: RowwiseParallel(),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }[style]()
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a Linear with the weight stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:
+    for name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, mesh, placements[name])
+        module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class Conv1DColwise(ColwiseParallel):
+    """``colwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 1, bias on dim 0."""
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute(mod, mesh, {"weight": [Shard(1)], "bias": [Shard(0)]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwise(RowwiseParallel):
+    """``rowwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 0, bias whole."""
+
+    def _apply(self, module, device_mesh):
+        self.desired_input_layouts = (Shard(-1),)  # the matmul needs its input split on features
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute(mod, mesh, {"weight": [Shard(0)], "bias": [Replicate()]}),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class PackedColwise(ColwiseParallel):
+    """``colwise`` for a projection whose output packs ``parts`` equal blocks (``[q; k; v]``).
+
+    Each block is split over the tp ranks (``_StridedShard`` with ``split_factor=parts``), so
+    rank r computes ``[q_r, k_r, v_r]``: the model's own ``split``/``chunk`` on the local output
+    gives its local heads. The saved tensor is the plain fused weight (a checkpoint reads it as
+    ``parts`` blocks per rank), so it reshards to any tp degree. The bias stays whole (DTensor
+    takes each rank's columns of it in forward): a 1-D strided bias, sharded again by FSDP on
+    its only dimension, would be a layout DTensor cannot describe.
+    """
+
+    def __init__(self, parts: int, conv1d: bool = False):
+        super().__init__()
+        self.parts, self.conv1d = parts, conv1d
+
+    def _apply(self, module, device_mesh):
+        dim = 1 if self.conv1d else 0
+        placements = {"weight": [_StridedShard(dim, split_factor=self.parts)],
+                      "bias": [Replicate()]}
+        module = distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute(mod, mesh, placements),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            _local_output,
+        )
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, DTensor) and bias.requires_grad:
+            # DTensor hands the whole bias a gradient laid out like the output (strided): make it
+            # whole again, as the bias is (FSDP, when it follows, does the same to its own copy).
+            bias.register_hook(lambda grad: grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim))
+        return module
+
+
+def _local_output(mod, outputs, device_mesh):
+    """The packed output as the local ``[a_r, b_r, ...]`` columns, with no collective."""
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def _retie(model: nn.Module, ties) -> None:
+    """Make tied parameters one again: each module distributed its own copy."""
+    for target, source in ties:
+        src = model.get_parameter(source)
+        owner, _, attr = target.rpartition(".")
+        module = model.get_submodule(owner)
+        old = getattr(module, attr)
+        if old is src:
+            continue
+        placements = lambda t: tuple(t.placements) if isinstance(t, DTensor) else None  # noqa: E731
+        if placements(old) != placements(src):
+            from ..errors import HfScalePlanError
+
+            raise HfScalePlanError(
+                f"{target} is tied to {source}, but the tp plan shards them differently "
+                f"({placements(old)} vs {placements(src)}): give both modules styles with the same "
+                "placement (e.g. 'embedding_rowwise' and 'colwise_gather_output' both shard the vocabulary)."
+            )
+        setattr(module, attr, src)

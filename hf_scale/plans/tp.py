@@ -1,0 +1,193 @@
+"""A model's tensor-parallel layout: its plan's patterns expanded to module names, completed
+for the vocabulary and tied weights, and checked against the tp degree before any collective.
+
+Usage::
+
+    layout = tp_layout(model, resolve_plan(model), tp=2)
+    layout.styles        # {"model.layers.0.self_attn.q_proj": "colwise", ...}
+    layout.local_attrs   # {"transformer.h.0.attn": ("split_size", "num_heads"), ...}
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from ..errors import HfScalePlanError
+from .base import ModelPlan
+
+# Config attributes tp must divide: each rank holds 1/tp of the heads and of the MLP width.
+SIZE_ATTRS = {
+    "num_attention_heads": "query heads",
+    "n_head": "query heads",
+    "num_heads": "query heads",
+    "n_heads": "query heads",
+    "encoder_attention_heads": "encoder heads",
+    "decoder_attention_heads": "decoder heads",
+    "num_key_value_heads": "key/value heads",
+    "intermediate_size": "MLP intermediate size",
+    "n_inner": "MLP intermediate size",
+    "ffn_dim": "MLP intermediate size",
+    "d_ff": "MLP intermediate size",
+    "hidden_dim": "MLP intermediate size",
+}
+_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", "replicate")
+_VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """Module name -> style, and module name -> attributes divided by tp."""
+
+    styles: dict[str, str]
+    local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dotted: "config.num_heads"
+
+
+def packed_parts(style: str) -> int:
+    """Parts of a ``packed_colwise`` (2) or ``packed_colwise:N`` (N) style; 0 for others."""
+    if style == "packed_colwise":
+        return 2
+    head, _, parts = style.partition(":")
+    return int(parts) if head == "packed_colwise" and parts.isdigit() and int(parts) > 1 else 0
+
+
+def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
+    """Expand ``plan.tp_plan`` for ``model`` at degree ``tp``; raise :class:`HfScalePlanError` for
+    a plan that does not fit (unknown style, pattern matching nothing, sizes tp does not divide)."""
+    name = type(model).__name__
+    if not plan.tp_plan:
+        raise HfScalePlanError(
+            f"{name} (model_type={plan.model_type!r}) has no tensor-parallel plan: transformers "
+            "declares none and hf_scale's registry has none. Pass one, e.g. "
+            "plan={'tp_plan': {'model.layers.*.self_attn.q_proj': 'colwise', ..., "
+            "'model.layers.*.mlp.down_proj': 'rowwise'}}, or call hf_scale.register_plan("
+            f"{plan.model_type!r}, tp_plan=...)."
+        )
+    _check_config_sizes(model, tp)
+    modules = dict(model.named_modules())
+    styles = _expand(plan.tp_plan, modules, name, "tp_plan")
+    for module_name, style in styles.items():
+        if style not in _STYLES and not packed_parts(style):
+            raise HfScalePlanError(
+                f"tp_plan gives {module_name!r} the style {style!r}, which hf_scale does not apply. "
+                f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
+            )
+    _add_vocabulary(model, styles)
+    _add_tied(model, plan, styles)
+    for module_name, style in styles.items():
+        _check_module(module_name, modules[module_name], style, tp)
+    attrs = _expand(plan.tp_local_attrs, modules, name, "tp_local_attrs")
+    for module_name, names in attrs.items():
+        for attr in names:
+            value = _getattr_path(modules[module_name], attr)
+            if not isinstance(value, int):
+                raise HfScalePlanError(f"tp_local_attrs: {module_name} has no integer attribute {attr!r}.")
+            if value % tp:
+                raise HfScalePlanError(f"tp={tp} does not divide {module_name}.{attr}={value}: choose a tp that divides it.")
+    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()})
+
+
+def _getattr_path(obj, attr: str):
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in key.split(".")))
+
+
+def _expand(patterns, modules: dict[str, nn.Module], model_name: str, what: str) -> dict:
+    out = {}
+    for key, value in patterns.items():
+        regex = _pattern(key)
+        matched = [m for m in modules if m and regex.fullmatch(m)]
+        if not matched:
+            close = difflib.get_close_matches(key, [re.sub(r"\.\d+\.", ".*.", m) for m in modules], n=3)
+            raise HfScalePlanError(
+                f"{what} pattern {key!r} matches no module of {model_name}. "
+                f"Close module names: {sorted(set(close)) or 'none'}; '*' stands for one name component."
+            )
+        out.update(dict.fromkeys(matched, value))
+    return out
+
+
+def _check_config_sizes(model: nn.Module, tp: int) -> None:
+    config = getattr(model, "config", None)
+    bad = []
+    for attr, label in SIZE_ATTRS.items():
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp:
+            bad.append(f"{label} ({attr}={value})")
+    if bad:
+        raise HfScalePlanError(
+            f"tp={tp} does not divide the {', '.join(bad)} of {type(model).__name__}: each rank must "
+            f"hold whole heads and an equal part of the MLP. Choose a tp that divides them "
+            f"({_divisors(config, tp)})."
+        )
+
+
+def _divisors(config, tp: int) -> str:
+    sizes = [getattr(config, a) for a in SIZE_ATTRS if isinstance(getattr(config, a, None), int)]
+    good = [d for d in range(2, max(sizes, default=1) + 1) if all(s % d == 0 for s in sizes)]
+    return f"tp in {good[:6]}" if good else "no tp > 1 does"
+
+
+def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
+    """The input embedding shards its vocabulary, and so does the output head (whose loss then
+    never gathers the full logits), unless the plan says otherwise."""
+    names = {id(m): n for n, m in model.named_modules()}
+    pairs = (("get_input_embeddings", "embedding_rowwise"), ("get_output_embeddings", "colwise_gather_output"))
+    for getter, style in pairs:
+        try:
+            module = getattr(model, getter)() if hasattr(model, getter) else None
+        except (NotImplementedError, AttributeError):
+            module = None
+        name = names.get(id(module))
+        if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)):
+            styles[name] = style
+
+
+def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None:
+    """A module whose weight is tied to a sharded one gets a style with the same placement."""
+    for target, source in plan.tied_weights:
+        t_mod, s_mod = target.rpartition(".")[0], source.rpartition(".")[0]
+        for a, b in ((t_mod, s_mod), (s_mod, t_mod)):
+            if a not in styles and b in styles and styles[b] != "replicate":
+                a_module = model.get_submodule(a)
+                if styles[b] in _VOCAB_STYLES:
+                    styles[a] = "embedding_rowwise" if isinstance(a_module, nn.Embedding) else "colwise_gather_output"
+                elif type(a_module) is type(model.get_submodule(b)):
+                    styles[a] = styles[b]
+
+
+def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
+    if style == "replicate":
+        return
+    weight = getattr(module, "weight", None)
+    kind = type(module).__name__
+    if not (isinstance(module, (nn.Linear, nn.Embedding)) or (kind == "Conv1D" and hasattr(module, "nf"))):
+        raise HfScalePlanError(
+            f"tp_plan shards {name} ({kind}); hf_scale's styles apply to Linear, Embedding and "
+            "Conv1D modules. Name its Linear sub-modules instead."
+        )
+    if style in _VOCAB_STYLES or weight is None:
+        return  # vocabularies may split unevenly (DTensor pads the last shard)
+    conv1d = kind == "Conv1D"
+    if style in ("rowwise", "rowwise_split_input"):
+        dim = 0 if conv1d else 1
+    elif isinstance(module, nn.Embedding):
+        dim = 1
+    else:
+        dim = 1 if conv1d else 0
+    size = weight.shape[dim]
+    parts = packed_parts(style) or 1
+    if size % (tp * parts):
+        what = f"{parts} packed parts of {size // parts}" if parts > 1 else f"{size}"
+        raise HfScalePlanError(
+            f"tp={tp} does not divide {name} ({style}): its sharded dimension holds {what} "
+            "features. Choose a tp that divides it."
+        )
