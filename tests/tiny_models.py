@@ -36,11 +36,17 @@ ARCHS = {
     "t5": (tf.T5Config, dict(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=VOCAB), (SEQ2SEQ, SEQCLS)),
 }
 NUM_LABELS = 3
+# Other shapes of an architecture, for the tests that need them (not in all_cases()).
+VARIANTS = {
+    "phi3_mha": ("phi3", dict(num_key_value_heads=4)),  # q, k, v of equal size: packed qkv under tp
+    "llama_vocab129": ("llama", dict(vocab_size=VOCAB + 1)),  # a vocabulary tp=2 does not divide
+}
 
 
 def tiny_config(arch: str):
+    arch, extra = VARIANTS.get(arch, (arch, {}))
     cls, kwargs, _ = ARCHS[arch]
-    config = cls(**kwargs)
+    config = cls(**{**kwargs, **extra})
     for key in list(config.to_dict()):
         if "dropout" in key or "pdrop" in key:
             setattr(config, key, 0.0)

@@ -68,10 +68,11 @@ def parallel_run(case: dict) -> dict:
     accum = case.get("accum", 1)
     model = tiny_model(case["arch"], case["head"])
     model = hf_scale.parallelize(model, case["config"])
+    state = hf_scale.get_state(model)  # data goes by the data-parallel coordinate (tp ranks share it)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     for batch in _batches(case["head"], steps):
-        local = slice_batch(batch, rank, world)
+        local = slice_batch(batch, state.dp_rank, state.dp_degree)
         micro = [slice_batch(local, i, accum) for i in range(accum)]
         step_loss = 0.0
         for i, mb in enumerate(micro):

@@ -1,0 +1,191 @@
+"""Tensor-parallel plans (one process, no process group): what the registry gives each
+architecture, that every block Linear gets a style, and the errors for layouts that cannot
+work -- all raised by ``tp_layout`` before any mesh or collective exists."""
+
+from __future__ import annotations
+
+import pytest
+import transformers as tf
+from torch import nn
+
+import hf_scale
+from hf_scale.config import ParallelConfig
+from hf_scale.errors import HfScaleConfigError, HfScalePlanError
+from hf_scale.mesh import ParallelDims
+from hf_scale.plans import resolve_plan, wrap_units
+from hf_scale.plans.tp import tp_layout
+from tests.tiny_models import ARCHS, all_cases, tiny_model
+
+TP_CASES = all_cases() + [("phi3_mha", "causal"), ("llama_vocab129", "causal")]
+
+
+def _layout(arch, head, tp=2, model=None, **plan):
+    model = model or tiny_model(arch, head)
+    return tp_layout(model, resolve_plan(model, plan or None), tp)
+
+
+def _linear_like(module):
+    return isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+@pytest.mark.parametrize("arch, head", TP_CASES)
+def test_every_block_projection_is_sharded(arch, head):
+    """No Linear inside a block is left whole by accident: the plan covers each one."""
+    model = tiny_model(arch, head)
+    layout = tp_layout(model, resolve_plan(model), 2)
+    names = {id(m): n for n, m in model.named_modules()}
+    for unit in wrap_units(model, resolve_plan(model)):
+        for module in unit.modules():
+            if _linear_like(module):
+                assert layout.styles.get(names[id(module)], "replicate") != "replicate", names[id(module)]
+    embedding = names[id(model.get_input_embeddings())]
+    assert layout.styles[embedding] == "embedding_rowwise"
+
+
+def test_gpt2_fused_qkv_is_packed_and_its_sizes_follow():
+    layout = _layout("gpt2", "causal")
+    assert layout.styles["transformer.h.1.attn.c_attn"] == "packed_colwise:3"
+    assert layout.styles["transformer.h.1.attn.c_proj"] == "rowwise"
+    assert layout.styles["transformer.h.1.mlp.c_fc"] == "colwise"
+    assert layout.styles["transformer.h.1.mlp.c_proj"] == "rowwise"
+    assert layout.local_attrs["transformer.h.1.attn"] == ("split_size", "num_heads")
+    assert layout.styles["lm_head"] == "colwise_gather_output"  # tied to wte, same vocabulary split
+    base = tp_layout(m := tf.GPT2Model(tiny_model("gpt2", "causal").config), resolve_plan(m), 2)
+    assert base.styles["h.0.attn.c_attn"] == "packed_colwise:3"  # the base model: no prefix
+
+
+def test_gpt2_forward_reads_split_size_for_the_fused_split():
+    """What the plan rests on: GPT-2 splits c_attn's output with ``self.split_size`` (so the
+    local width must be it) and views heads with -1 (num_heads is not read)."""
+    import inspect
+
+    from transformers.models.gpt2 import modeling_gpt2
+
+    source = inspect.getsource(modeling_gpt2.GPT2Attention.forward)
+    assert ".split(self.split_size, dim=2)" in source and "self.num_heads" not in source
+
+
+def test_gpt_neox_keeps_transformers_plan_with_interleaved_heads():
+    """GPT-NeoX's fused query_key_value output is viewed as (heads, 3 * head_size): each head's
+    q, k, v are adjacent rows, so a plain colwise cut gives each rank whole heads."""
+    import inspect
+
+    from transformers.models.gpt_neox import modeling_gpt_neox
+
+    layout = _layout("gpt_neox", "causal")
+    assert layout.styles["gpt_neox.layers.0.attention.query_key_value"] == "colwise"
+    assert resolve_plan(tiny_model("gpt_neox", "causal")).source["tp_plan"] == "transformers"
+    assert "(*input_shape, -1, 3 * self.head_size)" in inspect.getsource(modeling_gpt_neox.GPTNeoXAttention.forward)
+
+
+@pytest.mark.parametrize("arch, attention, attrs", [
+    ("opt", "model.decoder.layers.0.self_attn", ("num_heads",)),
+    ("distilbert", "distilbert.transformer.layer.0.attention", ("n_heads",)),
+    ("bert", "bert.encoder.layer.0.attention.self", ("num_attention_heads", "all_head_size")),
+    ("roberta", "roberta.encoder.layer.1.attention.self", ("num_attention_heads", "all_head_size")),
+])
+def test_registry_head_attributes(arch, attention, attrs):
+    head = ARCHS[arch][2][0]
+    assert _layout(arch, head).local_attrs[attention] == attrs
+
+
+def test_encoders_keep_their_wrap_modules():
+    """The tp entries extend the encoders' registry entries instead of replacing them."""
+    assert resolve_plan(tiny_model("bert", "seqcls")).wrap_modules == ("BertLayer",)
+    assert resolve_plan(tiny_model("distilbert", "seqcls")).wrap_modules == ("TransformerBlock",)
+
+
+def test_t5_plan_covers_both_stacks_and_its_relative_bias():
+    layout = _layout("t5", "seq2seq")
+    s = layout.styles
+    assert s["encoder.block.0.layer.0.SelfAttention.relative_attention_bias"] == "colwise"
+    assert s["decoder.block.1.layer.1.EncDecAttention.o"] == "rowwise"
+    assert s["decoder.block.1.layer.2.DenseReluDense.wi"] == "colwise"
+    assert {s[n] for n in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")} == {"embedding_rowwise"}
+    assert layout.local_attrs["decoder.block.0.layer.1.EncDecAttention"] == ("n_heads", "inner_dim")
+
+
+def test_t5_gated_and_encoder_only_variants():
+    config = tf.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=128,
+                         feed_forward_proj="gated-gelu")
+    gated = tf.T5ForConditionalGeneration(config)
+    styles = tp_layout(gated, resolve_plan(gated), 2).styles
+    assert styles["encoder.block.0.layer.1.DenseReluDense.wi_0"] == styles["decoder.block.1.layer.2.DenseReluDense.wi_1"] == "colwise"
+    encoder = tf.T5EncoderModel(tf.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=128))
+    layout = tp_layout(encoder, resolve_plan(encoder), 2)
+    assert not any(n.startswith("decoder") for n in layout.styles) and "encoder.block.1.layer.0.SelfAttention" in layout.local_attrs
+
+
+def test_phi3_packs_qkv_only_when_its_parts_are_equal():
+    gqa, mha = _layout("phi3", "causal"), _layout("phi3_mha", "causal")
+    assert gqa.styles["model.layers.0.self_attn.qkv_proj"] == "colwise_gather_output"
+    assert gqa.styles["model.layers.0.self_attn.o_proj"] == "rowwise_split_input"
+    assert "model.layers.0.self_attn" not in gqa.local_attrs
+    assert mha.styles["model.layers.0.self_attn.qkv_proj"] == "packed_colwise:3"
+    assert mha.styles["model.layers.0.self_attn.o_proj"] == "rowwise"
+    assert mha.local_attrs["model.layers.0.self_attn"] == ("num_key_value_heads", "config.num_attention_heads")
+    for layout in (gqa, mha):
+        assert layout.styles["model.layers.1.mlp.gate_up_proj"] == "packed_colwise"
+        assert layout.styles["model.layers.1.mlp.down_proj"] == "rowwise"
+
+
+def test_user_plan_extends_and_overrides_the_registry():
+    layout = _layout("gpt2", "causal", tp_plan={"transformer.h.*.mlp.c_fc": "replicate", "transformer.h.*.mlp.c_proj": "replicate"})
+    assert layout.styles["transformer.h.0.mlp.c_fc"] == "replicate"
+    assert layout.styles["transformer.h.0.attn.c_attn"] == "packed_colwise:3"
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _llama(**changes):
+    cls, kwargs, _ = ARCHS["llama"]
+    return tf.LlamaForCausalLM(cls(**{**kwargs, **changes}))
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), r"query heads \(num_attention_heads=3\)"),
+    (dict(num_key_value_heads=1), r"key/value heads \(num_key_value_heads=1\)"),
+    (dict(intermediate_size=63), r"MLP intermediate size \(intermediate_size=63\)"),
+])
+def test_tp_not_dividing_a_size_names_it(changes, named):
+    model = _llama(**changes)
+    with pytest.raises(HfScalePlanError, match=f"tp=2 does not divide the .*{named}"):
+        tp_layout(model, resolve_plan(model), 2)
+
+
+def test_smollm2_shape_tp3_fits_tp2_does_not():
+    """SmolLM2-135M's heads (9 query, 3 key/value): tp=3 is its layout, tp=2 is refused."""
+    model = _llama(hidden_size=72, num_attention_heads=9, num_key_value_heads=3, intermediate_size=96)
+    tp_layout(model, resolve_plan(model), 3)
+    with pytest.raises(HfScalePlanError, match=r"num_attention_heads=9.*num_key_value_heads=3"):
+        tp_layout(model, resolve_plan(model), 2)
+
+
+def test_pattern_matching_no_module_names_it_and_close_matches():
+    with pytest.raises(HfScalePlanError, match=r"'model\.layers\.\*\.self_attn\.q_projj' matches no module.*q_proj"):
+        _layout("llama", "causal", tp_plan={"model.layers.*.self_attn.q_projj": "colwise"})
+
+
+def test_architecture_without_tp_plan_says_how_to_pass_one():
+    config = tf.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                             vocab_size=128, max_position_embeddings=64)
+    model = tf.GPTNeoForCausalLM(config)
+    with pytest.raises(HfScalePlanError, match=r"has no tensor-parallel plan.*plan=\{'tp_plan'.*register_plan"):
+        tp_layout(model, resolve_plan(model), 2)
+
+
+def test_unknown_style_is_refused():
+    with pytest.raises(HfScalePlanError, match=r"style 'colwise_sharded'"):
+        _layout("llama", "causal", tp_plan={"model.layers.*.mlp.up_proj": "colwise_sharded"})
+
+
+@pytest.mark.parametrize("tp, world", [(4, 2), (2, 3)])
+def test_tp_larger_than_or_not_dividing_the_world(tp, world):
+    with pytest.raises(HfScaleConfigError, match=f"tp={tp} does not divide WORLD_SIZE={world}"):
+        ParallelDims.resolve(ParallelConfig(tp=tp), world)
+
+
+def test_tp_in_one_process_says_how_to_launch():
+    with pytest.raises(HfScaleConfigError, match=r"tp=2 needs 2 processes.*torchrun --nproc_per_node 2"):
+        hf_scale.parallelize(tiny_model("llama", "causal"), {"tp": 2})
