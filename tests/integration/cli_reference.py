@@ -26,7 +26,8 @@ UPDATE_RTOL = 1e-3
 
 
 def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
-    """Losses, gradient norms and final parameters of plain transformers + AdamW on the recipe."""
+    """Losses, gradient norms, final parameters (and the non-padding tokens trained on) of plain
+    transformers + AdamW on the recipe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
     from hf_scale.train.config import load_job
@@ -44,9 +45,11 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=0.0)
     scheduler = get_scheduler(train.scheduler, optimizer, num_warmup_steps=0, num_training_steps=train.max_steps)
-    losses, norms = [], []
+    losses, norms, tokens = [], [], 0
     for _ in range(train.max_steps):
-        loss = model(**next(batches)).loss
+        batch = next(batches)
+        tokens += int(batch["attention_mask"].sum())
+        loss = model(**batch).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm or float("inf"))))
         optimizer.step()
@@ -54,7 +57,7 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
     final = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "initial": initial, "final": final}
+    return {"losses": losses, "norms": norms, "initial": initial, "final": final, "tokens": tokens}
 
 
 def logged_steps(out_dir: Path) -> list[dict]:
