@@ -15,6 +15,10 @@ The styles use transformers' vocabulary, so a ``tp_plan`` written for transforme
                        rank r holds ``[a_r; b_r]`` (``_StridedShard``, split_factor 2) and its
                        output is ``[a_r, b_r]`` -- what the model's ``chunk(2)`` expects
 ``packed_colwise:N``   the same for N equal parts (fused ``q; k; v``: N = 3)
+``replicated_with_grad_allreduce`` a per-head norm between a colwise and a rowwise layer
+                       (Qwen3's ``q_norm``): weight whole on every rank, input the local
+                       heads (``[..., heads, head_dim]``, ``Shard(-2)``); DTensor sums the
+                       weight's gradient over the tp ranks, each of which saw its own heads
 ``replicate``          nothing: parameters stay whole on every tp rank
 ====================== ===================================================================
 
@@ -29,7 +33,7 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..plans.tp import packed_parts
@@ -79,6 +83,8 @@ def _divide_attr(module: nn.Module, attr: str, tp: int) -> None:
 
 
 def _style(module: nn.Module, style: str):
+    if style == "replicated_with_grad_allreduce":
+        return PerHeadReplicated()
     conv1d = _is_conv1d(module)
     parts = packed_parts(style)
     if parts:
@@ -162,6 +168,22 @@ class PackedColwise(ColwiseParallel):
             # whole again, as the bias is (FSDP, when it follows, does the same to its own copy).
             bias.register_hook(lambda grad: grad.redistribute(placements=[Replicate()] * grad.device_mesh.ndim))
         return module
+
+
+class PerHeadReplicated(ParallelStyle):
+    """A module (a norm) whose whole weight applies to the local heads of its input: its
+    gradient is a partial sum on each rank, which DTensor all-reduces (``Replicate`` weight
+    times a ``Shard(-2)`` input)."""
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute(mod, mesh, {n: [Replicate()] for n, _ in mod.named_parameters(recurse=False)}),
+            lambda mod, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Shard(-2)], run_check=False) if i == 0 else x for i, x in enumerate(inputs)
+            ),
+            _local_output,
+        )
 
 
 def _local_output(mod, outputs, device_mesh):

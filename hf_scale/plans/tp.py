@@ -34,7 +34,10 @@ SIZE_ATTRS = {
     "d_ff": "MLP intermediate size",
     "hidden_dim": "MLP intermediate size",
 }
-_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise", "replicate")
+_STYLES = (
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "replicated_with_grad_allreduce", "replicate",
+)
 _VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output")
 
 
@@ -165,7 +168,7 @@ def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None
 
 
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
-    if style == "replicate":
+    if style in ("replicate", "replicated_with_grad_allreduce"):
         return
     weight = getattr(module, "weight", None)
     kind = type(module).__name__
