@@ -1,7 +1,8 @@
 """What a run reports: a tqdm bar on rank 0, a metrics JSONL, and a loss-curve PNG at the end.
 
 Each JSONL line is one logged step: ``step``, ``loss``, ``lr`` (the rate the step used),
-``grad_norm``, ``tokens_per_s`` (non-padding tokens over all ranks), ``data_wait`` (share of the
+``grad_norm``, ``tokens_per_s`` (non-padding tokens of the global batch, each counted once: the
+ranks of a tensor-parallel group share their tokens), ``data_wait`` (share of the
 step spent waiting for the next batch, the slowest rank's), ``peak_mem_gb`` (CUDA max allocated,
 or peak RSS on CPU; the largest over ranks) and ``elapsed_s``; evaluation lines carry ``eval_*``
 keys. Only rank 0 writes.
