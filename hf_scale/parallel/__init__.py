@@ -1,8 +1,9 @@
 """The engine: small ``apply_*`` functions with explicit arguments and no model names.
 
-:func:`hf_scale.parallelize` calls them in this order: activation checkpointing, then FSDP
-(fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision. The chunked loss is
-applied first of all: it only changes what the model's forward computes. :mod:`.optim` holds the
+:func:`hf_scale.parallelize` calls them in this order: tensor parallel (:mod:`.tp`), activation
+checkpointing, then FSDP (fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed
+precision. The chunked (or vocabulary-parallel) loss is applied first of all: it only changes
+what the model's forward computes. :mod:`.optim` holds the
 helpers that work under every strategy once it is applied (optimizer, clipping, ``no_sync``).
 """
 
