@@ -11,6 +11,7 @@ has finished, so a crash mid-save leaves any previous folder intact.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -129,7 +130,8 @@ def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
         return {k: k for k in state}
     probes = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in state.items()}
     by_id = {id(v): k for k, v in probes.items()}
-    reverted = revert_weight_conversion(model, dict(probes))
+    with _own_classes(model):
+        reverted = revert_weight_conversion(model, dict(probes))
     names = {by_id[id(v)]: k for k, v in reverted.items() if id(v) in by_id}
     if len(names) != len(state):
         raise HfScaleCheckpointError(
@@ -138,6 +140,26 @@ def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
             "only. Gather the model and use transformers' save_pretrained for this model."
         )
     return names
+
+
+@contextlib.contextmanager
+def _own_classes(model: nn.Module):
+    """transformers finds a model's weight conversions by its class name ("GPTNeoXForCausalLM":
+    embed_out <-> lm_head); FSDP2 renames the class ("FSDPGPTNeoXForCausalLM"). For the lookup,
+    every FSDP-wrapped module wears its own class again."""
+    from transformers import PreTrainedModel
+
+    swapped = []
+    for module in model.modules():
+        own = model_class(module) if isinstance(module, PreTrainedModel) else type(module)
+        if own is not type(module):
+            swapped.append((module, type(module)))
+            module.__class__ = own
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def _owners(state: dict[str, torch.Tensor], world: int) -> dict[str, int]:
