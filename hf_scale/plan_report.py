@@ -27,6 +27,8 @@ from .plans import resolve_plan, wrap_units
 
 # fp32 master weights + gradients + AdamW's two moments
 BYTES_PER_PARAM_TRAINING = 16
+# tensor-parallel styles that split a module's weight (the packed_colwise family too)
+_SHARDING_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise")
 
 
 def meta_model(config, task: str = "causal_lm"):
@@ -119,8 +121,8 @@ def _shard_dim(module, param_name: str, style: str) -> int | None:
     """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
     when the parameter stays whole (replicated modules, and a rowwise layer's bias, which is
     added after the all-reduce)."""
-    if style == "replicate" or param_name not in ("weight", "bias"):
-        return None
+    if not (style in _SHARDING_STYLES or style.startswith("packed_colwise")) or param_name not in ("weight", "bias"):
+        return None  # "replicate", "replicated_with_grad_allreduce": the whole weight on every rank
     rowwise = style.startswith("rowwise") or style == "embedding_rowwise"
     if param_name == "bias":
         return None if rowwise else 0

@@ -189,3 +189,15 @@ def test_tp_layout_that_does_not_fit_is_the_engines_error(tmp_path, cli_output):
     assert "per tp rank 3 of 9 query heads" in out
     assert main(["plan", recipe, "--model.name_or_path", str(tmp_path / "config.json"), "--world-size", "6"]) == 0
     assert "dp_shard=2 x tp=3" in cli_output.readouterr().out
+
+
+def test_a_replicated_style_keeps_the_whole_weight():
+    """Qwen3's per-head q_norm / k_norm ("replicated_with_grad_allreduce") stay whole on every
+    tp rank, as the RMSNorms do."""
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=128)
+    tp = plan_report(config, ParallelConfig(tp=2), 2)["tp"]
+    assert ("model.layers.*.self_attn.q_norm", "replicated_with_grad_allreduce", 2) in tp["styles"]
+    assert tp["replicated_params"] == 2 * (8 + 8 + 32 + 32) + 32  # q/k norms, 2 RMSNorms a layer, the final one
