@@ -1,0 +1,98 @@
+"""The real SmolLM2-135M (9 query, 3 key/value heads) split over 3 tensor-parallel ranks: the loss
+of one process on a real sentence and the same greedy text; tp=2 refused with our error, before
+any worker starts. One spawn of 3 processes for every tp=3 check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hf_scale.zoo import load_smollm2
+from tests.harness import run_cli, run_ranks
+
+pytestmark = pytest.mark.slow
+
+SENTENCE = ("The Eiffel Tower was built in Paris for the World's Fair of 1889, and it is still "
+            "the most visited monument in France.")
+PROMPT = "The capital of France is"
+NEW_TOKENS = 16
+
+
+def _forward_and_generate(model, tokenizer) -> dict:
+    """Training forward (loss with grad), eval forward (loss and logits), greedy generation."""
+    ids = tokenizer(SENTENCE, return_tensors="pt").input_ids
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    with torch.no_grad():
+        evaluated = model(input_ids=ids, labels=ids)
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    new = generated[0, prompt.shape[1]:]
+    return {"train_loss": float(out.loss.detach()), "train_logits": out.logits, "eval_loss": float(evaluated.loss),
+            "eval_logits": evaluated.logits[0, -1].detach(), "tokens": new.tolist(),
+            "text": tokenizer.decode(new, skip_special_tokens=True)}
+
+
+def tp3_worker() -> dict:
+    from torch.distributed.tensor import DTensor
+
+    import hf_scale
+
+    model, tokenizer = load_smollm2()
+    model = hf_scale.parallelize(model, hf_scale.ParallelConfig(tp=3))
+    state = hf_scale.get_state(model)
+    attn = model.model.layers[0].self_attn
+    local = {name: tuple(p.to_local().shape) for name, p in (
+        ("q_proj", attn.q_proj.weight), ("k_proj", attn.k_proj.weight), ("o_proj", attn.o_proj.weight),
+        ("embed", model.model.embed_tokens.weight))}
+    result = _forward_and_generate(model, tokenizer)
+    result["train_logits"] = result["train_logits"] is None  # never gathered in a training forward
+    return result | {"local_shapes": local, "tp": state.dims.tp, "dp_degree": state.dp_degree,
+                     "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                     "all_dtensor": isinstance(attn.q_proj.weight, DTensor)}
+
+
+@pytest.fixture(scope="module")
+def tp3():
+    return run_ranks(tp3_worker, 3, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, tokenizer = load_smollm2()
+    return _forward_and_generate(model, tokenizer)
+
+
+def test_tp3_shards_heads_and_vocabulary(tp3):
+    for rank in tp3:
+        assert (rank["tp"], rank["dp_degree"], rank["all_dtensor"], rank["tied"]) == (3, 1, True, True)
+        # 9 query heads / 3 = 3 of 64 dims, 3 key/value heads / 3 = 1; vocabulary 49152 / 3
+        assert rank["local_shapes"] == {"q_proj": (192, 576), "k_proj": (64, 576), "o_proj": (576, 192),
+                                        "embed": (16384, 576)}
+
+
+def test_tp3_loss_matches_one_process(tp3, reference):
+    for rank in tp3:
+        assert rank["train_logits"], "a training forward gathered the full logits"
+        assert rank["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-5)
+        assert rank["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+        np.testing.assert_allclose(rank["eval_logits"], reference["eval_logits"], rtol=1e-4, atol=1e-4)
+
+
+def test_tp3_greedy_text_matches_one_process(tp3, reference):
+    assert len(reference["tokens"]) == NEW_TOKENS and reference["text"].strip()
+    for rank in tp3:
+        assert rank["tokens"] == reference["tokens"]
+        assert rank["text"] == reference["text"]
+
+
+def test_tp2_refused_before_any_worker_starts():
+    """tp=2 splits neither 9 query nor 3 key/value heads: our error, with the sizes, from the
+    check ``parallelize`` runs before any collective (here ``hf-scale generate``'s, which runs it
+    on the meta device before starting workers)."""
+    out = run_cli("generate", "zoo:smollm2", "--tp", "2", "--prompt", PROMPT, check=False, timeout=300)
+    assert out.returncode != 0
+    assert "HfScalePlanError" in out.stdout or "tp=2 does not divide" in out.stdout
+    assert "num_key_value_heads=3" in out.stdout and "num_attention_heads=9" in out.stdout
+    assert "launching" not in out.stdout  # no torchrun started
