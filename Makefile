@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_finetune.py
 	$(PY) scripts/bench_step_parts.py
+	$(PY) scripts/bench_tensor_parallel.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
