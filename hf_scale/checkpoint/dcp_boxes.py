@@ -21,16 +21,31 @@ from .boxes import is_one_box, layout_boxes
 
 
 def checkpointable(state: Any) -> tuple[Any, Callable[[], None]]:
-    """``state`` with every multi-box DTensor replaced by a ShardedTensor of its boxes, and a
-    function to call after ``dcp.load`` into the result (it copies boxes that could not be
-    views back into the DTensors). The DTensors themselves stay in ``state``."""
+    """``state`` with every multi-box DTensor replaced by a ShardedTensor of its boxes (in new
+    containers; ``state`` is not changed), and a function to call after ``dcp.load`` into the
+    result: it copies boxes that could not be views back into the DTensors, and the values DCP
+    loads by replacing them (floats, ints: the param groups' lr) back into ``state``."""
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    boxed = _walk(state, copies)
 
     def copy_back() -> None:
         for part, copy in copies:
             part.copy_(copy)
+        _merge(state, boxed)
 
-    return _walk(state, copies), copy_back
+    return boxed, copy_back
+
+
+def _merge(target: Any, loaded: Any) -> None:
+    """Put what DCP loaded into ``loaded``'s containers back into ``target``'s, leaving
+    target's tensors (filled in place) where they are."""
+    keys = target.keys() if isinstance(target, dict) else range(len(target))
+    for k in keys:
+        old, new = target[k], loaded[k]
+        if isinstance(old, (dict, list)):
+            _merge(old, new)
+        elif not isinstance(old, torch.Tensor):
+            target[k] = new
 
 
 def _walk(value: Any, copies) -> Any:
