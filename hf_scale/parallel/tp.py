@@ -29,6 +29,7 @@ Modules: ``nn.Linear``, ``nn.Embedding`` and transformers' ``Conv1D`` (GPT-2, we
 from __future__ import annotations
 
 import copy
+import inspect
 from functools import partial
 
 from torch import nn
@@ -37,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..plans.tp import packed_parts
+from . import tp_local
 
 def apply_tp(
     model: nn.Module,
@@ -84,21 +86,48 @@ def _divide_attr(module: nn.Module, attr: str, tp: int) -> None:
 
 def _style(module: nn.Module, style: str):
     if style == "replicated_with_grad_allreduce":
-        return PerHeadReplicated()
+        return _local_path(PerHeadReplicated(), "replicated")
     conv1d = _is_conv1d(module)
     parts = packed_parts(style)
     if parts:
-        return PackedColwise(parts, conv1d=conv1d)
-    if conv1d:
+        packed = PackedColwise(parts, conv1d=conv1d)
+        return packed if conv1d else _local_path(packed, "colwise")
+    if conv1d:  # (no local inference path: Conv1D's forward reshapes to its global width)
         return {"colwise": Conv1DColwise(), "colwise_gather_output": Conv1DColwise(output_layouts=Replicate()),
                 "rowwise": Conv1DRowwise(), "rowwise_split_input": Conv1DRowwise(input_layouts=Replicate())}[style]
-    return {
-        "colwise": lambda: ColwiseParallel(),
-        "rowwise": lambda: RowwiseParallel(),
-        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
-        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
-    }[style]()
+    make, kind, gather = {
+        "colwise": (lambda: ColwiseParallel(), "colwise", False),
+        "rowwise": (lambda: RowwiseParallel(), "rowwise", False),
+        "colwise_gather_output": (lambda: ColwiseParallel(output_layouts=Replicate()), "colwise", True),
+        "rowwise_split_input": (lambda: RowwiseParallel(input_layouts=Replicate()), "rowwise_split", False),
+        "embedding_rowwise": (lambda: RowwiseParallel(input_layouts=Replicate()), "embedding_rowwise", False),
+    }[style]
+    return _local_path(make(), kind, gather)
+
+
+def _local_path(style, kind: str, gather: bool = False):
+    """Give ``style`` the plain-tensor inference path of :mod:`.tp_local` (no_grad forwards);
+    other forwards keep the style's DTensor hooks. (torch checks the hooks' arity: the layouts
+    torch binds first, then module, inputs/outputs, mesh.)"""
+    base_in, base_out = style._prepare_input_fn, style._prepare_output_fn
+
+    def enter(mod, inputs, mesh, *bound):
+        local = tp_local.enter(mod, inputs, mesh, kind)
+        return local if local is not None else base_in(*bound, mod, inputs, mesh)
+
+    def leave(mod, outputs, mesh, *bound):
+        done = tp_local.leave(mod, outputs, mesh, kind, gather)
+        return done if done is not None else base_out(*bound, mod, outputs, mesh)
+
+    if len(inspect.signature(base_in).parameters) == 5:
+        style._prepare_input_fn = lambda a, b, mod, inputs, mesh: enter(mod, inputs, mesh, a, b)
+    else:
+        style._prepare_input_fn = lambda mod, inputs, mesh: enter(mod, inputs, mesh)
+    if len(inspect.signature(base_out).parameters) == 5:
+        style._prepare_output_fn = lambda a, b, mod, outputs, mesh: leave(mod, outputs, mesh, a, b)
+    else:
+        style._prepare_output_fn = lambda mod, outputs, mesh: leave(mod, outputs, mesh)
+    return style
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -152,6 +181,10 @@ class PackedColwise(ColwiseParallel):
         super().__init__()
         self.parts, self.conv1d = parts, conv1d
 
+    @staticmethod
+    def _prepare_output_fn(mod, outputs, mesh):
+        return _local_output(mod, outputs, mesh)
+
     def _apply(self, module, device_mesh):
         dim = 1 if self.conv1d else 0
         placements = {"weight": [_StridedShard(dim, split_factor=self.parts)],
@@ -160,7 +193,7 @@ class PackedColwise(ColwiseParallel):
             module, device_mesh,
             lambda name, mod, mesh: _distribute(mod, mesh, placements),
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            _local_output,
+            self._prepare_output_fn,
         )
         bias = getattr(module, "bias", None)
         if isinstance(bias, DTensor) and bias.requires_grad:
@@ -179,11 +212,18 @@ class PerHeadReplicated(ParallelStyle):
         return distribute_module(
             module, device_mesh,
             lambda name, mod, mesh: _distribute(mod, mesh, {n: [Replicate()] for n, _ in mod.named_parameters(recurse=False)}),
-            lambda mod, inputs, mesh: tuple(
-                DTensor.from_local(x, mesh, [Shard(-2)], run_check=False) if i == 0 else x for i, x in enumerate(inputs)
-            ),
-            _local_output,
+            self._prepare_input_fn,
+            self._prepare_output_fn,
         )
+
+    @staticmethod
+    def _prepare_input_fn(mod, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Shard(-2)], run_check=False) if i == 0 else x
+                     for i, x in enumerate(inputs))
+
+    @staticmethod
+    def _prepare_output_fn(mod, outputs, mesh):
+        return _local_output(mod, outputs, mesh)
 
 
 def _local_output(mod, outputs, device_mesh):

@@ -1,0 +1,60 @@
+"""The tensor-parallel inference path (hf_scale.parallel.tp_local), run inside one process group
+(tp = world size): no_grad forwards of tiny models compute on local shards, with the logits of the
+DTensor path and of one process."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import hf_scale
+from hf_scale.parallel import tp_local
+from tests.tiny_models import CAUSAL, tiny_batch, tiny_model
+
+
+def worker() -> dict:
+    facts = {}
+    for arch in ("llama", "opt", "phi3_mha"):
+        ref = tiny_model(arch, CAUSAL).eval()
+        with torch.no_grad():
+            for p in ref.parameters():  # weights large enough that every layer shapes the logits
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+        model = tiny_model(arch, CAUSAL)
+        model.load_state_dict(ref.state_dict())
+        model = hf_scale.parallelize(model, {"tp": int(os.environ["WORLD_SIZE"])}).eval()
+        ids = tiny_batch(CAUSAL, 2, seq=8)["input_ids"]
+        entered, original = [], tp_local.enter
+
+        def counting(mod, inputs, mesh, kind):
+            out = original(mod, inputs, mesh, kind)
+            entered.append(out is not None)
+            return out
+
+        with torch.no_grad():
+            want = ref(ids).logits
+            tp_local.enter = counting
+            try:
+                local = model(ids).logits
+            finally:
+                tp_local.enter = original
+            tp_local.enter = lambda *args: None  # the DTensor path alone
+            try:
+                dtensor = model(ids).logits
+            finally:
+                tp_local.enter = original
+        scale = float(want.abs().max())
+        facts[arch] = {
+            "local_vs_one_process": float((local - want).abs().max()) / scale,
+            "dtensor_vs_one_process": float((dtensor - want).abs().max()) / scale,
+            "local_calls": sum(entered), "calls": len(entered),
+        }
+        with torch.enable_grad():  # training forwards keep the DTensor path
+            entered.clear()
+            tp_local.enter = counting
+            try:
+                model(ids)
+            finally:
+                tp_local.enter = original
+            facts[arch]["local_calls_with_grad"] = sum(entered)
+    return facts
