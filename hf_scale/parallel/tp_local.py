@@ -66,7 +66,8 @@ def leave(mod, output, mesh, kind: str, gather: bool):
         if saved.get("bias") is not None:
             output = output + saved["bias"]
     elif gather:
-        output = funcol.all_gather_tensor(output.contiguous(), -1, group)
+        # a negative gather_dim breaks funcol's view of the gathered chunks (torch 2.13)
+        output = funcol.all_gather_tensor(output.contiguous(), output.dim() - 1, group)
     return output
 
 
