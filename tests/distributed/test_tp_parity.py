@@ -1,0 +1,186 @@
+"""Tensor parallel against one process of plain transformers: tp=2 (2 ranks) and tp=2 x fsdp2
+(4 ranks) give the losses, gradient norms and updated parameters of the reference over 3 AdamW
+steps with clipping (the rules and tolerances of test_parity.py, reused), the same greedy
+tokens, the placements each plan promises and the collectives a forward should cost.
+
+Ranks are spawned once per world size; each test reads one part of the result.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import tp_checks
+from tests.distributed.test_parity import check_parity
+from tests.harness import run_ranks
+from tests.tiny_models import tiny_model
+
+# (arch, head): every architecture with a tp plan, Phi-3 both ways (GQA: gathered qkv;
+# phi3_mha: packed qkv), and a vocabulary (129) that tp=2 does not divide.
+ARCHS = [
+    ("llama", "causal"), ("qwen2", "causal"), ("gpt2", "causal"), ("gpt_neox", "causal"),
+    ("opt", "causal"), ("bert", "seqcls"), ("roberta", "seqcls"), ("distilbert", "seqcls"),
+    ("t5", "seq2seq"), ("t5", "seqcls"), ("phi3", "causal"), ("phi3_mha", "causal"),
+    ("llama_vocab129", "causal"), ("gpt2", "seqcls"),
+]
+CAUSAL = sorted({a for a, h in ARCHS if h == "causal"})
+TP2 = {"tp": 2}
+TP2_FSDP2 = {"strategy": "fsdp", "tp": 2}
+OPTIONS = {  # extra cases: activation checkpointing with tp
+    "full_ac": {"activation_checkpointing": "full"},
+    "selective_ac": {"activation_checkpointing": "selective"},
+}
+
+
+def _cases(layout: dict, name: str) -> list[dict]:
+    cases = [dict(arch=a, head=h, config=dict(layout), id=f"{a}-{h}-{name}") for a, h in ARCHS]
+    for opt_name, opt in OPTIONS.items():
+        for arch, head in (("llama", "causal"), ("gpt2", "causal"), ("t5", "seq2seq")):
+            cases.append(dict(arch=arch, head=head, config={**layout, **opt}, id=f"{arch}-{head}-{name}-{opt_name}"))
+    return cases
+
+
+WORLD2 = _cases(TP2, "tp2")
+WORLD4 = _cases(TP2_FSDP2, "tp2xfsdp2")
+
+EXTRA2 = {
+    "llama_layout": ("layout_facts", ("llama", "causal", TP2), {}),
+    "gpt2_layout": ("layout_facts", ("gpt2", "causal", TP2), {}),
+    "phi3_layout": ("layout_facts", ("phi3", "causal", TP2), {}),
+    "phi3_mha_layout": ("layout_facts", ("phi3_mha", "causal", TP2), {}),
+    "t5_layout": ("layout_facts", ("t5", "seq2seq", TP2), {}),
+    "opt_layout": ("layout_facts", ("opt", "causal", TP2), {}),
+    "llama_comm": ("comm_facts", ("llama", TP2), {}),
+    "gpt2_comm": ("comm_facts", ("gpt2", TP2), {}),
+    "bad_heads": ("bad_input_error", ("llama", TP2), dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)),
+    "bad_pattern": ("bad_input_error", ("llama", TP2), dict(plan={"tp_plan": {"model.layers.*.self_attn.q_projj": "colwise"}})),
+}
+EXTRA4 = {"llama_layout": ("layout_facts", ("llama", "causal", TP2_FSDP2), {})}
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_ranks(tp_checks.world_checks, 2, WORLD2, [dict(arch=a, config=TP2) for a in CAUSAL], EXTRA2, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return run_ranks(tp_checks.world_checks, 4, WORLD4, [dict(arch=a, config=TP2_FSDP2) for a in CAUSAL], EXTRA4,
+                     timeout=900)
+
+
+@pytest.mark.parametrize("index", range(len(WORLD2)), ids=[c["id"] for c in WORLD2])
+def test_tp2_parity(index, world2):
+    check_parity(WORLD2[index], world2[0]["parity"][index])
+
+
+@pytest.mark.parametrize("index", range(len(WORLD4)), ids=[c["id"] for c in WORLD4])
+def test_tp2_fsdp2_parity(index, world4):
+    check_parity(WORLD4[index], world4[0]["parity"][index])
+
+
+_GREEDY: dict = {}
+
+
+def _reference_tokens(arch: str) -> list[list[int]]:
+    if arch not in _GREEDY:
+        _GREEDY[arch] = tp_checks.greedy_tokens(tiny_model(arch, "causal"))
+    return _GREEDY[arch]
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("arch", CAUSAL)
+def test_greedy_generate_matches_one_process(arch, world, request):
+    results = request.getfixturevalue(world)
+    want = _reference_tokens(arch)
+    for rank, result in enumerate(results):
+        assert result["generate"][CAUSAL.index(arch)] == want, f"rank {rank} generated other tokens"
+
+
+def test_llama_placements(world2, world4):
+    for results in (world2, world4):
+        p = results[0]["llama_layout"]["tp_placements"]
+        layer = "model.layers.0."
+        for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            assert p[layer + proj + ".weight"] == "Shard(dim=0)", proj
+        for proj in ("self_attn.o_proj", "mlp.down_proj"):
+            assert p[layer + proj + ".weight"] == "Shard(dim=1)", proj
+        assert p["model.embed_tokens.weight"] == "Shard(dim=0)"  # vocabulary sharded, lm_head tied to it
+        assert "lm_head.weight" not in p  # still one parameter
+        assert p[layer + "input_layernorm.weight"] == p["model.norm.weight"] == "none"  # whole on each tp rank
+    assert world2[0]["llama_layout"]["placements"]["model.norm.weight"] == "plain"
+    four = world4[0]["llama_layout"]["placements"]
+    assert four["model.layers.0.self_attn.q_proj.weight"].count("Shard") == 2  # (dp_shard, tp): 2-D
+    assert four["model.norm.weight"] == "(Shard(dim=0),)"  # fsdp only: a 1-D DTensor
+
+
+def test_llama_local_shapes_hold_half_the_heads(world2):
+    shapes = world2[0]["llama_layout"]["local_shapes"]
+    assert shapes["model.layers.0.self_attn.q_proj.weight"] == [16, 32]  # 4 heads x 8 -> 2 heads
+    assert shapes["model.layers.0.self_attn.k_proj.weight"] == [8, 32]  # 2 kv heads -> 1
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == [32, 32]
+    assert shapes["model.embed_tokens.weight"] == [64, 32]
+
+
+def test_gpt2_fused_qkv_is_split_per_part(world2):
+    facts = world2[0]["gpt2_layout"]
+    p, shapes = facts["placements"], facts["local_shapes"]
+    assert p["transformer.h.0.attn.c_attn.weight"] == "(_StridedShard(dim=1, sf=3),)"
+    assert p["transformer.h.0.attn.c_attn.bias"] == "(Replicate(),)"  # whole; forward takes its columns
+    assert shapes["transformer.h.0.attn.c_attn.weight"] == [32, 48]  # [q_r, k_r, v_r], 16 each
+    assert p["transformer.h.0.attn.c_proj.weight"] == "(Shard(dim=0),)"  # Conv1D [in, out]: rowwise on 0
+    assert p["transformer.h.0.attn.c_proj.bias"] == "(Replicate(),)"
+    assert p["transformer.h.0.mlp.c_fc.weight"] == "(Shard(dim=1),)"
+    assert facts["attrs"]["transformer.h.0.attn.split_size"] == 16
+    assert facts["attrs"]["transformer.h.0.attn.num_heads"] == 2
+
+
+def test_phi3_qkv_packed_only_without_gqa(world2):
+    gqa, mha = world2[0]["phi3_layout"], world2[0]["phi3_mha_layout"]
+    qkv, gate_up = "model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"
+    assert gqa["placements"][qkv] == "(Shard(dim=0),)"  # transformers' plan: gathered output
+    assert mha["placements"][qkv] == "(_StridedShard(dim=0, sf=3),)"
+    for facts in (gqa, mha):
+        assert facts["placements"][gate_up] == "(_StridedShard(dim=0, sf=2),)"
+        assert facts["local_shapes"][gate_up] == [64, 32]  # [gate_r; up_r]
+    assert mha["attrs"]["model.layers.0.self_attn.num_key_value_heads"] == 2
+    assert mha["attrs"]["model.layers.0.self_attn.config.num_attention_heads"] == 2
+    assert mha["model_config_heads"] == 4  # the model's own config (saved with it) is untouched
+    assert gqa["attrs"]["model.layers.0.self_attn.num_key_value_heads"] == 2  # whole: qkv gathered
+
+
+def test_t5_relative_bias_sharded_on_heads(world2):
+    facts = world2[0]["t5_layout"]
+    p = facts["placements"]
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    assert p[bias] == "(Shard(dim=1),)" and facts["local_shapes"][bias] == [32, 2]
+    assert p["decoder.block.0.layer.1.EncDecAttention.q.weight"] == "(Shard(dim=0),)"
+    assert p["encoder.block.0.layer.1.DenseReluDense.wo.weight"] == "(Shard(dim=1),)"
+    assert facts["attrs"]["decoder.block.1.layer.1.EncDecAttention.n_heads"] == 2
+
+
+def test_opt_heads_per_rank(world2):
+    facts = world2[0]["opt_layout"]
+    assert facts["attrs"]["model.decoder.layers.0.self_attn.num_heads"] == 2
+    assert facts["placements"]["model.decoder.layers.0.fc2.weight"] == "(Shard(dim=1),)"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_collectives_per_forward(world2, arch):
+    """Without sequence parallel: one all-reduce for the vocabulary-sharded embedding, two per
+    block (attention output, MLP output). Evaluation gathers the logits once; training never
+    does (the loss runs on vocabulary shards: a few scalar-sized all-reduces of its own)."""
+    facts = world2[0][f"{arch}_comm"]
+    layers = 2
+    assert facts["eval"] == {"all_reduce": 1 + 2 * layers, "all_gather_into_tensor": 1}, facts["eval"]
+    assert facts["eval_logits"] == [2, 16, 128]
+    assert facts["train_logits"] is None
+    assert "all_gather_into_tensor" not in facts["train"], facts["train"]
+    assert facts["train"]["all_reduce"] >= 1 + 2 * layers
+
+
+def test_bad_input_fails_on_every_rank_before_any_collective(world2):
+    """Both ranks raise (a rank that went on into a collective would hang the spawn)."""
+    for result in world2:
+        assert result["bad_heads"].startswith("HfScalePlanError") and "num_attention_heads=3" in result["bad_heads"]
+        assert "q_projj" in result["bad_pattern"] and "q_proj" in result["bad_pattern"].split("q_projj", 1)[1]

@@ -1,0 +1,116 @@
+"""Tensor-parallel checks run inside one process group per world size (2: tp=2; 4: tp=2 x fsdp2).
+
+Training parity reuses :func:`tests.distributed.training.run_cases` (its data goes by the
+data-parallel coordinate, so both ranks of a tp group see the same batch); this module adds
+greedy generation, parameter placements, collectives per forward and bad input.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+import hf_scale
+from tests.distributed.training import run_cases
+from tests.tiny_models import ARCHS, tiny_batch, tiny_model
+
+GEN_PROMPT = [[5, 6, 7, 8], [9, 10, 11, 12]]
+GEN_NEW_TOKENS = 6
+
+
+def greedy_tokens(model) -> list[list[int]]:
+    """Greedy continuation of :data:`GEN_PROMPT` (no eos stop, so every token is compared)."""
+    ids = torch.tensor(GEN_PROMPT)
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=GEN_NEW_TOKENS,
+                             min_new_tokens=GEN_NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return out.tolist()
+
+
+def generate_case(case: dict) -> list[list[int]]:
+    """Every rank's greedy tokens for ``case["arch"]`` under ``case["config"]``."""
+    return greedy_tokens(hf_scale.parallelize(tiny_model(case["arch"], "causal"), case["config"]))
+
+
+def placements(model) -> dict[str, str]:
+    """Parameter name -> its DTensor placements (``"plain"`` for a whole tensor on each rank)."""
+    return {n: str(tuple(p.placements)) if isinstance(p, DTensor) else "plain" for n, p in model.named_parameters()}
+
+
+def tp_placements(model) -> dict[str, str]:
+    """Parameter name -> its placement on the ``tp`` mesh dimension (``"none"``: not on it)."""
+    out = {}
+    for name, p in model.named_parameters():
+        dims = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        out[name] = repr(p.placements[dims.index("tp")]) if "tp" in dims else "none"
+    return out
+
+
+def layout_facts(arch: str, head: str, config: dict) -> dict:
+    """Placements, local shapes and the per-rank attributes after ``parallelize``."""
+    model = hf_scale.parallelize(tiny_model(arch, head), config)
+    local = {n: list((p.to_local() if isinstance(p, DTensor) else p).shape) for n, p in model.named_parameters()}
+    attrs = {}
+    for name, module in model.named_modules():
+        for attr in ("split_size", "num_heads", "n_heads", "num_key_value_heads", "num_attention_heads"):
+            if isinstance(getattr(module, attr, None), int) and name:
+                attrs[f"{name}.{attr}"] = getattr(module, attr)
+        config_heads = getattr(getattr(module, "config", None), "num_attention_heads", None)
+        if name.endswith("self_attn") and config_heads is not None:
+            attrs[f"{name}.config.num_attention_heads"] = config_heads
+    return {"placements": placements(model), "tp_placements": tp_placements(model), "local_shapes": local, "attrs": attrs,
+            "model_config_heads": getattr(model.config, "num_attention_heads", None)}
+
+
+def _counts(mode: CommDebugMode) -> dict[str, int]:
+    """Collective name (``all_reduce``, ``all_gather_into_tensor``, ...) -> calls."""
+    out: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = str(op).split(".")[-1].rstrip("_")
+        out[name] = out.get(name, 0) + n
+    return out
+
+
+def comm_facts(arch: str, config: dict) -> dict:
+    """Collectives of one evaluation forward (no labels, no grad: full logits) and of one
+    training forward (labels, grad: the loss on vocabulary shards)."""
+    model = hf_scale.parallelize(tiny_model(arch, "causal"), config)
+    batch = tiny_batch("causal", 2)
+    with torch.no_grad(), CommDebugMode() as comm:
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    facts = {"eval": _counts(comm), "eval_logits": list(out.logits.shape)}
+    with CommDebugMode() as comm:
+        out = model(**batch)
+    facts["train"] = _counts(comm)
+    facts["train_logits"] = None if out.logits is None else list(out.logits.shape)
+    facts["train_loss"] = float(out.loss.detach())
+    return facts
+
+
+def bad_input_error(arch: str, config: dict, plan: dict | None = None, **config_changes) -> str:
+    """The message of the error ``parallelize`` raises on this rank (it must raise on every
+    rank before any collective: a rank that went on would hang the spawn)."""
+    from transformers import AutoModelForCausalLM
+
+    cls, kwargs, _ = ARCHS[arch]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cls(**{**kwargs, **config_changes}))
+    try:
+        hf_scale.parallelize(model, config, plan=plan)
+    except hf_scale.HfScaleError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def world_checks(parity_cases: list[dict], gen_cases: list[dict], extra: dict) -> dict:
+    """All tp checks of one world size, in one process group."""
+    out = {"parity": run_cases(parity_cases), "generate": [generate_case(c) for c in gen_cases]}
+    for key, (fn, args, kwargs) in extra.items():  # name -> (function of this module, args, kwargs)
+        out[key] = globals()[fn](*args, **kwargs)
+    out["rank"] = int(os.environ["RANK"])
+    return out
+
