@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cli_args import ArgumentParser
-from .errors import HfScaleConfigError
+from .errors import HfScaleConfigError, HfScaleError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag -> ModelConfig.dtype
 
@@ -185,6 +185,7 @@ def generate_texts(model, tokenizer, prompts: list[str], opts: GenerateArgs) -> 
 def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs) -> list[list[int]]:
     """The new token ids for each of ``texts`` (one left-padded batch), up to and including EOS."""
     import torch
+    import torch.distributed as dist
 
     from .state import get_state
 
@@ -194,8 +195,13 @@ def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs) -> list
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not opts.chat).to(device)
     sampling = dict(do_sample=True, temperature=opts.temperature, top_p=opts.top_p, top_k=None) if opts.do_sample else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
     if opts.do_sample:
         torch.manual_seed(opts.seed)  # the same draws on every rank: the same tokens
+        # Should draws still differ (another library drew from the generator on one rank), a
+        # rank that reached EOS first keeps stepping with the others instead of leaving them
+        # waiting in a collective; the check below then names the problem.
+        sampling["synced_gpus"] = distributed
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=opts.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
     eos = model.generation_config.eos_token_id
@@ -204,7 +210,24 @@ def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs) -> list
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
         end = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         rows.append(row[:end])
+    if distributed:
+        _check_same_tokens(rows)
     return rows
+
+
+def _check_same_tokens(rows: list[list[int]]) -> None:
+    """Raise on every rank when the ranks generated different tokens (one small all-gather)."""
+    import torch.distributed as dist
+
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows)
+    differ = [r for r, theirs in enumerate(every) if theirs != every[0]]
+    if differ:
+        raise HfScaleError(
+            f"ranks {differ} generated other tokens than rank 0: the ranks of a tensor-parallel "
+            "model must draw the same samples. Seed every rank alike (--seed) and draw no other "
+            "random numbers on one rank only between seeding and generate."
+        )
 
 
 def _format(tokenizer, prompt: str, chat: bool) -> str:
