@@ -19,5 +19,6 @@ def test_inference_runs_on_local_shards_with_the_same_logits(tp2, arch):
         got = facts[arch]
         assert got["local_calls"] == got["calls"] > 0, got  # every sharded module, locally
         assert got["local_vs_one_process"] < 1e-5, got
+        assert got["single_vs_one_process"] < 1e-5, got
         assert got["dtensor_vs_one_process"] < 1e-5, got
         assert got["local_calls_with_grad"] == 0, got

@@ -36,6 +36,7 @@ def worker() -> dict:
             tp_local.enter = counting
             try:
                 local = model(ids).logits
+                single = model(ids[:1]).logits  # batch 1 (generate's one prompt)
             finally:
                 tp_local.enter = original
             tp_local.enter = lambda *args: None  # the DTensor path alone
@@ -47,6 +48,7 @@ def worker() -> dict:
         facts[arch] = {
             "local_vs_one_process": float((local - want).abs().max()) / scale,
             "dtensor_vs_one_process": float((dtensor - want).abs().max()) / scale,
+            "single_vs_one_process": float((single - want[:1]).abs().max()) / scale,
             "local_calls": sum(entered), "calls": len(entered),
         }
         with torch.enable_grad():  # training forwards keep the DTensor path
