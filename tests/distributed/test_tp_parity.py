@@ -8,6 +8,8 @@ Ranks are spawned once per world size; each test reads one part of the result.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from tests.distributed import tp_checks
@@ -33,10 +35,10 @@ OPTIONS = {  # extra cases: activation checkpointing with tp
 
 
 def _cases(layout: dict, name: str) -> list[dict]:
-    cases = [dict(arch=a, head=h, config=dict(layout), id=f"{a}-{h}-{name}") for a, h in ARCHS]
+    cases = [{"arch": a, "head": h, "config": dict(layout), "id": f"{a}-{h}-{name}"} for a, h in ARCHS]
     for opt_name, opt in OPTIONS.items():
         for arch, head in (("llama", "causal"), ("gpt2", "causal"), ("t5", "seq2seq")):
-            cases.append(dict(arch=arch, head=head, config={**layout, **opt}, id=f"{arch}-{head}-{name}-{opt_name}"))
+            cases.append({"arch": arch, "head": head, "config": {**layout, **opt}, "id": f"{arch}-{head}-{name}-{opt_name}"})
     return cases
 
 
@@ -52,20 +54,20 @@ EXTRA2 = {
     "opt_layout": ("layout_facts", ("opt", "causal", TP2), {}),
     "llama_comm": ("comm_facts", ("llama", TP2), {}),
     "gpt2_comm": ("comm_facts", ("gpt2", TP2), {}),
-    "bad_heads": ("bad_input_error", ("llama", TP2), dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3)),
-    "bad_pattern": ("bad_input_error", ("llama", TP2), dict(plan={"tp_plan": {"model.layers.*.self_attn.q_projj": "colwise"}})),
+    "bad_heads": ("bad_input_error", ("llama", TP2), {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}),
+    "bad_pattern": ("bad_input_error", ("llama", TP2), {"plan": {"tp_plan": {"model.layers.*.self_attn.q_projj": "colwise"}}}),
 }
-EXTRA4 = {"llama_layout": ("layout_facts", ("llama", "causal", TP2_FSDP2), {})}
+EXTRA4 = {f"{arch}_layout": ("layout_facts", (arch, "causal", TP2_FSDP2), {}) for arch in ("llama", "gpt2", "phi3_mha")}
 
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_ranks(tp_checks.world_checks, 2, WORLD2, [dict(arch=a, config=TP2) for a in CAUSAL], EXTRA2, timeout=900)
+    return run_ranks(tp_checks.world_checks, 2, WORLD2, [{"arch": a, "config": TP2} for a in CAUSAL], EXTRA2, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_ranks(tp_checks.world_checks, 4, WORLD4, [dict(arch=a, config=TP2_FSDP2) for a in CAUSAL], EXTRA4,
+    return run_ranks(tp_checks.world_checks, 4, WORLD4, [{"arch": a, "config": TP2_FSDP2} for a in CAUSAL], EXTRA4,
                      timeout=900)
 
 
@@ -184,3 +186,15 @@ def test_bad_input_fails_on_every_rank_before_any_collective(world2):
     for result in world2:
         assert result["bad_heads"].startswith("HfScalePlanError") and "num_attention_heads=3" in result["bad_heads"]
         assert "q_projj" in result["bad_pattern"] and "q_proj" in result["bad_pattern"].split("q_projj", 1)[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "phi3_mha"])
+def test_fsdp_keeps_the_tp_layout(world2, world4, arch):
+    """Adding FSDP over the data-parallel ranks leaves every parameter's tp placement as tp
+    alone gives it (packed _StridedShard weights included) and shards each one on dp as well."""
+    alone, with_fsdp = world2[0][f"{arch}_layout"], world4[0][f"{arch}_layout"]
+    assert with_fsdp["tp_placements"] == alone["tp_placements"]
+    for name, placements in with_fsdp["placements"].items():
+        assert placements != "plain", f"{name} is not sharded by FSDP"
+        local, tp_local = math.prod(with_fsdp["local_shapes"][name]), math.prod(alone["local_shapes"][name])
+        assert local <= -(-tp_local // 2), f"{name}: {local} elements on a rank, not half of {tp_local}"

@@ -144,9 +144,9 @@ def _llama(**changes):
 
 
 @pytest.mark.parametrize("changes, named", [
-    (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3), r"query heads \(num_attention_heads=3\)"),
-    (dict(num_key_value_heads=1), r"key/value heads \(num_key_value_heads=1\)"),
-    (dict(intermediate_size=63), r"MLP intermediate size \(intermediate_size=63\)"),
+    ({"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}, r"query heads \(num_attention_heads=3\)"),
+    ({"num_key_value_heads": 1}, r"key/value heads \(num_key_value_heads=1\)"),
+    ({"intermediate_size": 63}, r"MLP intermediate size \(intermediate_size=63\)"),
 ])
 def test_tp_not_dividing_a_size_names_it(changes, named):
     model = _llama(**changes)
