@@ -80,3 +80,25 @@ def test_other_bad_input_is_one_line(folder, tmp_path):
         result = run_cli("generate", *args, check=False, timeout=120)
         assert result.returncode == 2 and result.stdout.count("\n") == 1, (args, result.stdout)
         assert message in result.stdout, (args, result.stdout)
+
+
+def test_prompts_file_and_flags(tmp_path, monkeypatch):
+    """In-process: a prompts file gives one prompt per non-blank line after the --prompt ones;
+    a worker started with another world size than --tp is refused before loading anything."""
+    from hf_scale.errors import HfScaleConfigError
+    from hf_scale.generate import parse_args, run
+
+    path = tmp_path / "prompts.txt"
+    path.write_text("first line\n\n  \nsecond: 2 + 2?\n")
+    opts = parse_args(["m", "--prompt", "zero", "--prompts-file", str(path), "--tp", "2", "--dtype", "bf16",
+                       "--do-sample", "--seed", "3", "--temperature", "0.7", "--top-p", "0.9"])
+    assert opts.prompts == ["zero", "first line", "second: 2 + 2?"]
+    assert (opts.tp, opts.dtype, opts.do_sample, opts.seed, opts.temperature, opts.top_p) == (2, "bf16", True, 3, 0.7, 0.9)
+    for bad, message in [(["m", "--prompt", "x", "--tp", "0"], "--tp 0: must be >= 1"),
+                         (["m", "--prompt", "x", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+                         (["m", "--prompt", "x", "--do-sample", "--top-p", "0"], "need temperature > 0 and 0 < top-p <= 1")]:
+        with pytest.raises(HfScaleConfigError, match=re.escape(message)):
+            parse_args(bad)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(HfScaleConfigError, match=re.escape("--tp 2 runs 2 processes, but WORLD_SIZE=4")):
+        run(opts)
