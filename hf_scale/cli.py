@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Mapping
+from collections.abc import Mapping
 
 from .cli_args import ArgumentParser, unknown_argument
 from .errors import HfScaleConfigError, HfScaleError

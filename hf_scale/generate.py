@@ -136,7 +136,6 @@ def main(args: list[str]) -> int:
 
 def run(opts: GenerateArgs) -> int:
     """Load the model at ``tp`` = world size, generate on every rank, print on rank 0."""
-    import torch
     import torch.distributed as dist
 
     from .config import ParallelConfig
@@ -193,8 +192,10 @@ def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs) -> list
     device = state.env.device if state is not None else torch.device("cpu")
     tokenizer.padding_side = "left"  # decoder-only models continue from the last position
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not opts.chat).to(device)
-    sampling = dict(do_sample=True, temperature=opts.temperature, top_p=opts.top_p, top_k=None) if opts.do_sample else \
-        dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    # no top-k; temperature and top-p only when sampling (greedy decoding takes neither)
+    sampling = {"do_sample": opts.do_sample, "top_k": None,
+                "temperature": opts.temperature if opts.do_sample else None,
+                "top_p": opts.top_p if opts.do_sample else None}
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     if opts.do_sample:
         torch.manual_seed(opts.seed)  # the same draws on every rank: the same tokens

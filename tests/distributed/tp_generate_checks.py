@@ -47,7 +47,9 @@ def _logits(model) -> torch.Tensor:
 
 
 def _generate(model, sample_seed: int | None = None) -> list[list[int]]:
-    kwargs = dict(do_sample=False) if sample_seed is None else dict(do_sample=True, top_k=0, top_p=1.0, temperature=1.0)
+    kwargs = {"do_sample": False}
+    if sample_seed is not None:
+        kwargs = {"do_sample": True, "top_k": 0, "top_p": 1.0, "temperature": 1.0}
     if sample_seed is not None:
         torch.manual_seed(sample_seed)
     with torch.no_grad():
@@ -56,8 +58,9 @@ def _generate(model, sample_seed: int | None = None) -> list[list[int]]:
 
 
 def _args(**changes) -> GenerateArgs:
-    base = dict(model="tiny", tp=int(os.environ["WORLD_SIZE"]), prompts=PROMPTS, max_new_tokens=NEW, dtype="fp32",
-                batch_size=2, chat=False, do_sample=False, seed=0, temperature=1.0, top_p=1.0)
+    base = {"model": "tiny", "tp": int(os.environ["WORLD_SIZE"]), "prompts": PROMPTS, "max_new_tokens": NEW,
+            "dtype": "fp32", "batch_size": 2, "chat": False, "do_sample": False, "seed": 0, "temperature": 1.0,
+            "top_p": 1.0}
     return GenerateArgs(**{**base, **changes})
 
 

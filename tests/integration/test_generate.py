@@ -33,7 +33,7 @@ def folder(tmp_path_factory):
 
 def completions(out: str) -> list[str]:
     """The completions rank 0 printed, in prompt order."""
-    found = re.findall(r"=== completion (\d+)/(\d+) ===\n(.*?)\n(?====)", out, flags=re.S)
+    found = re.findall(r"=== completion (\d+)/(\d+) ===\n(.*?)\n(?====)", out, flags=re.DOTALL)
     return [text for _, _, text in found]
 
 
