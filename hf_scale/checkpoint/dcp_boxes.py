@@ -12,7 +12,8 @@ same boxes, which DCP keeps once. Every other tensor is passed through untouched
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -66,7 +67,10 @@ def _sharded(t: DTensor, copies):
 
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
     from torch.distributed.tensor import Replicate
 
     mesh, placements = t.device_mesh, t.placements

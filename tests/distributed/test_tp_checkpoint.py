@@ -99,7 +99,7 @@ def test_fused_weights_saved_at_tp2_load_at_tp1_fsdp_and_tp4(world4, arch):
     for r in world4:
         for layout in ("tp2", "fsdp4", "tp4"):
             torch.testing.assert_close(torch.from_numpy(r["save"][arch][layout]), want, rtol=1e-5, atol=1e-6,
-                                       msg=lambda m: f"{arch} {layout}: {m}")
+                                       msg=lambda m, layout=layout: f"{arch} {layout}: {m}")
     again = AUTO["causal"].from_pretrained(result["tp4_folder"])  # saved from tp4's packed slices
     for (name, p), (_, q) in zip(again.named_parameters(), model.named_parameters()):
         assert torch.equal(p, q), name
