@@ -71,10 +71,12 @@ def parallelize(
 
     units = wrap_units(model, resolved)
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
-    unsharded = dims is None or not config.sharded or dims.dp_degree == 1
-    if env.device.type != "cpu" and unsharded and not _on_meta(model):
-        # FSDP moves each unit itself, never holding the whole model there; DDP, tensor parallel
-        # alone and one process (nothing shards it) need the whole model on this rank's GPU.
+    tp_alone = dims is not None and dims.tp_enabled and dims.dp_degree == 1
+    on_gpu = env.device.type != "cpu" and not _on_meta(model)
+    if on_gpu and (dims is None or not config.sharded) and not tp_alone:
+        # FSDP moves each unit itself, never holding the whole model there; DDP and one process
+        # (nothing shards it) need the whole model on this rank's GPU. Tensor parallel alone moves
+        # after splitting (below): each GPU then receives its shards, not the whole model.
         model.to(env.device)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if config.loss_chunk_tokens:
@@ -102,6 +104,8 @@ def parallelize(
         dp_mesh = dims.dp_mesh(mesh)
         if layout is not None:
             apply_tp(model, mesh["tp"], layout.styles, layout.local_attrs, resolved.tied_weights)
+            if on_gpu and tp_alone:
+                model.to(env.device)  # the parameters tp left whole (norms, biases): shards are there
         if config.activation_checkpointing:
             _apply_ac(model, units, config)
         if dims.dp_degree == 1:  # tensor parallel alone: no data-parallel wrapper

@@ -92,7 +92,7 @@ def check_before_launch(opts: GenerateArgs) -> None:
     """Fail in this process, before any worker starts: a model that does not exist, a zoo model
     that is not a causal LM, sizes ``--tp`` does not divide, more workers than the machine has."""
     from .cli import read_model_config
-    from .launch import max_local_processes
+    from .launch import max_local_processes, warn_if_oversubscribed
     from .plan_report import meta_model
     from .plans import resolve_plan
     from .plans.tp import tp_layout
@@ -111,6 +111,7 @@ def check_before_launch(opts: GenerateArgs) -> None:
             f"--tp {opts.tp} starts {opts.tp} processes, but this machine has {limit} {what}: "
             f"use --tp {limit} or less (a divisor of the model's head counts)."
         )
+    warn_if_oversubscribed(opts.tp)
 
 
 def main(args: list[str]) -> int:

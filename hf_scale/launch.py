@@ -135,12 +135,31 @@ def resolve_launch(launch: LaunchConfig, environ=None) -> LaunchConfig:
     )
 
 
+CPU_PROCESSES_PER_CORE = 4
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def max_local_processes() -> tuple[int, str]:
-    """How many workers this machine can run, and what limits it (GPUs, else CPU cores)."""
+    """How many workers this machine can run, and what limits it: one per GPU; without a GPU,
+    gloo processes may share cores (tp=3 on a 2-core machine runs, slowly), up to
+    ``CPU_PROCESSES_PER_CORE`` per core."""
     if torch.cuda.is_available():
         return torch.cuda.device_count(), "GPU(s)"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores, "CPU core(s) and no GPU"
+    cores = cpu_cores()
+    return CPU_PROCESSES_PER_CORE * cores, f"slots ({cores} CPU core(s) x {CPU_PROCESSES_PER_CORE}, no GPU)"
+
+
+def warn_if_oversubscribed(processes: int) -> None:
+    """A warning when CPU processes outnumber the cores (they share them: each step is slower)."""
+    if not torch.cuda.is_available() and processes > cpu_cores():
+        import logging
+
+        from .log import log_rank0
+
+        log_rank0(f"{processes} processes share {cpu_cores()} CPU core(s): it runs, slowly.", level=logging.WARNING)
 
 
 def check_launch(launch: LaunchConfig) -> None:
@@ -151,6 +170,7 @@ def check_launch(launch: LaunchConfig) -> None:
             f"launch.nproc_per_node={launch.nproc_per_node}, but this machine has {limit} {what}: "
             f"start at most {limit} processes per node (--launch.nproc_per_node {limit})."
         )
+    warn_if_oversubscribed(launch.nproc_per_node)
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise HfScaleConfigError(
             f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint (host:port of node 0, "

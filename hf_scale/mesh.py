@@ -73,6 +73,12 @@ class ParallelDims:
                     f"world size {world_size}, {num_nodes} node(s)). Set dp_replicate, e.g. "
                     f"dp_replicate=2 dp_shard={max(1, world_size // 2)}, or use 'fsdp'."
                 )
+        if config.cpu_offload and tp > 1 and rest == 1:
+            raise HfScaleConfigError(
+                f"cpu_offload=True offloads FSDP's shards, but tp={tp} uses all {world_size} "
+                "processes, so no data-parallel rank is left for FSDP. Start more processes "
+                f"(e.g. {2 * world_size}, for fsdp over 2 x tp={tp}) or drop cpu_offload."
+            )
         return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp)
 
     @property

@@ -91,7 +91,7 @@ def _style(module: nn.Module, style: str):
     parts = packed_parts(style)
     if parts:
         packed = PackedColwise(parts, conv1d=conv1d)
-        return packed if conv1d else _local_path(packed, "colwise")
+        return packed if conv1d else _local_path(packed, "packed")
     if conv1d:  # (no local inference path: Conv1D's forward reshapes to its global width)
         return {"colwise": Conv1DColwise(), "colwise_gather_output": Conv1DColwise(output_layouts=Replicate()),
                 "rowwise": Conv1DRowwise(), "rowwise_split_input": Conv1DRowwise(input_layouts=Replicate())}[style]

@@ -32,9 +32,11 @@ def enter(mod, inputs, mesh, kind: str):
     local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in params.items() if p is not None}
     if any(not _even(p) for p in params.values() if isinstance(p, DTensor)):
         return None
+    if kind == "packed" and local.get("bias") is not None:
+        return None  # a packed bias is kept whole: DTensor takes each rank's part columns
     tp, rank = mesh.size(), mesh.get_local_rank()
     saved = {"params": params, "mask": None}
-    if kind == "rowwise" and local.get("bias") is not None:
+    if kind in ("rowwise", "rowwise_split") and local.get("bias") is not None:
         saved["bias"] = local["bias"]  # added once, after the partial sums are reduced
         local["bias"] = None
     if kind == "rowwise_split":  # replicated input: take this rank's features

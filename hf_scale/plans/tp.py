@@ -71,7 +71,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
         )
     _check_config_sizes(model, tp)
     modules = dict(model.named_modules())
-    styles = _expand(plan.tp_plan, modules, name, "tp_plan")
+    styles = _expand({k: v for k, v in plan.tp_plan.items() if v is not None}, modules, name, "tp_plan")
     for module_name, style in styles.items():
         if style not in _STYLES and not packed_parts(style):
             raise HfScalePlanError(
@@ -79,6 +79,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
                 f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
             )
     _add_vocabulary(model, styles)
+    _check_head(model, styles)
     _add_tied(model, plan, styles)
     for module_name, style in styles.items():
         _check_module(module_name, modules[module_name], style, tp)
@@ -109,6 +110,15 @@ def _expand(patterns, modules: dict[str, nn.Module], model_name: str, what: str)
         regex = _pattern(key)
         matched = [m for m in modules if m and regex.fullmatch(m)]
         if not matched:
+            owner, _, leaf = key.rpartition(".")
+            params = [m for m in modules if m and _pattern(owner).fullmatch(m) and leaf in dict(modules[m].named_parameters(recurse=False))]
+            if params:  # a parameter, as transformers' expert-parallel (MoE) plans name them
+                raise HfScalePlanError(
+                    f"{what} entry {key!r} names a parameter of {params[0]} ({type(modules[params[0]]).__name__}), "
+                    f"not a module: hf_scale's tensor parallel shards Linear, Embedding and Conv1D "
+                    f"modules and does not split experts. Drop the entry with plan={{'{what}': "
+                    f"{{{key!r}: None}}}} (the experts then stay whole on every tp rank)."
+                )
             close = difflib.get_close_matches(key, [re.sub(r"\.\d+\.", ".*.", m) for m in modules], n=3)
             raise HfScalePlanError(
                 f"{what} pattern {key!r} matches no module of {model_name}. "
@@ -152,6 +162,20 @@ def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
         name = names.get(id(module))
         if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)):
             styles[name] = style
+
+
+def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
+    """The output head must give the loss whole-vocabulary logits: ``colwise`` alone would hand
+    transformers' loss each rank's vocabulary slice (an index error, or a device assert)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+    style = styles.get(name) if name else None
+    if style is not None and style not in ("colwise_gather_output", "replicate"):
+        raise HfScalePlanError(
+            f"tp_plan gives the output head {name!r} the style {style!r}; the loss and generate need "
+            "the whole vocabulary's logits: use 'colwise_gather_output' (training still computes the "
+            "loss on vocabulary shards, without gathering) or 'replicate'."
+        )
 
 
 def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None:

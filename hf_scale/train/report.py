@@ -139,8 +139,12 @@ def greedy_answers(model, prompts: list[dict], pad_id: int, max_new_tokens: int 
     answers = []
     for prompt in prompts:
         ids = prompt["ids"].to(device)
+        # synced_gpus: every rank keeps stepping until all are done, so a rank that stopped
+        # early (it should not: the logits are the same everywhere) cannot leave the others
+        # waiting in a collective.
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_id)
+                             do_sample=False, pad_token_id=pad_id,
+                             synced_gpus=state is not None and state.mesh is not None)
         answers.append(out[0, ids.shape[1]:].tolist())
     model.train(was_training)
     return answers

@@ -13,7 +13,7 @@ def tp2():
     return run_ranks(tp_local_checks.worker, 2, timeout=600)
 
 
-@pytest.mark.parametrize("arch", ["llama", "opt", "phi3_mha"])
+@pytest.mark.parametrize("arch", ["llama", "opt", "phi3_mha", "olmo2_bias"])
 def test_inference_runs_on_local_shards_with_the_same_logits(tp2, arch):
     for facts in tp2:
         got = facts[arch]

@@ -13,14 +13,29 @@ from hf_scale.parallel import tp_local
 from tests.tiny_models import CAUSAL, tiny_batch, tiny_model
 
 
+def _olmo2_biased():
+    """OLMo2 with attention biases: transformers' plan gathers q/k/v and splits o_proj's input
+    (rowwise_split_input) -- a biased row-parallel Linear whose bias must be added once."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.Olmo2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, attention_bias=True, pad_token_id=0)
+    return tf.Olmo2ForCausalLM(config)
+
+
+def _build(arch):
+    return _olmo2_biased() if arch == "olmo2_bias" else tiny_model(arch, CAUSAL)
+
+
 def worker() -> dict:
     facts = {}
-    for arch in ("llama", "opt", "phi3_mha"):
-        ref = tiny_model(arch, CAUSAL).eval()
+    for arch in ("llama", "opt", "phi3_mha", "olmo2_bias"):
+        ref = _build(arch).eval()
         with torch.no_grad():
             for p in ref.parameters():  # weights large enough that every layer shapes the logits
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
-        model = tiny_model(arch, CAUSAL)
+        model = _build(arch)
         model.load_state_dict(ref.state_dict())
         model = hf_scale.parallelize(model, {"tp": int(os.environ["WORLD_SIZE"])}).eval()
         ids = tiny_batch(CAUSAL, 2, seq=8)["input_ids"]

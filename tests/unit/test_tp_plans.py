@@ -189,3 +189,33 @@ def test_tp_larger_than_or_not_dividing_the_world(tp, world):
 def test_tp_in_one_process_says_how_to_launch():
     with pytest.raises(HfScaleConfigError, match=r"tp=2 needs 2 processes.*torchrun --nproc_per_node 2"):
         hf_scale.parallelize(tiny_model("llama", "causal"), {"tp": 2})
+
+
+def test_ddp_and_zero1_with_tp_are_refused_with_the_alternative():
+    for strategy in ("ddp", "zero1"):
+        with pytest.raises(HfScaleConfigError, match=rf"strategy='{strategy}' with tp=2.*zero2"):
+            ParallelConfig(strategy=strategy, tp=2)
+
+
+def test_cpu_offload_with_tp_over_every_rank_is_refused():
+    with pytest.raises(HfScaleConfigError, match=r"cpu_offload=True.*tp=2 uses all 2 processes"):
+        ParallelDims.resolve(ParallelConfig(tp=2, cpu_offload=True), 2)
+    assert ParallelDims.resolve(ParallelConfig(tp=2, cpu_offload=True), 4).dp_shard == 2
+
+
+def test_a_head_that_does_not_gather_its_vocabulary_is_refused():
+    with pytest.raises(HfScalePlanError, match=r"output head 'lm_head'.*'colwise'.*colwise_gather_output"):
+        _layout("llama", "causal", tp_plan={"lm_head": "colwise"})
+
+
+def test_a_none_style_drops_a_declared_entry():
+    layout = _layout("llama", "causal", tp_plan={"model.layers.*.mlp.up_proj": None, "model.layers.*.mlp.gate_proj": None,
+                                                 "model.layers.*.mlp.down_proj": None})
+    assert not any(".mlp." in name for name in layout.styles)
+    assert layout.styles["model.layers.0.self_attn.q_proj"] == "colwise"
+
+
+def test_a_plan_naming_parameters_as_moe_plans_do_says_how_to_drop_it():
+    model = tiny_model("llama", "causal")
+    with pytest.raises(HfScalePlanError, match=r"names a parameter of model\.layers\.0\.mlp\.up_proj.*None"):
+        _layout("llama", "causal", model=model, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
