@@ -28,7 +28,6 @@ from .plans import resolve_plan, wrap_units
 # fp32 master weights + gradients + AdamW's two moments
 BYTES_PER_PARAM_TRAINING = 16
 # tensor-parallel styles that split a module's weight (the packed_colwise family too)
-_SHARDING_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise")
 
 
 def meta_model(config, task: str = "causal_lm"):
@@ -75,7 +74,7 @@ def tp_report(model, plan, tp: int) -> dict:
     """The tensor-parallel layout of ``model`` at degree ``tp``: styles per module pattern
     (``layers.N`` collapsed to ``layers.*``, with how many modules), heads per rank, and the
     parameters one tp rank holds (the largest shard where a vocabulary does not divide)."""
-    from .plans.tp import SIZE_ATTRS, tp_layout
+    from .plans.tp import SIZE_ATTRS, shard_dim, tp_layout
 
     layout = tp_layout(model, plan, tp)
     patterns: dict[str, list] = {}
@@ -90,7 +89,7 @@ def tp_report(model, plan, tp: int) -> dict:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            dim = _shard_dim(module, p_name, style)
+            dim = shard_dim(module, p_name, style)
             if dim is None:
                 replicated += param.numel()
                 kept = param.numel()
@@ -115,23 +114,6 @@ def tp_report(model, plan, tp: int) -> dict:
         "bytes_per_rank": bytes_local,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
-
-
-def _shard_dim(module, param_name: str, style: str) -> int | None:
-    """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
-    when the parameter stays whole (replicated modules, and a rowwise layer's bias, which is
-    added after the all-reduce)."""
-    if not (style in _SHARDING_STYLES or style.startswith("packed_colwise")) or param_name not in ("weight", "bias"):
-        return None  # "replicate", "replicated_with_grad_allreduce": the whole weight on every rank
-    rowwise = style.startswith("rowwise") or style == "embedding_rowwise"
-    if param_name == "bias":
-        return None if rowwise else 0
-    kind = type(module).__name__
-    if isinstance(module, torch.nn.Embedding):
-        return 0 if rowwise else 1
-    if kind == "Conv1D":  # weight [in, out]
-        return 0 if rowwise else 1
-    return 1 if rowwise else 0  # Linear weight [out, in]
 
 
 def format_report(report: dict) -> str:

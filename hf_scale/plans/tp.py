@@ -191,6 +191,20 @@ def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None
                     styles[a] = styles[b]
 
 
+def shard_dim(module: nn.Module, param_name: str, style: str) -> int | None:
+    """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
+    when it stays whole: replicated modules, a row-parallel bias (added after the all-reduce)
+    and a packed bias (DTensor takes each rank's part columns in forward)."""
+    if style in ("replicate", "replicated_with_grad_allreduce") or param_name not in ("weight", "bias"):
+        return None
+    rowwise = style in ("rowwise", "rowwise_split_input", "embedding_rowwise")
+    if param_name == "bias":
+        return None if rowwise or packed_parts(style) else 0
+    if isinstance(module, nn.Embedding) or type(module).__name__ == "Conv1D":  # Conv1D: [in, out]
+        return 0 if rowwise else 1
+    return 1 if rowwise else 0  # Linear: [out, in]
+
+
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
     if style in ("replicate", "replicated_with_grad_allreduce"):
         return
@@ -203,14 +217,7 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
         )
     if style in _VOCAB_STYLES or weight is None:
         return  # vocabularies may split unevenly (DTensor pads the last shard)
-    conv1d = kind == "Conv1D"
-    if style in ("rowwise", "rowwise_split_input"):
-        dim = 0 if conv1d else 1
-    elif isinstance(module, nn.Embedding):
-        dim = 1
-    else:
-        dim = 1 if conv1d else 0
-    size = weight.shape[dim]
+    size = weight.shape[shard_dim(module, "weight", style)]
     parts = packed_parts(style) or 1
     if size % (tp * parts):
         what = f"{parts} packed parts of {size // parts}" if parts > 1 else f"{size}"
