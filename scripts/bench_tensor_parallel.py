@@ -336,7 +336,7 @@ def main() -> None:
     if args.write:
         header = f"Written by `{run['command']}` on {run['machine']}."
         if args.report_only:
-            header += f" Reading added by `{command_line()}` from that run's results."
+            header += " The reading under the table: `--report-only --note`, from that run's results."
         write_section(args.write, args.section, f"{header}\n\n{body}")
         print(f"wrote section {args.section!r} of {args.write}")
 
