@@ -1,6 +1,6 @@
 """The inference path of the tensor-parallel styles: under ``torch.no_grad()`` (``generate``,
 evaluation) a sharded Linear or Embedding computes on its local shard with plain tensors and
-one ``torch.distributed`` collective of PyTorch's functional API, instead of DTensor's per-op
+one ``torch.distributed`` collective (c10d, in place), instead of DTensor's per-op
 dispatch. Decoding one token runs every projection of every block on a few rows, so DTensor's
 fixed cost per op dominates there (transformers' TP takes the same shortcut for the same reason).
 
@@ -16,7 +16,7 @@ output (all-reduce of a row-parallel partial sum, all-gather of gathered columns
 from __future__ import annotations
 
 import torch
-import torch.distributed._functional_collectives as funcol
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 _STATE = "_hf_scale_tp_local"
@@ -64,12 +64,18 @@ def leave(mod, output, mesh, kind: str, gather: bool):
     if kind == "embedding_rowwise":
         output = output.masked_fill(saved["mask"].unsqueeze(-1), 0)
     if kind in ("rowwise", "rowwise_split", "embedding_rowwise"):
-        output = funcol.all_reduce(output, "sum", group)
+        # c10d's in-place all-reduce: on gloo about 1 ms per call cheaper than the functional
+        # one (measured: 4.1 vs 5.2 ms for a [1, 1, 576] tensor over 3 processes)
+        dist.all_reduce(output, group=group)
         if saved.get("bias") is not None:
             output = output + saved["bias"]
     elif gather:
-        # a negative gather_dim breaks funcol's view of the gathered chunks (torch 2.13)
-        output = funcol.all_gather_tensor(output.contiguous(), output.dim() - 1, group)
+        local = output.contiguous()
+        tp = mesh.size()
+        parts = torch.empty((tp * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+        dist.all_gather_into_tensor(parts, local, group=group)
+        # rank-major on dim 0 -> the ranks' columns side by side on the last dim
+        output = parts.view(tp, *local.shape).movedim(0, -2).reshape(*local.shape[:-1], -1)
     return output
 
 
