@@ -66,11 +66,16 @@ def layout_facts(arch: str, head: str, config: dict) -> dict:
             "model_config_heads": getattr(model.config, "num_attention_heads", None)}
 
 
+# c10d's op names (the inference path's in-place collectives) -> the functional ones DTensor uses
+_SAME = {"allreduce": "all_reduce", "_allgather_base": "all_gather_into_tensor", "allgather": "all_gather"}
+
+
 def _counts(mode: CommDebugMode) -> dict[str, int]:
     """Collective name (``all_reduce``, ``all_gather_into_tensor``, ...) -> calls."""
     out: dict[str, int] = {}
     for op, n in mode.get_comm_counts().items():
         name = str(op).split(".")[-1].rstrip("_")
+        name = _SAME.get(name, name)
         out[name] = out.get(name, 0) + n
     return out
 
