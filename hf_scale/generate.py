@@ -92,7 +92,7 @@ def check_before_launch(opts: GenerateArgs) -> None:
     """Fail in this process, before any worker starts: a model that does not exist, a zoo model
     that is not a causal LM, sizes ``--tp`` does not divide, more workers than the machine has."""
     from .cli import read_model_config
-    from .launch import max_local_processes, warn_if_oversubscribed
+    from .launch import check_local_processes
     from .plan_report import meta_model
     from .plans import resolve_plan
     from .plans.tp import tp_layout
@@ -105,13 +105,7 @@ def check_before_launch(opts: GenerateArgs) -> None:
     if opts.tp > 1:
         model = meta_model(config)
         tp_layout(model, resolve_plan(model), opts.tp)
-    limit, what = max_local_processes()
-    if opts.tp > limit:
-        raise HfScaleConfigError(
-            f"--tp {opts.tp} starts {opts.tp} processes, but this machine has {limit} {what}: "
-            f"use --tp {limit} or less (a divisor of the model's head counts)."
-        )
-    warn_if_oversubscribed(opts.tp)
+    check_local_processes(opts.tp, "--tp", "--tp")  # --tp N starts N processes
 
 
 def main(args: list[str]) -> int:

@@ -162,15 +162,21 @@ def warn_if_oversubscribed(processes: int) -> None:
         log_rank0(f"{processes} processes share {cpu_cores()} CPU core(s): it runs, slowly.", level=logging.WARNING)
 
 
+def check_local_processes(processes: int, name: str, flag: str) -> None:
+    """Refuse more processes per node than this machine can run (``name``: the setting, ``flag``:
+    how to set it); warn when CPU processes will share cores."""
+    limit, what = max_local_processes()
+    if processes > limit:
+        raise HfScaleConfigError(
+            f"{name}={processes}, but this machine has {limit} {what}: "
+            f"start at most {limit} processes per node ({flag} {limit})."
+        )
+    warn_if_oversubscribed(processes)
+
+
 def check_launch(launch: LaunchConfig) -> None:
     """Refuse layouts this machine or torchrun cannot start, naming the value and the fix."""
-    limit, what = max_local_processes()
-    if launch.nproc_per_node > limit:
-        raise HfScaleConfigError(
-            f"launch.nproc_per_node={launch.nproc_per_node}, but this machine has {limit} {what}: "
-            f"start at most {limit} processes per node (--launch.nproc_per_node {limit})."
-        )
-    warn_if_oversubscribed(launch.nproc_per_node)
+    check_local_processes(launch.nproc_per_node, "launch.nproc_per_node", "--launch.nproc_per_node")
     if launch.nnodes > 1 and not launch.rdzv_endpoint:
         raise HfScaleConfigError(
             f"launch.nnodes={launch.nnodes} needs launch.rdzv_endpoint (host:port of node 0, "
