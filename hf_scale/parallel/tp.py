@@ -34,11 +34,17 @@ from functools import partial
 
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..plans.tp import packed_parts
 from . import tp_local
+
 
 def apply_tp(
     model: nn.Module,
@@ -240,7 +246,7 @@ def _retie(model: nn.Module, ties) -> None:
         old = getattr(module, attr)
         if old is src:
             continue
-        placements = lambda t: tuple(t.placements) if isinstance(t, DTensor) else None  # noqa: E731
+        placements = lambda t: tuple(t.placements) if isinstance(t, DTensor) else None
         if placements(old) != placements(src):
             from ..errors import HfScalePlanError
 
