@@ -19,25 +19,11 @@ median over steps; *with AdamW* adds the optimizer step. Tokens/s count each bat
 Per pp leg, each stage's compute time is measured outside the schedule: each rank runs its own
 stages' modules on one microbatch (forward ``F``; backward to the stage's input only ``B``; the
 rest of a full backward, the weight gradients, ``W = full - B``), median of ``--repeats``, both
-ranks at once as in the schedule. From those per-microbatch times (``t = F + B + W``, ``T_r`` =
-sum of ``t`` over rank r's stages, ``m`` microbatches, ``p`` ranks, ``v`` stages per rank) the
-schedule's *ideal* step time, communication counted as free (:func:`ideal_step`):
-
-* gpipe, 1f1b: ``(m + p - 1) * max t``, i.e. ``(m + p - 1) / m`` x the slowest stage's time for
-  the whole batch (GPipe, Huang et al. 2019, arXiv:1811.06965 sec. 2.3; 1F1B has GPipe's bubble,
-  Narayanan et al. 2021, arXiv:2104.04473 sec. 2.2.1).
-* interleaved_1f1b: ``m * max T_r + (p - 1) * max t``: with equal stages the bubble shrinks by
-  v, fraction ``(p - 1) / (v m)`` (Narayanan et al. 2021 sec. 2.2.2).
-* zero_bubble (torch's ZB1P): ``m * max T_r + (p - 1) * max(F + B - W)``: ZB-H1's bubble
-  ``(p - 1)(T_F + T_B - T_W)`` (Qi et al. 2024, arXiv:2401.10241 sec. 2, table 2) per stage.
-* zbv: ``m * max T_r + (p - 1) * max(F + B - 2W)``, clipped at 0: ZB-H2's bubble
-  ``(p - 1)(T_F + T_B - 2 T_W)`` (same paper, table 2), which ZB-V reaches at 1F1B's memory
-  (sec. 6: no bubble when T_F = T_B = T_W).
-
-A second ideal, *simulated*, replays the schedule's own action order (torch's
-``pipeline_order`` for the multi-stage schedules; GPipe's and 1F1B's orders for the others) with
-the measured ``F``, ``B``, ``W`` of each stage and free communication (:func:`simulate`): it
-takes unequal stages into account where the formulas take the slowest one.
+ranks at once as in the schedule. From them, the schedule's *ideal* step time with free
+communication: the papers' formulas (``(m + p - 1) / m`` x the slowest stage's time for gpipe
+and 1f1b; interleaved and zero-bubble ones cited in ``scripts/pipeline_ideal.py``), and
+*simulated*, a replay of the schedule's own action order with the measured stage times. The
+time of the tied-embedding gradient all-reduce inside ``train_step`` is shown apart.
 
 Ratios first, as in the other benchmarks: measured / ideal, tokens/s against fsdp, stage balance
 (slowest / fastest stage's ``t``; the default split).
@@ -54,106 +40,23 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import add_write_arg, check_doc, launch_ranks, markdown_table, torchrun, write_doc
+from bench_common import (
+    add_write_arg,
+    check_doc,
+    command_line,
+    launch_ranks,
+    machine,
+    markdown_table,
+    torchrun,
+)
 from bench_tensor_parallel import ensure_model
+from pipeline_ideal import SCHEDULES, action_orders, ideal_step, simulate
+from write_doc import write_section
 
 LOAD_LIMIT = 2.5
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 LEGS = (*SCHEDULES, "fsdp", "ddp")
-MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zero_bubble": "ScheduleInterleavedZeroBubble",
-         "zbv": "ScheduleZBVZeroBubble"}
 TARGET_IDEAL, TARGET_BALANCE = 1.15, 1.2
 FULL = {"model": "smollm2", "batch": 8, "seq": 64, "microbatches": 8}  # the issue's run
-
-
-# ------------------------------------------------------------------ the arithmetic (pure)
-
-
-def stages_per_rank(schedule: str) -> int:
-    return 2 if schedule in MULTI else 1
-
-
-def stage_ranks(schedule: str, p: int) -> list[int]:
-    """pp rank of each stage: a loop (stage s on rank s % p), a V for zbv (r and 2p - 1 - r)."""
-    n = p * stages_per_rank(schedule)
-    if schedule == "zbv":
-        return [s if s < p else 2 * p - 1 - s for s in range(n)]
-    return [s % p for s in range(n)]
-
-
-def ideal_step(schedule: str, m: int, p: int, f: list[float], b: list[float], w: list[float]) -> float:
-    """The schedule's step time with free communication, from each stage's per-microbatch
-    forward ``f``, input-gradient ``b`` and weight-gradient ``w`` times (formulas: module doc)."""
-    t = [x + y + z for x, y, z in zip(f, b, w)]
-    if schedule in ("gpipe", "1f1b"):
-        return (m + p - 1) * max(t)
-    per_rank = [0.0] * p
-    for s, r in enumerate(stage_ranks(schedule, p)):
-        per_rank[r] += t[s]
-    if schedule == "interleaved_1f1b":
-        bubble = max(t)
-    elif schedule == "zero_bubble":
-        bubble = max(x + y - z for x, y, z in zip(f, b, w))
-    elif schedule == "zbv":
-        bubble = max(x + y - 2 * z for x, y, z in zip(f, b, w))
-    else:
-        raise ValueError(f"unknown schedule {schedule!r}; one of {SCHEDULES}")
-    return m * max(per_rank) + (p - 1) * max(bubble, 0.0)
-
-
-def action_orders(schedule: str, m: int, p: int) -> list[list[tuple[int, str, int]]]:
-    """Each rank's compute actions ``(stage, kind, microbatch)`` in the order the schedule runs
-    them; kind ``F`` forward, ``B`` full backward, ``I`` input gradient, ``W`` weight gradient."""
-    if schedule == "gpipe":
-        return [[(r, "F", i) for i in range(m)] + [(r, "B", i) for i in range(m)] for r in range(p)]
-    if schedule == "1f1b":  # torch's Schedule1F1B: p - r forwards, then one backward, one forward
-        orders = []
-        for r in range(p):
-            warm = min(m, p - r)
-            ops = [(r, "F", i) for i in range(warm)]
-            for i in range(m):
-                ops.append((r, "B", i))
-                if warm + i < m:
-                    ops.append((r, "F", warm + i))
-            orders.append(ops)
-        return orders
-    from torch.distributed.pipelining import schedules
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
-    orders = get_schedule_ops(getattr(schedules, MULTI[schedule]), p, m, stages_per_rank(schedule))
-    return [[(a.stage_index, a.computation_type.value, a.microbatch_index) for a in ops
-             if a is not None and a.computation_type.value in ("F", "B", "I", "W")] for ops in orders]
-
-
-def simulate(orders: list[list[tuple[int, str, int]]], f: list[float], b: list[float],
-             w: list[float]) -> float:
-    """When the last rank finishes if each runs its actions in order, each as soon as its inputs
-    exist (forward: the previous stage's forward; backward: this stage's forward and the next
-    stage's backward; weights: this stage's input gradient) and communication is free."""
-    last = len(f) - 1
-    cost = {"F": f, "B": [x + y for x, y in zip(b, w)], "I": b, "W": w}
-    done: dict[tuple[int, str, int], float] = {}
-    clock, nxt = [0.0] * len(orders), [0] * len(orders)
-    while any(n < len(ops) for n, ops in zip(nxt, orders)):
-        moved = False
-        for r, ops in enumerate(orders):
-            while nxt[r] < len(ops):
-                s, kind, i = ops[nxt[r]]
-                if kind == "F":
-                    needs = [(s - 1, "F", i)] if s > 0 else []
-                elif kind == "W":
-                    needs = [(s, "I", i)]
-                else:
-                    needs = [(s, "F", i)] + ([(s + 1, "I", i)] if s < last else [])
-                if any(n not in done for n in needs):
-                    break
-                clock[r] = max([clock[r]] + [done[n] for n in needs]) + cost[kind][s]
-                done[(s, "I" if kind in "BI" else kind, i)] = clock[r]
-                nxt[r] += 1
-                moved = True
-        if not moved:
-            raise ValueError(f"the action orders deadlock: {[ops[n:n + 1] for n, ops in zip(nxt, orders)]}")
-    return max(clock)
 
 
 # ------------------------------------------------------------------ one leg (every rank)
@@ -185,6 +88,12 @@ def timed(fn) -> float:
     start = time.perf_counter()
     fn()
     dist.barrier()
+    return time.perf_counter() - start
+
+
+def timed_call(fn) -> float:
+    start = time.perf_counter()
+    fn()
     return time.perf_counter() - start
 
 
@@ -242,7 +151,10 @@ def worker(leg: str, out: Path, name: str, args) -> None:
         g = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         batches = [torch.randint(0, vocab, (args.batch, args.seq), generator=g) for _ in range(args.steps + 1)]
-        pipeline = get_state(model).pipeline
+        pipeline, tie_s = get_state(model).pipeline, []
+        if pipeline is not None:  # time the tied-embedding gradient sum inside train_step
+            sum_tied = pipeline._sum_tied_grads
+            pipeline._sum_tied_grads = lambda: tie_s.append(timed_call(sum_tied))
         share = slice(None) if pipeline is not None else slice(rank * args.batch // world, (rank + 1) * args.batch // world)
         fwd_bwd, whole, losses = [], [], []
         for ids in batches:
@@ -253,7 +165,8 @@ def worker(leg: str, out: Path, name: str, args) -> None:
             optimizer.zero_grad(set_to_none=True)
             dist.barrier()
             whole.append(time.perf_counter() - start)
-        result.update(fwd_bwd=fwd_bwd[1:], whole=whole[1:], losses=losses, tokens=args.batch * args.seq)
+        result.update(fwd_bwd=fwd_bwd[1:], whole=whole[1:], losses=losses, tokens=args.batch * args.seq,
+                      tie=tie_s[1:] or [0.0] * args.steps)
         if pipeline is not None:
             dist.barrier()
             result["stages"] = stage_times(pipeline, batch, args.microbatches, args.repeats)
@@ -300,6 +213,8 @@ def merge(ranks: list[dict], error: str | None, leg: str, args) -> dict:
     row = {"status": "ok", "loss": statistics.mean(r["losses"][0] for r in ranks), "tokens": ranks[0]["tokens"]}
     for key in ("fwd_bwd", "whole"):
         row[key] = statistics.median(max(steps) for steps in zip(*(r[key] for r in ranks)))
+    # the rank that reaches the tied-gradient all-reduce last measures the all-reduce alone
+    row["tie"] = statistics.median(min(steps) for steps in zip(*(r["tie"] for r in ranks)))
     if leg in SCHEDULES:
         stages = {int(s): t for r in ranks for s, t in r["stages"].items()}
         f, b, w = ([stages[s][k] for s in sorted(stages)] for k in ("F", "B", "W"))
@@ -310,29 +225,31 @@ def merge(ranks: list[dict], error: str | None, leg: str, args) -> dict:
 
 
 def report(rows: dict, args) -> str:
-    x = lambda v: "" if v is None else f"{v:.2f}x"
+    x = lambda v: f"{v:.2f}x"
     ms = lambda values: " / ".join(f"{v * 1e3:.0f}" for v in values)
     ref = rows.get("fsdp", {})
     header = ["leg", "measured / ideal", "tok/s vs fsdp", "stage balance", "fwd+bwd (s)", "ideal (s)",
-              "ideal simulated (s)", "step with AdamW (s)", "tok/s", "per stage F+B+W (ms)",
-              "per stage F / B / W (ms)", "blocks per stage", "first loss"]
+              "ideal simulated (s)", "tied grads all-reduce (s)", "step with AdamW (s)", "tok/s",
+              "per stage F+B+W (ms)", "per stage F / B / W (ms)", "blocks per stage", "first loss"]
     table = []
     for leg, row in rows.items():
         if row["status"] != "ok":
             table.append([leg, row["status"]])
             continue
+        cell = dict.fromkeys(header, "")
         tok_s = row["tokens"] / row["whole"]
-        vs = tok_s / (ref["tokens"] / ref["whole"]) if ref.get("status") == "ok" else None
-        cells = [leg, "", x(vs), "", f"{row['fwd_bwd']:.2f}", "", "", f"{row['whole']:.2f}", f"{tok_s:.0f}",
-                 "", "", "", f"{row['loss']:.5f}"]
+        if ref.get("status") == "ok":
+            cell["tok/s vs fsdp"] = x(tok_s / (ref["tokens"] / ref["whole"]))
+        cell.update({"leg": leg, "fwd+bwd (s)": f"{row['fwd_bwd']:.2f}", "step with AdamW (s)": f"{row['whole']:.2f}",
+                     "tok/s": f"{tok_s:.0f}", "first loss": f"{row['loss']:.5f}"})
         if leg in SCHEDULES:
             t = [a + b + c for a, b, c in zip(row["f"], row["b"], row["w"])]
-            cells[1], cells[3] = x(row["fwd_bwd"] / row["ideal"]), x(max(t) / min(t))
-            cells[5], cells[6] = f"{row['ideal']:.2f}", f"{row['simulated']:.2f}"
-            cells[9] = ms(t)
-            cells[10] = ", ".join(ms(v) for v in zip(row["f"], row["b"], row["w"]))
-            cells[11] = "/".join(map(str, row["layout"]["blocks"]))
-        table.append(cells)
+            cell.update({"measured / ideal": x(row["fwd_bwd"] / row["ideal"]), "stage balance": x(max(t) / min(t)),
+                         "ideal (s)": f"{row['ideal']:.2f}", "ideal simulated (s)": f"{row['simulated']:.2f}",
+                         "tied grads all-reduce (s)": f"{row['tie']:.2f}", "per stage F+B+W (ms)": ms(t),
+                         "per stage F / B / W (ms)": ", ".join(ms(v) for v in zip(row["f"], row["b"], row["w"])),
+                         "blocks per stage": "/".join(map(str, row["layout"]["blocks"]))})
+        table.append([cell[h] for h in header])
     return markdown_table(header, table)
 
 
@@ -347,7 +264,9 @@ def verdicts(rows: dict) -> list[str]:
         costs = row["layout"]["costs"]
         if leg == "1f1b":
             lines.append(f"{'PASS' if ratio <= TARGET_IDEAL else 'FAIL'} 1f1b measured / ideal <= "
-                         f"{TARGET_IDEAL}: {row['fwd_bwd']:.2f} / {row['ideal']:.2f} s = {ratio:.3f}x")
+                         f"{TARGET_IDEAL}: {row['fwd_bwd']:.2f} / {row['ideal']:.2f} s = {ratio:.3f}x (of the "
+                         f"measured, {row['tie']:.2f} s is the tied-embedding gradient all-reduce; without it "
+                         f"{(row['fwd_bwd'] - row['tie']) / row['ideal']:.3f}x)")
         lines.append(f"{'PASS' if balance <= TARGET_BALANCE else 'FAIL'} stage balance (slowest / fastest "
                      f"measured F+B+W, default split, {leg}) <= {TARGET_BALANCE}: {balance:.3f}x "
                      f"(the split's estimate from matmul parameters: {max(costs) / max(min(costs), 1):.3f}x)")
@@ -374,7 +293,8 @@ def summary(rows: dict, args) -> str:
     title = (f"{name} fp32, 2 gloo ranks on CPU (OMP_NUM_THREADS=1), global batch {args.batch} x {args.seq} "
              f"tokens; pp=2 with {args.microbatches} microbatches of {args.batch // args.microbatches}; fsdp / ddp "
              f"{args.batch // 2} sequences per rank; 1 warm-up + {args.steps} timed steps (median, slowest rank); "
-             f"stage times: median of {args.repeats} on one microbatch.{size}")
+             f"stage times: median of {args.repeats} on one microbatch; 1-min load {args.start_load:.2f} at the "
+             f"start.{size}")
     body = f"{title}\n\n{report(rows, args)}\n\n```\n" + "\n".join(verdicts(rows)) + "\n```\n"
     return body + (f"\n{args.note}\n" if args.note else "")
 
@@ -387,33 +307,47 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=FULL["seq"])
     parser.add_argument("--microbatches", type=int, default=FULL["microbatches"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warm-up)")
-    parser.add_argument("--repeats", type=int, default=3, help="stage timings per stage (median)")
+    parser.add_argument("--repeats", type=int, default=5, help="stage timings per stage (median)")
     parser.add_argument("--legs", default=",".join(LEGS))
     parser.add_argument("--wait", type=int, default=0, help=f"seconds to wait for 1-min load <= {LOAD_LIMIT}")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per leg")
     parser.add_argument("--note", default="", help="text written under the table (its reading)")
-    parser.add_argument("--worker", choices=LEGS, help=argparse.SUPPRESS)
-    parser.add_argument("--folder", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--name", help=argparse.SUPPRESS)
+    parser.add_argument("--report-only", action="store_true",
+                        help="no measuring: report (and --write, with --note) the last run's results in ROOT")
+    for hidden in ("--worker", "--folder", "--out", "--name"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
     add_write_arg(parser, "pipeline")
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, Path(args.out), args.name, args)
     check_doc(args)
-    start = time.perf_counter()
-    args.legs = [leg for leg in args.legs.split(",") if leg]
-    root = Path(args.root).resolve()
-    args.folder = ensure_model(root) if args.model == "smollm2" else ""
-    waited = 0
-    while (load := os.getloadavg()[0]) > LOAD_LIMIT and waited < args.wait:
-        print(f"  1-min load {load:.2f} > {LOAD_LIMIT}: waited {waited} s", flush=True)
-        time.sleep(30)
-        waited += 30
-    print(f"machine: 1-min load average {load:.2f} at the start (waited {waited} s)", flush=True)
-    body = summary(run_legs(root, args), args)
+    start, root = time.perf_counter(), Path(args.root).resolve()
+    saved = root / "results" / "run.json"
+    if args.report_only:
+        run = json.loads(saved.read_text())
+        vars(args).update(run["settings"])
+    else:
+        args.legs = [leg for leg in args.legs.split(",") if leg]
+        args.folder = str(ensure_model(root)) if args.model == "smollm2" else ""
+        waited = 0
+        while (load := os.getloadavg()[0]) > LOAD_LIMIT and waited < args.wait:
+            print(f"  1-min load {load:.2f} > {LOAD_LIMIT}: waited {waited} s", flush=True)
+            time.sleep(30)
+            waited += 30
+        print(f"machine: 1-min load average {load:.2f} at the start (waited {waited} s)", flush=True)
+        args.start_load = load
+        rows = run_legs(root, args)
+        settings = {k: getattr(args, k) for k in (*FULL, "steps", "repeats", "legs", "start_load")}
+        run = {"command": command_line(), "machine": machine(), "settings": settings, "rows": rows}
+        saved.write_text(json.dumps(run))
+    body = summary(run["rows"], args)
     print(f"\n{body}\ntotal wall time {time.perf_counter() - start:.0f} s")
-    write_doc(args, body)
+    if args.write:
+        header = f"Written by `{run['command']}` on {run['machine']}."
+        if args.report_only:
+            header += " The reading under the table: `--report-only --note`, from that run's results."
+        write_section(args.write, args.section, f"{header}\n\n{body}")
+        print(f"wrote section {args.section!r} of {args.write}")
 
 
 if __name__ == "__main__":

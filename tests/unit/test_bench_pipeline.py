@@ -1,5 +1,6 @@
-"""scripts/bench_pipeline.py's arithmetic: each schedule's ideal step time (the papers' formulas)
-and the replay of its action order with given stage times agree where they must."""
+"""scripts/pipeline_ideal.py, bench_pipeline.py's arithmetic: each schedule's ideal step time
+(the papers' formulas) and the replay of its action order with given stage times agree where
+they must."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_pipeline import (
+from pipeline_ideal import (
     SCHEDULES,
     action_orders,
     ideal_step,
