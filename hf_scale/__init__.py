@@ -34,6 +34,8 @@ _LAZY = {
     "build_optimizer": ".parallel.optim",
     "clip_grad_norm_": ".parallel.optim",
     "no_sync": ".parallel.optim",
+    "train_step": ".parallel.step",
+    "eval_step": ".parallel.step",
     "from_pretrained": ".checkpoint",
     "save_pretrained": ".checkpoint",
     "load_state": ".checkpoint",
@@ -59,6 +61,7 @@ __all__ = [
     "__version__",
     "build_optimizer",
     "clip_grad_norm_",
+    "eval_step",
     "from_pretrained",
     "get_state",
     "load_state",
@@ -69,6 +72,7 @@ __all__ = [
     "resolve_plan",
     "save_pretrained",
     "save_state",
+    "train_step",
     "write_model_card",
 ]
 
@@ -98,5 +102,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .checkpoint import from_pretrained, load_state, save_pretrained, save_state
     from .hub import CardInfo, push_to_hub, write_model_card
     from .parallel.optim import build_optimizer, clip_grad_norm_, no_sync
+    from .parallel.step import eval_step, train_step
     from .plans import ModelPlan, register_plan, resolve_plan
     from .state import ParallelState, get_state

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import functools
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +15,11 @@ from .errors import HfScaleConfigError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
+from .parallel.pp import is_stand_in, prune_to_stages, stage_module
+from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
+from .parallel.step import eval_step, train_step
 from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .plans.pp import pp_layout
 from .plans.tp import tp_layout
 from .state import STATE_ATTR, ParallelState, get_state
 
@@ -57,38 +63,50 @@ def parallelize(
     env = init_distributed(config.timeout_seconds)
     dtype = DTYPES[config.mixed_precision]
     _check_precision(dtype, env)
-    dims = mesh = layout = None
+    dims = mesh = layout = stages_layout = None
     if env.world_size > 1:
         # Degrees are checked before any collective: a bad layout fails on every rank alike.
         dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
+        if dims.pp_enabled:
+            stages_layout = pp_layout(model, resolved, dims.pp, config.stages_per_rank,
+                                      config.pp_schedule == "zbv", config.pp_split_points)
         if dims.tp_enabled:
             layout = tp_layout(model, resolved, dims.tp)
-    elif config.tp > 1:
+        mesh = build_mesh(dims, env.device.type)
+    elif config.tp > 1 or config.pp > 1:
+        need = config.tp * config.pp
+        degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("pp", config.pp)) if v > 1)
         raise HfScaleConfigError(
-            f"tp={config.tp} needs {config.tp} processes (or a multiple): start the script with "
-            f"torchrun --nproc_per_node {config.tp} (found one process, no torchrun environment)."
+            f"{degrees} needs {need} processes (or a multiple): start the "
+            f"script with torchrun --nproc_per_node {need} (found one process, no torchrun environment)."
         )
+    stages = []
+    if stages_layout is not None:  # this rank keeps only its stages' modules from here on
+        stages = stages_layout.stages_of(dims.pp_rank(mesh))
+        prune_to_stages(model, stages_layout, stages)
 
     units = wrap_units(model, resolved)
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
-    tp_alone = dims is not None and dims.tp_enabled and dims.dp_degree == 1
-    on_gpu = env.device.type != "cpu" and not _on_meta(model)
-    if on_gpu and (dims is None or not config.sharded) and not tp_alone:
-        # FSDP moves each unit itself, never holding the whole model there; DDP and one process
-        # (nothing shards it) need the whole model on this rank's GPU. Tensor parallel alone moves
-        # after splitting (below): each GPU then receives its shards, not the whole model.
+    fsdp_moves = dims is not None and dims.dp_degree > 1 and config.sharded
+    on_gpu = env.device.type != "cpu" and not _on_meta(model) and not fsdp_moves
+    if on_gpu and layout is None:
+        # FSDP moves each unit itself, never holding the whole model there; DDP, one process and
+        # a pipeline stage alone need this rank's model on its GPU. Tensor parallel without FSDP
+        # moves after splitting (below): each GPU then receives its shards, not the whole model.
         model.to(env.device)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if config.loss_chunk_tokens:
+    holds_head = stages_layout is None or stages_layout.num_stages - 1 in stages
+    if config.loss_chunk_tokens and holds_head:
         try:
             apply_chunked_loss(model, head, config.loss_chunk_tokens)
         except ValueError as e:
             raise HfScaleConfigError(str(e)) from None
-    elif layout is not None and _vocab_sharded(model, head, layout):
+    elif layout is not None and holds_head and _vocab_sharded(model, head, layout):
         try:  # the loss on vocabulary shards; a model whose forward does not allow it gathers logits
             apply_chunked_loss(model, head, None)
         except ValueError as e:
             log_rank0(f"tensor parallel: the loss gathers the full logits ({e})", once=True)
+    pipeline = None
     if dims is None:
         if config.activation_checkpointing:
             _apply_ac(model, units, config)
@@ -100,39 +118,85 @@ def parallelize(
         if dtype is not None:
             apply_autocast(model, dtype, env.device.type, keep_fp32)
     else:
-        mesh = build_mesh(dims, env.device.type)
         dp_mesh = dims.dp_mesh(mesh)
         if layout is not None:
-            apply_tp(model, mesh["tp"], layout.styles, layout.local_attrs, resolved.tied_weights)
-            if on_gpu and tp_alone:
+            present = {name for name, m in model.named_modules() if not is_stand_in(m)}
+            apply_tp(
+                model,
+                mesh["tp"],
+                {n: style for n, style in layout.styles.items() if n in present},
+                {n: attrs for n, attrs in layout.local_attrs.items() if n in present},
+                _present_ties(model, resolved.tied_weights),
+            )
+            if env.device.type != "cpu" and not _on_meta(model) and not fsdp_moves:
                 model.to(env.device)  # the parameters tp left whole (norms, biases): shards are there
         if config.activation_checkpointing:
             _apply_ac(model, units, config)
-        if dims.dp_degree == 1:  # tensor parallel alone: no data-parallel wrapper
-            if dtype is not None:
-                apply_autocast(model, dtype, env.device.type, keep_fp32)
-        elif config.sharded:
-            reshard = config.strategy != "zero2" and config.reshard_after_forward is not False
-            apply_fsdp(
-                model,
-                dp_mesh,
-                units,
-                param_dtype=dtype,
-                reshard_after_forward=reshard,
-                cpu_offload=config.cpu_offload,
-                fp32_modules=keep_fp32,
-            )
-        else:
-            apply_ddp(model, dp_mesh)
-            if dtype is not None:
-                apply_autocast(model, dtype, env.device.type, keep_fp32)
+        # Under pipeline parallel each stage is its own root (FSDP unit, autocast scope).
+        roots = [model]
+        if stages_layout is not None:
+            roots = [stage_module(model, stages_layout, s) for s in stages]
+        for root in roots:
+            if dims.dp_degree == 1:  # tensor / pipeline parallel alone: no data-parallel wrapper
+                if dtype is not None:
+                    apply_autocast(root, dtype, env.device.type, keep_fp32)
+            elif config.sharded:
+                reshard = config.strategy != "zero2" and config.reshard_after_forward is not False
+                inside = {id(m) for m in root.modules()}
+                apply_fsdp(
+                    root,
+                    dp_mesh,
+                    [u for u in units if id(u) in inside],
+                    param_dtype=dtype,
+                    reshard_after_forward=reshard,
+                    cpu_offload=config.cpu_offload,
+                    fp32_modules=[m for m in keep_fp32 if id(m) in inside],
+                )
+            else:
+                apply_ddp(root, dp_mesh)
+                if dtype is not None:
+                    apply_autocast(root, dtype, env.device.type, keep_fp32)
+        if stages_layout is not None:
+            pipeline = _pipeline(model, stages_layout, stages, roots, mesh, dims, env, config, resolved)
         log_rank0(
             f"{config.strategy} over {dims.describe()} on {env.device.type} "
             f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}; "
             f"precision {config.mixed_precision or 'fp32'}"
+            + (f"; pipeline {config.pp_schedule}, stages {_describe(stages_layout)}" if pipeline else "")
         )
-    setattr(model, STATE_ATTR, ParallelState(config, resolved, env, dims, mesh))
+    setattr(model, STATE_ATTR, ParallelState(config, resolved, env, dims, mesh, pipeline))
+    model.train_step = functools.partial(train_step, model)
+    model.eval_step = functools.partial(eval_step, model)
     return model
+
+
+def _pipeline(model, stages_layout, stages, roots, mesh, dims, env, config, resolved) -> Pipeline:
+    """The schedule runner for this rank's stages; ``model`` itself can no longer run forward."""
+    ties = tied_across_stages(stages_layout, resolved.tied_weights)
+    group = tie_group(mesh, stages_layout, dims.pp) if ties else None
+    pipeline = Pipeline(model, stages_layout, stages, roots, mesh["pp"].get_group(), env.device,
+                        config.pp_schedule, config.pp_microbatches, group, ties)
+    held = ", ".join(str(s) for s in stages)
+
+    def refuse(module, args, kwargs):
+        raise HfScaleConfigError(
+            f"this rank holds pipeline stage(s) {held} of {stages_layout.num_stages}, not the whole "
+            f"{type(module).__name__}: train with model.train_step(batch) and evaluate with "
+            "model.eval_step(batch) (generate needs pp=1: save, then load without pp)."
+        )
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+    return pipeline
+
+
+def _describe(stages_layout) -> str:
+    return " | ".join(f"{b[0]}-{b[-1]}" for b in stages_layout.stage_blocks)
+
+
+def _present_ties(model: nn.Module, ties) -> tuple:
+    """The ties whose two ends this rank holds (a pipeline stage may hold one end)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return tuple((t, s) for t, s in ties if t in names and s in names)
 
 
 def _apply_ac(model: nn.Module, units: list[nn.Module], config: ParallelConfig) -> None:

@@ -19,13 +19,16 @@ import types
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 from .errors import HfScaleConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
+# torch.distributed.pipelining schedules; the last three hold several stages per rank.
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 T = TypeVar("T")
 
@@ -54,6 +57,16 @@ class ParallelConfig:
         tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
             innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
             strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.
+        pp: pipeline-parallel degree: the blocks are split into stages over ``pp`` ranks (the
+            outermost mesh dimension); train with ``model.train_step(batch)``. Causal LMs only.
+        pp_schedule: one of ``PP_SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
+            ``"zero_bubble"`` (interleaved zero bubble) or ``"zbv"`` (zero bubble, V-shaped).
+        pp_stages_per_rank: stages each pp rank holds (None: 1 for gpipe / 1f1b, 2 for the
+            interleaved and zero-bubble schedules; zbv needs exactly 2).
+        pp_microbatches: microbatches a batch is split into (None: the number of stages); must
+            divide the per-rank batch size.
+        pp_split_points: first block index of every stage after the first (None: split so each
+            stage's compute, head and embedding included, is balanced).
         loss_chunk_tokens: causal LMs only: compute output head + cross-entropy this many tokens
             at a time, so the full logits never exist (see ``hf_scale.parallel.loss``). Training
             forwards (labels given, gradients on) then return ``logits=None``.
@@ -61,15 +74,20 @@ class ParallelConfig:
     """
 
     strategy: str = "fsdp"
-    dp_replicate: Optional[int] = None
-    dp_shard: Optional[int] = None
-    mixed_precision: Optional[str] = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    mixed_precision: str | None = None
     cpu_offload: bool = False
-    activation_checkpointing: Optional[str] = None
+    activation_checkpointing: str | None = None
     ac_every: int = 1
-    reshard_after_forward: Optional[bool] = None
+    reshard_after_forward: bool | None = None
     tp: int = 1
-    loss_chunk_tokens: Optional[int] = None
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int | None = None
+    pp_microbatches: int | None = None
+    pp_split_points: list[int] | None = None
+    loss_chunk_tokens: int | None = None
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -91,6 +109,7 @@ class ParallelConfig:
                 "(DTensor) parameters. Use strategy='zero2' (gradients and optimizer state sharded, "
                 "parameters kept gathered: DDP's speed) or 'fsdp' with tp."
             )
+        self._check_pp()
         if self.loss_chunk_tokens is not None and (
             not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
         ):
@@ -127,13 +146,48 @@ class ParallelConfig:
                 f"{self.dp_shard} needs strategy 'fsdp', 'zero2' or 'hsdp'."
             )
 
+    def _check_pp(self) -> None:
+        for name in ("pp", "pp_stages_per_rank", "pp_microbatches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise HfScaleConfigError(f"{name}={value!r}: must be a positive integer" + (
+                    " (1 = no pipeline parallel)." if name == "pp" else " or None (the default)."))
+        _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        if self.pp_stages_per_rank is not None:
+            single = self.pp_schedule not in MULTI_STAGE_SCHEDULES
+            if single and self.pp_stages_per_rank != 1:
+                raise HfScaleConfigError(
+                    f"pp_schedule={self.pp_schedule!r} runs one stage per rank, not "
+                    f"pp_stages_per_rank={self.pp_stages_per_rank}: use 'interleaved_1f1b' or "
+                    "'zero_bubble' for several stages per rank."
+                )
+            if self.pp_schedule == "zbv" and self.pp_stages_per_rank != 2:
+                raise HfScaleConfigError(
+                    f"pp_schedule='zbv' places exactly 2 stages on each rank (a V), not "
+                    f"pp_stages_per_rank={self.pp_stages_per_rank}: drop the setting or use 'zero_bubble'."
+                )
+            if not single and self.pp_stages_per_rank < 2:
+                raise HfScaleConfigError(
+                    f"pp_schedule={self.pp_schedule!r} interleaves several stages per rank: "
+                    f"pp_stages_per_rank must be >= 2 (got {self.pp_stages_per_rank}); use '1f1b' for one."
+                )
+        if self.pp_split_points is not None and self.pp == 1:
+            raise HfScaleConfigError("pp_split_points is set but pp=1: set pp, or drop pp_split_points.")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Pipeline stages on each pp rank (1 unless an interleaved schedule)."""
+        if self.pp_stages_per_rank is not None:
+            return self.pp_stages_per_rank
+        return 2 if self.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+
     @property
     def sharded(self) -> bool:
         """True when parameters are sharded with FSDP2 (fsdp, zero2, hsdp)."""
         return self.strategy in ("fsdp", "zero2", "hsdp")
 
 
-def as_parallel_config(value: "ParallelConfig | dict | None") -> ParallelConfig:
+def as_parallel_config(value: ParallelConfig | dict | None) -> ParallelConfig:
     """A ParallelConfig from itself, a dict of its fields, or None (the defaults)."""
     if value is None:
         return ParallelConfig()

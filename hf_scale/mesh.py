@@ -46,16 +46,23 @@ class ParallelDims:
     @classmethod
     def resolve(
         cls, config: ParallelConfig, world_size: int, num_nodes: int = 1
-    ) -> "ParallelDims":
+    ) -> ParallelDims:
         """Fill the degrees ``config`` leaves open from the world size (and node count)."""
-        tp, pp = config.tp, 1
+        tp, pp = config.tp, config.pp
         if world_size % (tp * pp):
+            both = f"tp x pp = {tp} x {pp} = {tp * pp}" if pp > 1 else f"tp={tp}"
             raise HfScaleConfigError(
-                f"tp={tp} does not divide WORLD_SIZE={world_size}: start a multiple of {tp} "
-                f"processes, or choose a tp that divides {world_size}."
+                f"{both} does not divide WORLD_SIZE={world_size}: start a multiple of {tp * pp} "
+                f"processes, or choose degrees whose product divides {world_size}."
             )
         rest = world_size // (tp * pp)
         strategy = config.strategy
+        if pp > 1 and strategy in ("ddp", "zero1") and rest > 1:
+            raise HfScaleConfigError(
+                f"strategy={strategy!r} with pp={pp} over {rest} data-parallel ranks: the pipeline "
+                "schedule drives FSDP's gradient reduction, not DDP's. Use strategy='zero2' (DDP's "
+                "speed, gradients and optimizer state sharded) or 'fsdp' with pp."
+            )
         if strategy in ("ddp", "zero1"):
             replicate, shard = config.dp_replicate or rest, 1
         else:
@@ -90,6 +97,14 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    def pp_rank(self, mesh) -> int:
+        """This rank's pipeline index (0 .. pp - 1)."""
+        return dict(zip(MESH_DIMS, mesh.get_coordinate()))["pp"]
+
     def dp_rank(self, mesh) -> int:
         """This rank's data-parallel index (0 .. dp_degree - 1): ranks of one tensor-parallel
         group share it, and so see the same batch."""
@@ -122,10 +137,10 @@ class ParallelDims:
 
 
 def _check_divides(name: str, size: int, dp_ranks: int) -> None:
-    """``size`` must divide the ``dp_ranks`` data-parallel ranks (WORLD_SIZE / tp)."""
+    """``size`` must divide the ``dp_ranks`` data-parallel ranks (WORLD_SIZE / (tp x pp))."""
     if dp_ranks % size:
         raise HfScaleConfigError(
-            f"{name}={size} does not divide the {dp_ranks} data-parallel ranks (WORLD_SIZE / tp): "
+            f"{name}={size} does not divide the {dp_ranks} data-parallel ranks (WORLD_SIZE / (tp x pp)): "
             f"choose a {name} that divides {dp_ranks}, or start a multiple of {size} processes."
         )
 

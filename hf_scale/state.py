@@ -32,6 +32,7 @@ class ParallelState:
     env: DistEnv
     dims: ParallelDims | None  # None in one process
     mesh: Any  # DeviceMesh, or None in one process
+    pipeline: Any = None  # hf_scale.parallel.pp.Pipeline under pipeline parallel
 
     @property
     def dp_mesh(self):
@@ -41,6 +42,19 @@ class ParallelState:
     def tp_mesh(self):
         """The 1-D tensor-parallel sub-mesh, or None without tensor parallel."""
         return self.mesh["tp"] if self.mesh is not None and self.dims.tp > 1 else None
+
+    @property
+    def pp_mesh(self):
+        """The 1-D pipeline sub-mesh, or None without pipeline parallel."""
+        return self.mesh["pp"] if self.mesh is not None and self.dims.pp > 1 else None
+
+    @property
+    def pp_degree(self) -> int:
+        return 1 if self.dims is None else self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        return 0 if self.mesh is None else self.dims.pp_rank(self.mesh)
 
     @property
     def dp_degree(self) -> int:

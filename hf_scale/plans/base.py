@@ -14,8 +14,9 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import HfScalePlanError
 
@@ -52,7 +53,7 @@ class ModelPlan:
     pp_plan: Mapping[str, Any] = field(default_factory=dict)
     source: Mapping[str, str] = field(default_factory=dict)
 
-    def replace(self, **fields: Any) -> "ModelPlan":
+    def replace(self, **fields: Any) -> ModelPlan:
         return dataclasses.replace(self, **fields)
 
 
@@ -73,6 +74,12 @@ def register_plan(model_type: str, **fields: Any) -> None:
     """
     check_override_fields(fields, f"register_plan({model_type!r})")
     _REGISTRY[model_type] = {k: _freeze(v) for k, v in fields.items()}
+
+
+def extend_plan(model_type: str, **fields: Any) -> None:
+    """Add fields to ``model_type``'s registry entry, keeping the fields it has (the tp and pp
+    registries each add theirs to the encoders' ``wrap_modules``)."""
+    register_plan(model_type, **{**registered_fields(model_type), **fields})
 
 
 def registered_fields(model_type: str) -> dict[str, Any]:

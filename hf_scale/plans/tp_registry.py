@@ -32,14 +32,7 @@ What each entry rests on (read in transformers' modeling code, v5):
 
 from __future__ import annotations
 
-from .base import register_plan, registered_fields
-
-
-def _add(model_type: str, **fields) -> None:
-    """Add tp fields to ``model_type``'s registry entry, keeping the fields it has (the
-    encoders' ``wrap_modules``): this module is imported after the others."""
-    register_plan(model_type, **{**registered_fields(model_type), **fields})
-
+from .base import extend_plan as _add  # keeps the fields an entry has (the encoders' wrap_modules)
 
 _BERT_LAYER = {
     "encoder.layer.*.attention.self.query": "colwise",

@@ -1,0 +1,200 @@
+"""Running a batch through the pipeline: torch's schedules over this rank's stage modules.
+
+:class:`Pipeline` is what ``model.train_step`` / ``model.eval_step`` call under pipeline
+parallel. Per batch it splits the batch into microbatches (every rank of a pipeline holds the
+same batch: input ids on the first stage, the attention mask on every stage, the labels on the
+last), runs the schedule, sums the gradients of a weight tied across stages (the input
+embedding of the first stage and the head of the last: Megatron's embedding group), and hands
+every rank the batch's loss.
+
+The loss of a batch is the mean over all its label tokens, as in one process: the last stage
+returns, per microbatch, the sum of its token losses divided by the batch's label-token count
+(transformers' ``num_items_in_batch``), so the microbatch losses add up to the batch mean and
+no gradient rescaling is needed (``scale_grads=False``).
+
+torch's stages fix their activation shapes at their first batch; batches padded to other
+lengths get their own stages and schedule (kept for the last few shapes).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import HfScaleConfigError
+from ..plans.pp import PipelineLayout
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+_KEEP_SHAPES = 8
+
+
+class Pipeline:
+    """This rank's stages of one pipeline, and the schedule that runs them."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layout: PipelineLayout,
+        stages: list[int],
+        stage_modules: list[nn.Module],
+        pp_group,
+        device: torch.device,
+        schedule: str,
+        microbatches: int | None,
+        tie_group,
+        ties: list[tuple[str, str]],
+    ) -> None:
+        self.model, self.layout, self.stages = model, layout, stages
+        self.stage_modules = stage_modules
+        self.pp_group, self.device = pp_group, device
+        self.schedule_name = schedule
+        self.microbatches = microbatches or layout.num_stages
+        self.tie_group, self.ties = tie_group, ties
+        self._cache: OrderedDict = OrderedDict()
+        self._losses: list[torch.Tensor] = []
+        self._scale = 1.0
+        self.holds_last = layout.num_stages - 1 in stages
+
+    # ------------------------------------------------------------------ public
+    def train_step(self, batch: dict, loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward over the microbatches; gradients of ``loss_scale`` x the batch
+        loss accumulate into ``.grad``. Returns the batch loss (the same on every rank)."""
+        return self._run(batch, loss_scale, train=True)
+
+    def eval_step(self, batch: dict) -> torch.Tensor:
+        """The batch loss, forward only (the same on every rank)."""
+        with torch.no_grad():
+            return self._run(batch, 1.0, train=False)
+
+    # ------------------------------------------------------------------ internals
+    def _run(self, batch: dict, loss_scale: float, train: bool) -> torch.Tensor:
+        ids, mask, labels = self._check(batch)
+        count = int((labels[:, 1:] != -100).sum())
+        for module in self.stage_modules:
+            module.label_tokens = max(count, 1)
+        self._losses, self._scale = [], loss_scale
+        kwargs = {"labels": labels} if mask is None else {"attention_mask": mask, "labels": labels}
+        schedule = self._schedule(tuple(ids.shape), train)
+        if train:
+            schedule.step(ids, target=labels, return_outputs=False, **kwargs)
+            self._sum_tied_grads()
+        else:
+            schedule.eval(ids, target=labels, return_outputs=False, **kwargs)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        if self.holds_last:  # the first batch of a shape also runs torch's shape inference: skip it
+            loss += torch.stack([x.float() for x in self._losses[-self.microbatches:]]).sum()
+        dist.all_reduce(loss, group=self.pp_group)  # one rank holds the last stage
+        self._losses = []
+        return loss
+
+    def _check(self, batch: dict):
+        if not isinstance(batch, dict) or batch.get("input_ids") is None:
+            raise HfScaleConfigError("train_step/eval_step need a batch dict with 'input_ids' (and 'labels').")
+        if batch.get("labels") is None:
+            raise HfScaleConfigError(
+                "train_step/eval_step under pipeline parallel need 'labels' in the batch: the last "
+                "stage computes the loss. For causal LM training, labels = input_ids (pads -100)."
+            )
+        unknown = sorted(set(batch) - {"input_ids", "attention_mask", "labels"})
+        if unknown:
+            raise HfScaleConfigError(
+                f"batch keys {unknown} are not supported under pipeline parallel (the stages "
+                "receive input_ids, attention_mask and labels): drop them."
+            )
+        ids = batch["input_ids"].to(self.device)
+        size = ids.shape[0]
+        if size % self.microbatches:
+            raise HfScaleConfigError(
+                f"a batch of {size} sequences does not split into pp_microbatches="
+                f"{self.microbatches} equal microbatches: make the per-rank batch size a multiple "
+                f"of {self.microbatches}, or set pp_microbatches to a divisor of {size}."
+            )
+        mask = batch.get("attention_mask")
+        return ids, None if mask is None else mask.to(self.device), batch["labels"].to(self.device)
+
+    def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        self._losses.append(output.detach())
+        return output * self._scale
+
+    def _schedule(self, shape: tuple, train: bool):
+        key = (shape, train)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        from torch.distributed import pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        built = [
+            PipelineStage(module, stage, self.layout.num_stages, self.device, group=self.pp_group)
+            for stage, module in zip(self.stages, self.stage_modules)
+        ]
+        cls = getattr(pipelining.schedules, SCHEDULES[self.schedule_name])
+        single = len(built) == 1 and self.schedule_name in ("gpipe", "1f1b")
+        schedule = cls(built[0] if single else built, n_microbatches=self.microbatches,
+                       loss_fn=self._loss_fn, scale_grads=False)
+        self._cache[key] = schedule
+        if len(self._cache) > _KEEP_SHAPES:
+            self._cache.popitem(last=False)
+        return schedule
+
+    def _sum_tied_grads(self) -> None:
+        """A weight tied across stages (input embedding, head) gets the sum of both gradients
+        on both stages, so both copies take the same optimizer step."""
+        params = dict(self.model.named_parameters())
+        for target, source in self.ties:
+            held = [p for p in (params.get(target), params.get(source)) if p is not None]
+            if len(held) == 2 and held[0] is held[1]:
+                continue
+            grads = [_grad_like_param(p) for p in held]
+            if len(grads) == 2:  # both ends on this rank (a V schedule): add locally
+                grads[0].add_(grads[1])
+                grads[1].copy_(grads[0])
+            elif grads:
+                dist.all_reduce(grads[0], group=self.tie_group)
+
+
+def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient as a local tensor laid out as the parameter (a tensor-parallel
+    embedding's gradient may come back replicated, the head's sharded: one layout to sum)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    placements = getattr(param, "placements", None)
+    if placements is not None and grad.placements != placements:
+        grad = param.grad = grad.redistribute(param.device_mesh, placements)
+    return _local(grad)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+
+
+def tied_across_stages(layout: PipelineLayout, ties) -> list[tuple[str, str]]:
+    """The ties whose two ends run on different stages (the embedding and the head)."""
+    first = tuple(f"{n}." for n in layout.first)
+    last = tuple(f"{n}." for n in layout.last)
+    return [(t, s) for t, s in ties if (t.startswith(last) and s.startswith(first))
+            or (t.startswith(first) and s.startswith(last))]
+
+
+def tie_group(mesh, layout: PipelineLayout, pp: int):
+    """Process group joining, in each pipeline, the rank of the first stage and that of the last
+    (None when they are one rank: a V schedule). Every rank must call this."""
+    first_rank, last_rank = layout.stage_ranks[0], layout.stage_ranks[-1]
+    if first_rank == last_rank:
+        return None
+    if pp == 2:
+        return mesh["pp"].get_group()
+    ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
+    pairs = [[int(a), int(b)] for a, b in zip(ranks[first_rank].flatten(), ranks[last_rank].flatten())]
+    group, _ = dist.new_subgroups_by_enumeration(pairs)
+    return group

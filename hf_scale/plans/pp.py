@@ -1,0 +1,222 @@
+"""Pipeline stages from a model's ``pp_plan``: which modules each stage runs, and where to cut.
+
+The plan (transformers' ``base_model_pp_plan`` or our registry) names the base model's modules
+in forward order; the one that is a ``ModuleList`` is the block stack. Entries before it run on
+the first stage only (embeddings), entries after it on the last stage only (final norm), and the
+top model's own modules outside the base model (``lm_head``) on the last stage too. Modules the
+plan leaves out (rotary embeddings: buffers only) run on every stage.
+
+The default cut balances each stage's compute, counted as matmul parameters per token (forward
+and backward both scale with it): a block's parameters, the head's weight on the last stage
+(tied or not: it is a full vocabulary matmul), nothing for an embedding lookup. In small models
+the head is worth several blocks (SmolLM2-135M: 28M head parameters, 3.5M per block), so the
+last stage gets fewer blocks.
+
+Usage::
+
+    layout = pp_layout(model, plan, pp=2)
+    layout.stage_blocks        # ((0, ..., 18), (19, ..., 29)) for SmolLM2
+    layout.stages_of(pp_rank=1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..errors import HfScaleConfigError, HfScalePlanError
+from .base import ModelPlan
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a model is cut into pipeline stages, and which pp rank runs each stage."""
+
+    base: str  # attribute of the top model holding the base model ("model", "transformer")
+    blocks: str  # dotted path of the block ModuleList from the top model ("model.layers")
+    first: tuple[str, ...]  # dotted paths of first-stage-only modules ("model.embed_tokens")
+    last: tuple[str, ...]  # last-stage-only modules, the head included ("model.norm", "lm_head")
+    stage_blocks: tuple[tuple[int, ...], ...]
+    stage_ranks: tuple[int, ...]  # pp rank of each stage
+    costs: tuple[int, ...]  # relative compute per stage (matmul parameters per token)
+    params: tuple[int, ...]  # parameters each stage holds (a tied head counted on both ends)
+    head: str  # dotted path of the output head ("lm_head")
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_blocks)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pp rank ``pp_rank`` runs, in order."""
+        return [s for s, r in enumerate(self.stage_ranks) if r == pp_rank]
+
+    @property
+    def balance(self) -> float:
+        """Slowest / fastest stage by estimated compute (1.0 = perfectly balanced)."""
+        return max(self.costs) / max(min(self.costs), 1)
+
+
+def pp_layout(
+    model: nn.Module,
+    plan: ModelPlan,
+    pp: int,
+    stages_per_rank: int = 1,
+    v_shape: bool = False,
+    split_points: Sequence[int] | None = None,
+) -> PipelineLayout:
+    """Cut ``model`` into ``pp * stages_per_rank`` stages; raise a clear error when it cannot be.
+
+    ``v_shape`` places stages as a V (rank r runs stages r and 2p-1-r: the zbv schedule);
+    otherwise in a loop (stage s on rank s % pp). ``split_points`` are the first block of every
+    stage after the first; None balances the stages' compute.
+    """
+    _check_causal_lm(model)
+    base_name = getattr(model, "base_model_prefix", "")
+    base = getattr(model, base_name, None) if base_name else None
+    if not isinstance(base, nn.Module):
+        raise HfScalePlanError(
+            f"{type(model).__name__} has no base model attribute (base_model_prefix={base_name!r}): "
+            "pipeline parallel cuts the base model's block stack."
+        )
+    entries = list(plan.pp_plan) or _inferred_entries(base, plan)
+    modules = dict(base.named_modules())
+    missing = [e for e in entries if e not in modules]
+    if missing:
+        raise HfScalePlanError(
+            f"pp_plan of {type(model).__name__} names {missing}, which its base model does not have. "
+            "Fix the plan: parallelize(model, config, plan={'pp_plan': {...}}) or register_plan()."
+        )
+    lists = [i for i, e in enumerate(entries) if isinstance(modules[e], nn.ModuleList)]
+    if len(lists) != 1:
+        raise HfScalePlanError(
+            f"pp_plan of {type(model).__name__} must name exactly one block ModuleList; it names "
+            f"{[entries[i] for i in lists] or 'none'} among {entries}."
+        )
+    cut = lists[0]
+    blocks = modules[entries[cut]]
+    head_name, head = _head(model)
+    outside = [n for n, _ in model.named_children() if n != base_name]
+    first = tuple(f"{base_name}.{e}" for e in entries[:cut] if modules[e] is not None)
+    last = tuple(f"{base_name}.{e}" for e in entries[cut + 1 :]) + tuple(outside)
+
+    stages = pp * stages_per_rank
+    count = len(blocks)
+    if stages > count:
+        raise HfScaleConfigError(
+            f"pp={pp} x {stages_per_rank} stage(s) per rank = {stages} stages, but "
+            f"{type(model).__name__} has {count} blocks: a stage needs at least one. Lower pp or "
+            "pp_stages_per_rank."
+        )
+    block_cost = [_numel(b) for b in blocks]
+    first_cost = 0  # embedding lookups: no matmul
+    last_cost = sum(_numel(model.get_submodule(n)) for n in last if n != head_name) + _numel(head)
+    if split_points is None:
+        bounds = _balanced(block_cost, stages, first_cost, last_cost)
+    else:
+        bounds = _check_points(list(split_points), stages, count)
+    stage_blocks = tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]))
+    costs = [sum(block_cost[i] for i in idx) for idx in stage_blocks]
+    costs[0] += first_cost
+    costs[-1] += last_cost
+    held = [sum(block_cost[i] for i in idx) for idx in stage_blocks]
+    held[0] += sum(_numel(model.get_submodule(n)) for n in first)
+    held[-1] += sum(_numel(model.get_submodule(n)) for n in last)
+    if v_shape:
+        ranks = tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages))
+    else:
+        ranks = tuple(s % pp for s in range(stages))
+    return PipelineLayout(
+        base=base_name,
+        blocks=f"{base_name}.{entries[cut]}",
+        first=first,
+        last=last,
+        stage_blocks=stage_blocks,
+        stage_ranks=ranks,
+        costs=tuple(costs),
+        params=tuple(held),
+        head=head_name,
+    )
+
+
+def _check_causal_lm(model: nn.Module) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = {v for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() if isinstance(v, str)}
+    config = getattr(model, "config", None)
+    if type(model).__name__ not in names or getattr(config, "is_encoder_decoder", False):
+        raise HfScaleConfigError(
+            f"pipeline parallel supports causal language models (AutoModelForCausalLM) so far, not "
+            f"{type(model).__name__}: encoders, classifiers and encoder-decoders are not supported "
+            "yet. Use strategy='fsdp' (and tp) for this model, or pp=1."
+        )
+
+
+def _head(model: nn.Module) -> tuple[str, nn.Module]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    name = next((n for n, m in model.named_modules() if m is head), None)
+    if not isinstance(head, nn.Linear) or name is None:
+        raise HfScalePlanError(
+            f"{type(model).__name__} has no Linear output head (get_output_embeddings() gave "
+            f"{type(head).__name__}): the last pipeline stage computes the loss through it."
+        )
+    return name, head
+
+
+def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
+    """No declared plan: the base model's children in registration order, the block list
+    among them; parameter-free modules other than dropout run everywhere (left out)."""
+    wanted = set(plan.wrap_modules)
+    entries = []
+    for name, child in base.named_children():
+        if isinstance(child, nn.ModuleList) and child and type(child[0]).__name__ in wanted or isinstance(child, nn.Dropout) or _numel(child):
+            entries.append(name)
+    return entries
+
+
+def _numel(module: nn.Module | None) -> int:
+    return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def _balanced(cost: list[int], stages: int, first: int, last: int) -> list[int]:
+    """Stage bounds minimising the costliest stage (contiguous blocks, each stage non-empty)."""
+    n = len(cost)
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+
+    def span(a: int, b: int, s: int) -> int:
+        return prefix[b] - prefix[a] + (first if s == 0 else 0) + (last if s == stages - 1 else 0)
+
+    inf = float("inf")
+    # best[s][b]: the smallest max cost placing blocks [0, b) in stages 0..s; cut[s][b] its last cut.
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for b in range(1, n + 1):
+        best[0][b] = span(0, b, 0)
+    for s in range(1, stages):
+        for b in range(s + 1, n + 1):
+            for a in range(s, b):
+                value = max(best[s - 1][a], span(a, b, s))
+                if value < best[s][b]:
+                    best[s][b], cut[s][b] = value, a
+    bounds = [n]
+    for s in range(stages - 1, 0, -1):
+        bounds.append(cut[s][bounds[-1]])
+    return [0] + bounds[::-1]
+
+
+def _check_points(points: list[int], stages: int, count: int) -> list[int]:
+    if len(points) != stages - 1:
+        raise HfScaleConfigError(
+            f"pp_split_points={points} gives {len(points) + 1} stages, but pp x stages per rank = "
+            f"{stages}: give {stages - 1} split points (the first block of every stage after the first)."
+        )
+    bounds = [0, *points, count]
+    if any(not isinstance(p, int) for p in points) or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise HfScaleConfigError(
+            f"pp_split_points={points}: must be increasing block indices between 1 and {count - 1} "
+            f"(the model has {count} blocks), so every stage gets at least one block."
+        )
+    return bounds
