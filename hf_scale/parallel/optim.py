@@ -133,17 +133,53 @@ def clip_grad_norm_(
     """Clip gradients by their global norm across all ranks; return that norm (a plain tensor).
 
     Works when gradients are sharded ``DTensor`` s, plain tensors, or both, on one or several
-    meshes (e.g. FSDP blocks beside fp32 units or, later, tensor-parallel layers): each group
-    of gradients that share a mesh and layout is reduced by DTensor, then the groups' norms are
-    combined. Every rank gets the same norm and applies the same scale.
+    meshes (FSDP blocks beside fp32 units, tensor-parallel layers): each group of gradients
+    that share a mesh and layout is reduced by DTensor, then the groups' norms are combined.
+
+    Under pipeline parallel pass the model: each rank holds one stage's gradients, so the
+    stages' norms are combined over the pp group too (after the dp / tp reduction above), and
+    the tied head's copy (``plan.tied_weights`` target, e.g. ``lm_head.weight``, whose
+    gradient equals the embedding's after ``train_step``) is clipped but counted once, as one
+    process counts the one shared parameter. Every rank gets the same norm and applies the
+    same scale.
     """
+    parameters, counted, pp_group, device = _clip_targets(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = _local_norm([p.grad for p in counted if p.grad is not None], norm_type)
+    if pp_group is not None:
+        total = _combine_over(total, norm_type, pp_group, device)
+    elif not grads:
+        return torch.tensor(0.0)
+    scale = min(1.0, max_norm / (float(total) + 1e-6))
+    if scale < 1.0:
+        for g in grads:
+            g.mul_(scale)
+    return total
+
+
+def _clip_targets(parameters) -> tuple[list[torch.Tensor], list[torch.Tensor], object, torch.device | None]:
+    """(parameters to clip, those whose gradients the norm counts, the pp process group or
+    None, the device its collective uses)."""
+    if not isinstance(parameters, nn.Module):
+        params = list(parameters)
+        return params, params, None, None
+    model = parameters
+    state = get_state(model)
+    named = dict(model.named_parameters())
+    if state is None or getattr(state, "pp_degree", 1) <= 1:
+        return list(named.values()), list(named.values()), None, None
+    # a tie target held as its own Parameter (the head's copy on the last stage, or beside the
+    # embedding on one rank) repeats the source's gradient, which the holder of the source counts
+    every = dict(model.named_parameters(remove_duplicate=False))
+    copies = {id(every[t]) for t, s in state.plan.tied_weights if t in every and every[t] is not every.get(s)}
+    counted = [p for p in named.values() if id(p) not in copies]
+    return list(named.values()), counted, state.pp_mesh.get_group(), state.env.device
+
+
+def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of ``grads`` over the ranks that shard them (DTensor meshes), on the CPU."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(parameters, nn.Module):
-        parameters = parameters.parameters()
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
     groups: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:
         key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else (g.device,)
@@ -154,13 +190,23 @@ def clip_grad_norm_(
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         norms.append(norm.float().cpu())
+    if not norms:  # a rank with no gradients still joins the pp reduction
+        return torch.tensor(0.0)
     stacked = torch.stack(norms)
     if math.isinf(norm_type):
-        total = stacked.max()
-    else:
-        total = stacked.pow(norm_type).sum().pow(1.0 / norm_type)
-    scale = min(1.0, max_norm / (float(total) + 1e-6))
-    if scale < 1.0:
-        for g in grads:
-            g.mul_(scale)
-    return total
+        return stacked.max()
+    return stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _combine_over(norm: torch.Tensor, norm_type: float, group, device) -> torch.Tensor:
+    """The norm of the gradients of every rank of ``group`` (the pipeline stages), from each
+    rank's ``norm``: a sum of p-th powers (a max for the inf-norm)."""
+    import torch.distributed as dist
+
+    if math.isinf(norm_type):
+        value = norm.to(device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return value.cpu()
+    value = norm.double().pow(norm_type).to(device)
+    dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value.cpu().pow(1.0 / norm_type).float()
