@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..plans.tp import packed_parts
+from ..plans.tp import is_conv1d, packed_parts
 from . import tp_local
 
 
@@ -93,7 +93,7 @@ def _divide_attr(module: nn.Module, attr: str, tp: int) -> None:
 def _style(module: nn.Module, style: str):
     if style == "replicated_with_grad_allreduce":
         return _local_path(PerHeadReplicated(), "replicated")
-    conv1d = _is_conv1d(module)
+    conv1d = is_conv1d(module)
     parts = packed_parts(style)
     if parts:
         packed = PackedColwise(parts, conv1d=conv1d)
@@ -135,10 +135,6 @@ def _local_path(style, kind: str, gather: bool = False):
         style._prepare_output_fn = lambda mod, outputs, mesh: leave(mod, outputs, mesh)
     return style
 
-
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2): a Linear with the weight stored ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:

@@ -200,9 +200,14 @@ def shard_dim(module: nn.Module, param_name: str, style: str) -> int | None:
     rowwise = style in ("rowwise", "rowwise_split_input", "embedding_rowwise")
     if param_name == "bias":
         return None if rowwise or packed_parts(style) else 0
-    if isinstance(module, nn.Embedding) or type(module).__name__ == "Conv1D":  # Conv1D: [in, out]
+    if isinstance(module, nn.Embedding) or is_conv1d(module):  # Conv1D: [in, out]
         return 0 if rowwise else 1
     return 1 if rowwise else 0  # Linear: [out, in]
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2): a Linear with the weight stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
 
 
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
@@ -210,7 +215,7 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
         return
     weight = getattr(module, "weight", None)
     kind = type(module).__name__
-    if not (isinstance(module, (nn.Linear, nn.Embedding)) or (kind == "Conv1D" and hasattr(module, "nf"))):
+    if not (isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module)):
         raise HfScalePlanError(
             f"tp_plan shards {name} ({kind}); hf_scale's styles apply to Linear, Embedding and "
             "Conv1D modules. Name its Linear sub-modules instead."

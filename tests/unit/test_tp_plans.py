@@ -219,3 +219,16 @@ def test_a_plan_naming_parameters_as_moe_plans_do_says_how_to_drop_it():
     model = tiny_model("llama", "causal")
     with pytest.raises(HfScalePlanError, match=r"names a parameter of model\.layers\.0\.mlp\.up_proj.*None"):
         _layout("llama", "causal", model=model, tp_plan={"model.layers.*.mlp.up_proj.weight": "colwise"})
+
+
+def test_every_plan_style_has_an_engine_style():
+    """plans.tp lists the styles a plan may name; parallel.tp must build each one (the two
+    tables are kept apart: plans never import torch.distributed)."""
+    from torch import nn
+
+    from hf_scale.parallel.tp import _style
+    from hf_scale.plans.tp import _STYLES
+
+    for style in (*_STYLES, "packed_colwise:3"):
+        if style != "replicate":  # apply_tp leaves replicated modules alone
+            assert _style(nn.Linear(6, 6), style) is not None, style
