@@ -1,7 +1,7 @@
 """``hf-scale``: the command line.
 
     hf-scale finetune configs/quickstart.yaml [--section.field value ...] [--resume latest]
-    hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json
+    hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json; --tp N, --pp N
     hf-scale generate zoo:smollm2 --tp 3 --prompt "What is 12 + 30?" [--max-new-tokens 32 --dtype bf16]
     hf-scale export ckpt/latest out/
     hf-scale push out/ org/my-finetune [--private]
@@ -162,7 +162,7 @@ def _destroy_process_group() -> None:
 
 def plan(args: list[str]) -> int:
     """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
-    from .config import ParallelConfig, from_dict
+    from .config import PP_SCHEDULES, ParallelConfig, from_dict
     from .plan_report import format_report, plan_report
     from .train.config import ModelConfig, load_job
 
@@ -174,25 +174,35 @@ def plan(args: list[str]) -> int:
     parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel degree: show the tp layout (default: the recipe's parallel.tp, else 1)")
+    parser.add_argument("--pp", type=int, default=None,
+                        help="pipeline-parallel degree: show the stage split and the schedule's bubble "
+                             "(default: the recipe's parallel.pp, else 1)")
+    parser.add_argument("--pp-schedule", default=None,
+                        help=f"pipeline schedule, one of {', '.join(PP_SCHEDULES)} (default: the recipe's "
+                             "parallel.pp_schedule, else 1f1b)")
+    parser.add_argument("--pp-microbatches", type=int, default=None,
+                        help="microbatches per batch under pp (default: the recipe's, else the number of stages)")
     args, overrides = take_overrides(args)
     ns = parser.parse_strict(args)
+    flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("pp", ns.pp), ("pp_schedule", ns.pp_schedule),
+                                ("pp_microbatches", ns.pp_microbatches)) if v is not None}
     if ns.source.endswith((".yaml", ".yml")):
         job = load_job(ns.source, overrides)
         model_cfg, parallel, launch = job.model, job.parallel, job.launch
-        if ns.strategy or ns.tp:
-            parallel = from_dict(ParallelConfig, {**vars(parallel), "strategy": ns.strategy or parallel.strategy,
-                                                  "tp": ns.tp or parallel.tp})
+        if flags:
+            parallel = from_dict(ParallelConfig, {**vars(parallel), **flags})
         nnodes = ns.nnodes or launch.nnodes
         world = ns.world_size or launch.nproc_per_node * launch.nnodes
     else:
         if overrides:
             raise HfScaleConfigError(
-                f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a "
-                "recipe (.yaml): use --world-size, --nnodes, --task, --strategy, --tp, or plan a recipe."
+                f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a recipe (.yaml): use "
+                "--world-size, --nnodes, --task, --strategy, --tp, --pp, --pp-schedule, --pp-microbatches, or plan a "
+                "recipe."
             )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
-        parallel = ParallelConfig(strategy=ns.strategy or "fsdp", tp=ns.tp or 1)
-        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp
+        parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
+        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0

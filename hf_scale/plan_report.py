@@ -7,6 +7,9 @@ the given world size, so a recipe for 8 GPUs or 4 nodes can be checked on a lapt
 (:func:`hf_scale.plans.tp.tp_layout`): each module pattern's style with its count, the query and
 key/value heads per rank, and the parameters and bytes each tp rank holds (sharded ones / tp,
 plus the replicated ones); a plan that does not fit the degree fails with the engine's error.
+With ``parallel.pp > 1`` it adds the pipeline split the engine would make
+(:func:`hf_scale.plans.pp.pp_layout`): each stage's pp rank, blocks, parameters and share of
+the compute, and the schedule's bubble (:func:`bubble_fraction`).
 
 Usage::
 
@@ -50,10 +53,13 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     plan = resolve_plan(model)
     units = wrap_units(model, plan)
     params = sum(p.numel() for p in model.parameters())
-    dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp > 1 else None
+    dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp * parallel.pp > 1 else None
     tp = tp_report(model, plan, parallel.tp) if parallel.tp > 1 else None
+    pp = pp_report(model, plan, parallel) if parallel.pp > 1 else None
     per_tp_rank = tp["params_per_rank"] if tp else params
-    shards = dims.dp_shard * dims.pp if dims and parallel.sharded else 1
+    if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
+        per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
+    shards = dims.dp_shard if dims and parallel.sharded else 1
     return {
         "model_class": type(model).__name__,
         "model_type": plan.model_type,
@@ -67,6 +73,7 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
         "params_per_rank": per_tp_rank // shards,
         "train_state_gb_per_rank": per_tp_rank * BYTES_PER_PARAM_TRAINING / shards / 2**30,
         "tp": tp,
+        "pp": pp,
     }
 
 
@@ -135,6 +142,8 @@ def format_report(report: dict) -> str:
     ]
     if report.get("tp"):
         lines += _tp_lines(report["tp"], report["parameters"])
+    if report.get("pp"):
+        lines += _pp_lines(report["pp"])
     return "\n".join(lines)
 
 
@@ -150,6 +159,75 @@ def _tp_lines(tp: dict, parameters: int) -> list[str]:
     style_width = max(len(style) for _, style, _ in tp["styles"])
     for pattern, style, count in tp["styles"]:
         lines.append(f"  {pattern:{width}}  {style:{style_width}}  x{count}".rstrip())
+    return lines
+
+
+def pp_report(model, plan, parallel: ParallelConfig) -> dict:
+    """The pipeline split of ``model`` for ``parallel`` (pp, schedule, stages per rank, split
+    points, microbatches) as the engine would cut it, with the schedule's bubble."""
+    from .plans.pp import pp_layout
+
+    layout = pp_layout(model, plan, parallel.pp, parallel.stages_per_rank,
+                       v_shape=parallel.pp_schedule == "zbv", split_points=parallel.pp_split_points)
+    microbatches = parallel.pp_microbatches or layout.num_stages
+    total = sum(layout.costs)
+    stages = [{"stage": s, "rank": layout.stage_ranks[s], "blocks": blocks, "params": layout.params[s],
+               "compute": layout.costs[s] / total} for s, blocks in enumerate(layout.stage_blocks)]
+    rank_params = [sum(layout.params[s] for s in layout.stages_of(r)) for r in range(parallel.pp)]
+    fraction, formula = bubble_fraction(parallel.pp_schedule, parallel.pp, parallel.stages_per_rank, microbatches)
+    return {"degree": parallel.pp, "schedule": parallel.pp_schedule, "stages_per_rank": parallel.stages_per_rank,
+            "microbatches": microbatches, "stages": stages, "rank_params": rank_params,
+            "balance": layout.balance, "bubble": fraction, "bubble_formula": formula}
+
+
+def bubble_fraction(schedule: str, p: int, v: int, m: int) -> tuple[float, str]:
+    """The share of a step that a pipeline rank idles, ideally, and the formula used.
+
+    ``p`` pp ranks, ``v`` stages per rank, ``m`` microbatches, every stage equally fast:
+
+    - gpipe and 1f1b: ``(p-1)/(m+p-1)`` (GPipe, Huang et al. 2019; 1F1B has GPipe's bubble and
+      less activation memory, Narayanan et al. 2021).
+    - interleaved_1f1b: ``(p-1)/(v*m+p-1)``: the bubble over ideal time is ``(p-1)/(v*m)``
+      (Narayanan et al. 2021, arXiv 2104.04473, section 2.2).
+    - zero_bubble (torch's ``ScheduleInterleavedZeroBubble``, the paper's ZB-1P): ZB-H1's
+      bubble ``(p-1)(T_F+T_B-T_W)`` (Qi et al. 2024, arXiv 2401.10241, section 2), a third of
+      1F1B's when forward, input-backward and weight-backward take equally long (bubble rate
+      ``(p-1)/(3m)``), with each of the ``v`` stages of a rank ``1/v`` of its work:
+      ``(p-1)/(3*v*m+p-1)``.
+    - zbv: 0, the ZB-V schedule's bubble when those three times are equal (same paper,
+      section 6; torch's ``ScheduleZBVZeroBubble`` docstring says so too). Real models have
+      unequal times, so measured steps keep some bubble.
+
+    ``scripts/pipeline_ideal.py`` (the benchmark's arithmetic) gives the same fractions with equal
+    stages and passes, from its formulas and by replaying torch's own action order of each
+    schedule (zbv's replay excepted: torch's ZB-V order idles 1/7 of a step at p=2, m=2 and the
+    zero_bubble fraction from m=4).
+    """
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1), "(p-1)/(v*m+p-1)"
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m + p - 1), "(p-1)/(3*v*m+p-1), ZB-1P with F = B = W (arXiv 2401.10241)"
+    if schedule == "zbv":
+        return 0.0, "0 when F = B = W (ZB-V, arXiv 2401.10241 section 6; torch's order idles some at few microbatches)"
+    raise ValueError(f"unknown pipeline schedule {schedule!r}")
+
+
+def _pp_lines(pp: dict) -> list[str]:
+    p, v, m = pp["degree"], pp["stages_per_rank"], pp["microbatches"]
+    lines = [
+        (f"pipeline parallel over {p} ranks: {len(pp['stages'])} stages ({v} per rank), schedule {pp['schedule']}, "
+         f"{m} microbatches per batch; balance (slowest / fastest stage compute) {pp['balance']:.2f}"),
+        f"  {'stage':5}  {'rank':4}  {'blocks':16}  {'parameters':>10}  {'compute':>7}",
+    ]
+    for st in pp["stages"]:
+        blocks = st["blocks"]
+        span = f"{blocks[0]}-{blocks[-1]} ({len(blocks)})" if len(blocks) > 1 else f"{blocks[0]} (1)"
+        lines.append(f"  {st['stage']:<5}  {st['rank']:<4}  {span:16}  {st['params'] / 1e6:>9,.2f}M  "
+                     f"{st['compute']:>7.1%}")
+    shrink = "; more microbatches (pp_microbatches) shrink it" if pp["bubble"] else ""
+    lines.append(f"  bubble: {pp['bubble']:.1%} of a step idle (p={p}, v={v}, m={m}: {pp['bubble_formula']}){shrink}")
     return lines
 
 

@@ -13,7 +13,7 @@ def test_bad_lr_and_unknown_flag_exit_2_in_one_line(tmp_path):
         (("finetune", "configs/quickstart.yaml", "--train.lr", "-1"),
          "hf-scale finetune: error: train.lr=-1.0: the learning rate must be > 0, e.g. 2e-5."),
         (("plan", str(tmp_path), "--bogus", "3", "--gpus", "8"),
-         "hf-scale plan: error: unknown flag --bogus: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp."),
+         "hf-scale plan: error: unknown flag --bogus: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp, --pp, --pp-schedule, --pp-microbatches."),
         (("plan", "not-a-model-id-xyz"), "hf-scale plan: error: cannot find model 'not-a-model-id-xyz'"),
     ]:
         result = run_cli(*args, check=False, timeout=120)
