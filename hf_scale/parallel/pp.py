@@ -175,10 +175,9 @@ def _replace(root: nn.Module, dotted: str, new: nn.Module, copied: set[int] | No
     node = root
     for part in parents:
         child = node._modules[part]
-        if copied is not None:
-            if id(child) not in copied:
-                child = _shallow(child)
-                copied.add(id(child))
-                node._modules[part] = child
+        if copied is not None and id(child) not in copied:
+            child = _shallow(child)
+            copied.add(id(child))
+            node._modules[part] = child
         node = child
     node._modules[leaf] = new

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 from torch import nn
 
@@ -116,7 +117,7 @@ def pp_layout(
         bounds = _balanced(block_cost, stages, first_cost, last_cost)
     else:
         bounds = _check_points(list(split_points), stages, count)
-    stage_blocks = tuple(tuple(range(a, b)) for a, b in zip(bounds, bounds[1:]))
+    stage_blocks = tuple(tuple(range(a, b)) for a, b in pairwise(bounds))
     costs = [sum(block_cost[i] for i in idx) for idx in stage_blocks]
     costs[0] += first_cost
     costs[-1] += last_cost
@@ -214,7 +215,7 @@ def _check_points(points: list[int], stages: int, count: int) -> list[int]:
             f"{stages}: give {stages - 1} split points (the first block of every stage after the first)."
         )
     bounds = [0, *points, count]
-    if any(not isinstance(p, int) for p in points) or any(a >= b for a, b in zip(bounds, bounds[1:])):
+    if any(not isinstance(p, int) for p in points) or any(a >= b for a, b in pairwise(bounds)):
         raise HfScaleConfigError(
             f"pp_split_points={points}: must be increasing block indices between 1 and {count - 1} "
             f"(the model has {count} blocks), so every stage gets at least one block."
