@@ -78,6 +78,9 @@ class Pipeline:
     # ------------------------------------------------------------------ internals
     def _run(self, batch: dict, loss_scale: float, train: bool) -> torch.Tensor:
         ids, mask, labels = self._check(batch)
+        for module in self.stage_modules:  # the views copy a few modules: follow model.train()/eval()
+            if module.training != self.model.training:
+                module.train(self.model.training)
         count = int((labels[:, 1:] != -100).sum())
         for module in self.stage_modules:
             module.label_tokens = max(count, 1)
