@@ -285,6 +285,32 @@ class JobConfig:
             raise HfScaleConfigError(
                 "hub.push: true needs checkpoint.save_final: true (the final model is what is pushed)."
             )
+        self._check_microbatches()
+        if self.parallel.pp > 1 and self.parallel.mixed_precision == "fp16":
+            # each stage would see only its own overflows: one stage skipping the step while
+            # another takes it splits the model
+            raise HfScaleConfigError(
+                f"parallel.mixed_precision='fp16' with parallel.pp={self.parallel.pp}: the fine-tuning loop's fp16 "
+                "loss scaler does not agree on overflows across pipeline stages yet; use mixed_precision: bf16 "
+                "(no loss scaling needed), or pp: 1."
+            )
+
+    def _check_microbatches(self) -> None:
+        """Under pp each batch is cut into ``pp_microbatches`` equal microbatches: say so
+        before any model is loaded, not at the first step."""
+        parallel = self.parallel
+        if parallel.pp == 1:
+            return
+        m = parallel.pp_microbatches or parallel.pp * parallel.stages_per_rank
+        for name in ("batch_size", "eval_batch_size"):
+            size = getattr(self.train, name)
+            if size % m:
+                default = "" if parallel.pp_microbatches else f" (by default pp x stages per rank = {m})"
+                raise HfScaleConfigError(
+                    f"train.{name}={size} does not split into parallel.pp_microbatches={m}{default} "
+                    f"equal microbatches: make it a multiple of {m}, or set parallel.pp_microbatches to a "
+                    f"divisor of it."
+                )
 
     @property
     def checkpoint_dir(self) -> Path:

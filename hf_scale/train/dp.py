@@ -47,3 +47,14 @@ class DataParallel:
         if self.degree > 1:
             dist.all_reduce(tensor, op=op, group=self.group)
         return tensor
+
+
+def pipeline_degree(model) -> int:
+    """How many pipeline ranks split this model (1 without pipeline parallel).
+
+    Under pipeline parallel a rank holds some stages only: it trains and evaluates through
+    ``model.train_step`` / ``model.eval_step`` (losses), and cannot produce logits or generate
+    alone, so evaluation skips the metrics that need them and sample generations are skipped.
+    """
+    state = get_state(model)
+    return 1 if state is None else int(getattr(state, "pp_degree", 1) or 1)

@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel.step import eval_step
+from .dp import pipeline_degree
 from .loader import eval_batches
 
 
@@ -33,14 +35,20 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
     """Mean loss and exact match (causal LM) or accuracy (classification) over ``dataset``.
 
     ``rank`` / ``world`` are the data-parallel rank and degree and ``group`` their process
-    group (None: the default group, right when every rank sees different data).
+    group (None: the default group, right when every rank sees different data). Under pipeline
+    parallel no rank has the logits: the loss comes from ``hf_scale.eval_step`` and exact match
+    / accuracy are left out (the caller says so once).
     """
     was_training = model.training
     model.eval()
+    pipelined = pipeline_degree(model) > 1
     # loss sum, loss count (tokens or examples), correct examples, examples
     totals = torch.zeros(4, dtype=torch.float64)
     for batch, weight in eval_batches(dataset, batch_size, rank, world, collate):
         batch = {k: v.to(device) for k, v in batch.items()}
+        if pipelined:
+            totals += _pipeline_scores(model, batch, weight.to(device))
+            continue
         labels = batch.pop("labels")
         logits = model(**batch).logits.float()
         score = _causal_scores if task == "causal_lm" else _classification_scores
@@ -51,10 +59,20 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
     loss_sum, count, correct, examples = totals.tolist()
     metric = "eval_exact_match" if task == "causal_lm" else "eval_accuracy"
     out = {"eval_loss": loss_sum / max(count, 1.0)}
-    if task != "causal_lm" or exact_match:
+    if not pipelined and (task != "causal_lm" or exact_match):
         out[metric] = correct / max(examples, 1.0)
     out["eval_examples"] = int(examples)
     return out
+
+
+def _pipeline_scores(model: nn.Module, batch: dict, weight: torch.Tensor) -> torch.Tensor:
+    """(loss sum, label tokens, 0, examples) of a causal-LM batch from ``eval_step``'s mean
+    loss: examples weighted 0 (the copies that even out the ranks) lose their labels first.
+    Every rank of the pipeline runs the step, even on a batch with no label left."""
+    labels = batch["labels"].masked_fill(weight[:, None] == 0, -100)
+    tokens = float((labels[:, 1:] != -100).sum())
+    loss = float(eval_step(model, {**batch, "labels": labels}))
+    return torch.tensor([loss * tokens if tokens else 0.0, tokens, 0.0, float(weight.sum())], dtype=torch.float64)
 
 
 def _causal_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,11 @@ from ..checkpoint import load_state, save_pretrained, save_state
 from ..distributed import init_distributed
 from ..log import log_rank0
 from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
+from ..parallel.step import train_step
 from ..ranks import rank_world
 from .config import JobConfig
 from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
-from .dp import DataParallel
+from .dp import DataParallel, pipeline_degree
 from .evaluate import evaluate
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
@@ -119,10 +120,13 @@ def _datasets(job: JobConfig, tokenizer):
 def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: DataParallel) -> dict:
     """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
 
-    FSDP / DDP average gradients over the ``dp.degree`` data-parallel ranks (the ranks of a
-    tensor-parallel group hold slices of one gradient and are not averaged), so each rank's
-    loss is its micro-batch's share of the global label tokens times ``dp.degree``. Label and
-    token counts are summed over ``dp.group``: a tp group's ranks hold the same batch.
+    Each micro-batch goes through ``hf_scale.train_step`` (forward + backward; under pipeline
+    parallel over the schedule's microbatches), one code path for every strategy. FSDP / DDP
+    average gradients over the ``dp.degree`` data-parallel ranks (the ranks of a tensor-parallel
+    group or of one pipeline hold parts of one gradient and are not averaged), so each rank's
+    loss is scaled by its micro-batch's share of the global label tokens times ``dp.degree``,
+    times fp16's loss scale when the GradScaler is on. Label and token counts are summed over
+    ``dp.group``: the tp and pp ranks of one replica hold the same batch.
     """
     started = time.perf_counter()
     waited = 0.0
@@ -136,13 +140,15 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
     counts[-1] = sum(float(b["attention_mask"].sum()) for b in micro)
     dp.all_reduce(counts)
     label_total, tokens = float(counts[:-1].sum()), int(counts[-1])
+    # fp16's current loss scale (1.0 when the scaler is off); scaling a one also starts the scaler
+    amp_scale = float(scaler.scale(torch.ones((), device=device)))
     loss_sum = torch.zeros((), dtype=torch.float64)
     for i, batch in enumerate(micro):
         share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
         with no_sync(model, enabled=i < len(micro) - 1):
-            loss = model(**batch).loss * (share * dp.degree)  # gradients are averaged over dp ranks
-            scaler.scale(loss).backward()
-        loss_sum += _local(loss.detach()).double().cpu() / dp.degree
+            # gradients are averaged over dp ranks: each rank's share counts dp.degree times
+            loss = train_step(model, batch, loss_scale=share * dp.degree * amp_scale)
+        loss_sum += float(_local(loss)) * share  # the micro-batch's mean loss, unscaled
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, job.train.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
@@ -152,7 +158,7 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
     # the slowest rank's data wait and the largest peak memory are what limit the job
     worst = torch.tensor([waited / elapsed, peak_memory_gb(device)], dtype=torch.float64)
     dp.all_reduce(loss_sum)
-    if rank_world()[1] > 1:  # over every rank, tp ranks included
+    if rank_world()[1] > 1:  # over every rank, tp and pp ranks included
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
             "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens}
@@ -172,12 +178,19 @@ def _loss_items(batch: dict, task: str) -> float:
 
 
 def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics):
+    exact_match = job.train.exact_match and not job.data.text_column
+    pp = pipeline_degree(model)
+    if eval_ds is not None and pp > 1 and (exact_match or job.model.task != "causal_lm"):
+        log_rank0(f"evaluation under pipeline parallel (pp={pp}) reports the loss only: exact match and accuracy "
+                  "need the whole model's logits, which no stage has alone")
+        exact_match = False
+
     def evaluate_at(step: int):
         if eval_ds is None:
             return None
         scores = evaluate(model, eval_ds, collate, task=job.model.task, batch_size=job.train.eval_batch_size,
                           rank=dp.rank, world=dp.degree, group=dp.group, device=device,
-                          exact_match=job.train.exact_match and not job.data.text_column)
+                          exact_match=exact_match)
         metrics.event(step, scores)
         return scores
 

@@ -2,7 +2,8 @@
 
 The trained model answers a few held-out prompts greedily on every rank together (a sharded or
 tensor-parallel model needs all ranks in each forward; identical inputs give identical tokens,
-which is checked across ranks). Then rank 0 reloads the saved folder with
+which is checked across ranks); under pipeline parallel no stage can generate alone, so that
+part is skipped, with a line saying so. Then rank 0 reloads the saved folder with
 ``AutoModelForCausalLM.from_pretrained`` (no hf_scale involved) and answers the same prompts:
 the proof that the export is a plain transformers checkpoint of the model that was trained.
 Both are printed beside the expected answers.
@@ -20,6 +21,7 @@ from ..state import get_state
 from ..ranks import gather, run_together
 from ..zoo import HUB_IDS
 from .config import JobConfig
+from .dp import pipeline_degree
 from .metrics import LOSS_CURVE
 
 SUMMARY_FILE = "summary.json"
@@ -36,7 +38,15 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
     prompts = []
     if job.train.sample_generations and eval_ds is not None and job.model.task == "causal_lm":
         prompts = held_out_prompts(eval_ds, tokenizer, job.train.sample_generations)
-    live = greedy_answers(model, prompts, tokenizer.pad_token_id) if model is not None and prompts else None
+    live = None
+    if model is not None and prompts:
+        pp = pipeline_degree(model)
+        if pp > 1:
+            then = "; the saved export's answers follow" if model_dir is not None else ""
+            log_rank0(f"sample generations of the trained model skipped: under pipeline parallel (pp={pp}) no "
+                      f"stage can generate alone{then}")
+        else:
+            live = greedy_answers(model, prompts, tokenizer.pad_token_id)
     same_on_ranks = live is None or all(x == live for x in gather([live]))
 
     def on_rank0() -> None:

@@ -1,0 +1,66 @@
+"""The fine-tuning application under pipeline parallel, without processes.
+
+A one-process tiny model carrying a fake parallel state with ``pp_degree=2`` (and no pipeline,
+so ``eval_step`` is the plain loss) takes evaluation's pipeline path: its loss must equal the
+logits path's on the same data, padded rounds included, and exact match is left out. Recipes
+that cannot run under pp fail when loaded, before any model is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from datasets import Dataset
+
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.state import STATE_ATTR
+from hf_scale.train.config import DataConfig, load_job
+from hf_scale.train.data import tokenize_causal_lm
+from hf_scale.train.dp import pipeline_degree
+from hf_scale.train.evaluate import evaluate
+from hf_scale.train.loader import PadCollator
+from tests.tiny_models import CAUSAL, tiny_model, tiny_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_evaluation_on_the_pipeline_path_gives_the_logits_paths_loss():
+    tok = tiny_tokenizer()
+    pairs = [{"prompt": f"{i} plus {i}", "response": f"{2 * i}"} for i in range(7)]
+    rows = tokenize_causal_lm(Dataset.from_list(pairs), tok, DataConfig(), 32)
+    model = tiny_model("llama", CAUSAL)
+    collate = PadCollator(0)
+    # 7 examples in batches of 2: the last batch is padded with a copy weighted 0, whose tokens
+    # must not count
+    plain = evaluate(model, rows, collate, task="causal_lm", batch_size=2, rank=0, world=1, device="cpu")
+    setattr(model, STATE_ATTR, SimpleNamespace(pp_degree=2, pipeline=None))
+    assert pipeline_degree(model) == 2
+    piped = evaluate(model, rows, collate, task="causal_lm", batch_size=2, rank=0, world=1, device="cpu")
+    assert "eval_exact_match" in plain and set(piped) == {"eval_loss", "eval_examples"}
+    assert piped["eval_examples"] == plain["eval_examples"] == 7
+    assert piped["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--parallel.mixed_precision", "fp16"],
+         "parallel.mixed_precision='fp16' with parallel.pp=2: the fine-tuning loop's fp16 loss scaler"),
+        (["--train.eval_batch_size", "50"],
+         "train.eval_batch_size=50 does not split into parallel.pp_microbatches=4 equal microbatches"),
+        (["--parallel.pp_microbatches", "null", "--parallel.pp_schedule", "interleaved_1f1b", "--train.batch_size", "6"],
+         "train.batch_size=6 does not split into parallel.pp_microbatches=4 (by default pp x stages per rank = 4)"),
+    ],
+)
+def test_recipes_that_cannot_run_under_pp_fail_when_loaded(overrides, message):
+    with pytest.raises(HfScaleConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_job(CONFIGS / "quickstart-pp2.yaml", overrides)
+
+
+def test_the_quickstarts_run_under_pp():
+    job = load_job(CONFIGS / "quickstart-pp2.yaml")
+    assert (job.parallel.pp, job.parallel.pp_microbatches, job.launch.nproc_per_node) == (2, 4, 2)
+    job = load_job(CONFIGS / "quickstart.yaml", ["--parallel.pp", "2"])  # the README's command line
+    assert job.parallel.pp == 2 and job.train.batch_size % 2 == job.train.eval_batch_size % 2 == 0
