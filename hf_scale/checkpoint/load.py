@@ -28,6 +28,7 @@ from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
 from .safetensors_io import checkpoint_names, reshard_all
+from .stages import tie_aliases
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
@@ -79,7 +80,8 @@ def from_pretrained(
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = weight_map_of(folder)
     parallel = as_parallel_config(parallel)
-    sharded = parallel.sharded or parallel.tp > 1  # parameters split: parallelize on meta, read slices
+    # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
+    sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
     if sharded:
         model = parallelize(model, parallel, plan=plan)
         device = torch.device("cpu") if parallel.cpu_offload else get_state(model).env.device
@@ -275,13 +277,16 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
 
     state = model.state_dict(keep_vars=True)
     tied = {target for target, _ in find_tied_parameters(model)}
-    if all(key in weight_map or key in tied for key in state):
+    aliases = tie_aliases(model)  # under pp, a head on another rank than its embedding: read the source
+    if all(key in weight_map or key in tied or key in aliases for key in state):
         names = {key: key for key in state}  # the checkpoint uses the module names
     else:  # transformers' renames between module and checkpoint names (a second, slow)
         names = checkpoint_names(model, dict(state))
     headers: dict[Path, tuple[int, dict]] = {}
     for key, target in state.items():
         name = names[key]
+        if name not in weight_map and key not in tied and aliases.get(key) in weight_map:
+            name = aliases[key]  # a tie target held apart from its source (pipeline stages)
         if name not in weight_map:
             if key in tied:
                 continue

@@ -29,6 +29,7 @@ from ..ranks import rank_world, run_together
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, share_digests, staged_folder
 from .layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
+from .stages import global_specs, owners, pipelined, tie_aliases
 
 
 def save_pretrained(
@@ -80,9 +81,15 @@ class SavePlan:
 
 
 def plan_save(model: nn.Module, max_shard_size: int | str = "5GB") -> SavePlan:
+    """What to write, identical on every rank. Under pipeline parallel each rank holds only its
+    stages' tensors: their names, shapes and dtypes are all-gathered (one collective), and each
+    whole tensor is owned by one of the ranks holding it."""
     state = _checkpoint_state_dict(model)
-    files = plan_files([TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()], max_shard_size)
-    return SavePlan(state, files, _owners(state, rank_world()[1]))
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    if not pipelined(model):
+        return SavePlan(state, plan_files(specs, max_shard_size), _owners(state, rank_world()[1]))
+    specs, holders = global_specs(model, specs, {n for n, t in state.items() if _sharded(t)})
+    return SavePlan(state, plan_files(specs, max_shard_size), owners(specs, holders))
 
 
 def write_model_folder(model: nn.Module, folder: Path, plan: SavePlan, *, tokenizer=None, checksums=True) -> None:
@@ -104,7 +111,8 @@ def _create_files(folder: Path, files: list[ShardFile]) -> None:
 def reshard_all(model: nn.Module) -> None:
     """Put every FSDP unit back to its sharded parameters. After a forward without backward
     (evaluation) a unit may still hold gathered compute-dtype copies; the sharded fp32
-    parameters are the ones to save or load into."""
+    parameters are the ones to save or load into. (Under pipeline parallel the FSDP roots are
+    the stage wrappers, outside ``model``; the schedule leaves them resharded after each step.)"""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
@@ -118,6 +126,9 @@ def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     for target, _source in find_tied_parameters(model):
         state.pop(target, None)
+    if pipelined(model):  # the head is its own parameter on the last stage: the source is saved
+        for target in tie_aliases(model):
+            state.pop(target, None)
     names = checkpoint_names(model, state)
     return {names[k]: v for k, v in state.items()}
 
@@ -167,12 +178,17 @@ def _owners(state: dict[str, torch.Tensor], world: int) -> dict[str, int]:
     load = [0] * world
     owners = {}
     for name, t in sorted(state.items(), key=lambda kv: -kv[1].numel() * kv[1].element_size()):
-        if isinstance(t, DTensor) and any(isinstance(p, (Shard, _StridedShard)) for p in t.placements):
+        if _sharded(t):
             continue
         owner = min(range(world), key=load.__getitem__)
         owners[name] = owner
         load[owner] += t.numel() * t.element_size()
     return owners
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """A DTensor split over some mesh dim: its placements say which rank writes which bytes."""
+    return isinstance(t, DTensor) and any(isinstance(p, (Shard, _StridedShard)) for p in t.placements)
 
 
 def _create(path: Path, f: ShardFile) -> None:
@@ -200,6 +216,8 @@ def _write_my_bytes(path: Path, f: ShardFile, state, owners, rank: int) -> None:
     fd = os.open(path, os.O_WRONLY)
     try:
         for spec in f.tensors:
+            if spec.name not in state:  # another pipeline stage's tensor
+                continue
             block = _local_block(spec.name, state[spec.name], owners, rank)
             if block is None:
                 continue

@@ -39,6 +39,7 @@ from .dcp_boxes import checkpointable
 from .files import staged_folder
 from .load import load_owned_slices, weight_map_of
 from .safetensors_io import plan_save, write_model_folder
+from .stages import borrow_tied_state, pipelined, tie_aliases, union_param_groups
 
 LATEST = "latest"
 TRAINER_STATE = "trainer_state.json"
@@ -71,12 +72,13 @@ def save_state(
     final = root / f"step_{step:08d}"
     plan = plan_save(model)
     optim = optimizer_state(model, optimizer)
-    needed = plan.nbytes + _state_nbytes(optim, sharded_plain=_zero_local(optimizer) is not None)
+    layout = get_state(model)
+    stages = layout.pp_degree if layout else 1
+    needed = plan.nbytes + _state_nbytes(optim, sharded_plain=_zero_local(optimizer) is not None, stages=stages)
     with staged_folder(final, needed_bytes=needed) as partial:
         write_model_folder(model, partial / "model", plan)
         _dcp_save(checkpointable(optim)[0], partial / "optimizer")
         run_together(torch.save, _rank_state(dataloader), partial / f"rank_{rank}.pt")
-        layout = get_state(model)
         info = {
             "step": step,
             "world_size": world,
@@ -88,11 +90,13 @@ def save_state(
     return final
 
 
-def _state_nbytes(state: dict[str, Any], sharded_plain: bool) -> int:
+def _state_nbytes(state: dict[str, Any], sharded_plain: bool, stages: int = 1) -> int:
     """Bytes a checkpoint takes beside the model: the optimizer state's tensors (DTensors at
     their global size, stored once; plain tensors once, or summed over ranks when each rank
     holds its own, as zero1's), DCP's framing of each tensor a rank writes (about 2 KB each,
-    measured with torch 2.13) and its metadata, the per-rank and trainer state files."""
+    measured with torch 2.13) and its metadata, the per-rank and trainer state files. Under
+    pipeline parallel (``stages`` > 1) each pp rank's ranks hold other tensors: summed over
+    ranks, divided by the ranks that hold one stage's tensors."""
     global_bytes = plain = items = 0
     for values in state["state"].values():
         for t in values.values():
@@ -101,7 +105,10 @@ def _state_nbytes(state: dict[str, Any], sharded_plain: bool) -> int:
             elif isinstance(t, torch.Tensor):
                 plain += t.numel() * t.element_size()
             items += isinstance(t, torch.Tensor)
-    plain_all, items_all = (sum(x) for x in zip(*gather([(plain, items)])))
+    plain_all, items_all, global_all = (sum(x) for x in zip(*gather([(plain, items, global_bytes)])))
+    if stages > 1:
+        holders = rank_world()[1] // stages  # the ranks that hold one stage's tensors
+        global_bytes, plain = global_all // holders, plain_all // holders
     return global_bytes + (plain_all if sharded_plain else plain) + items_all * 2560 + 32768
 
 
@@ -137,10 +144,15 @@ def load_state(
     model_dir = folder / "model"
     load_owned_slices(model, model_dir, weight_map_of(model_dir))
     target = {"optimizer": optimizer_state(model, optimizer)}
+    restore_ties = lambda: None
+    if pipelined(model):  # a head saved as the embedding (one process): its state is the embedding's
+        saved = dcp.FileSystemReader(str(folder / "optimizer")).read_metadata().state_dict_metadata
+        restore_ties = borrow_tied_state(model, target["optimizer"], set(saved))
     boxed, copy_back = checkpointable(target)  # packed tp slices placed box by box
     try:
         dcp.load(boxed, checkpoint_id=str(folder / "optimizer"))
         copy_back()
+        restore_ties()
     except (Exception, CheckpointException) as e:  # DCP's exception is not an Exception
         reason = re.findall(r"(?:RuntimeError|KeyError|ValueError): (.*)", str(e)) or [str(e)]
         raise HfScaleCheckpointError(
@@ -206,7 +218,9 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
     zero = _zero_local(optimizer)
     if zero is None:
-        return get_optimizer_state_dict(model, optimizer)
+        state = get_optimizer_state_dict(model, optimizer)
+        # pipeline stages name different parameters; DCP saves one rank's group lists
+        return union_param_groups(state, set(tie_aliases(model))) if pipelined(model) else state
     _init_zero_state(zero)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: dict(s) for p, s in zero.state.items()}
