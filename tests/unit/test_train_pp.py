@@ -3,7 +3,8 @@
 A one-process tiny model carrying a fake parallel state with ``pp_degree=2`` (and no pipeline,
 so ``eval_step`` is the plain loss) takes evaluation's pipeline path: its loss must equal the
 logits path's on the same data, padded rounds included, and exact match is left out. Recipes
-that cannot run under pp fail when loaded, before any model is.
+that cannot run under pp fail when loaded, before any model is. The loop's one code path,
+``train_step(batch, loss_scale=...)``, carries fp16's loss scale.
 """
 
 from __future__ import annotations
@@ -64,3 +65,29 @@ def test_the_quickstarts_run_under_pp():
     assert (job.parallel.pp, job.parallel.pp_microbatches, job.launch.nproc_per_node) == (2, 4, 2)
     job = load_job(CONFIGS / "quickstart.yaml", ["--parallel.pp", "2"])  # the README's command line
     assert job.parallel.pp == 2 and job.train.batch_size % 2 == job.train.eval_batch_size % 2 == 0
+
+
+def test_the_fp16_loss_scale_goes_into_train_steps_loss_scale():
+    """With the GradScaler on, the step scales the loss by its scale through ``train_step`` and
+    unscales before clipping: the same norm and update as without it."""
+    import torch
+
+    from hf_scale.train.config import JobConfig, ModelConfig, TrainConfig
+    from hf_scale.train.dp import DataParallel
+    from hf_scale.train.loop import _train_step
+    from tests.tiny_models import tiny_batch
+
+    job = JobConfig(model=ModelConfig(task="causal_lm"), train=TrainConfig(max_grad_norm=None))
+    batch = tiny_batch(CAUSAL, 4)
+
+    def step(scaler):
+        model = tiny_model("llama", CAUSAL)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        values = _train_step(job, model, optimizer, scaler, iter([dict(batch)]), torch.device("cpu"), DataParallel())
+        return values, model.model.norm.weight.detach().clone()
+
+    (plain, plain_w), (scaled, scaled_w) = step(torch.amp.GradScaler("cpu", enabled=False)), step(
+        torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert scaled["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert scaled["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-5)
+    torch.testing.assert_close(scaled_w, plain_w)
