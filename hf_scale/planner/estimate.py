@@ -1,0 +1,229 @@
+"""Per-rank memory of one training step, from a model's config alone, for a given layout.
+
+What hf_scale really keeps (read from ``hf_scale/parallel``):
+
+- fsdp / hsdp / zero2 (FSDP2): sharded fp32 parameters (the master copy, also under mixed
+  precision: ``MixedPrecisionPolicy`` casts at all-gather time), fp32 sharded gradients
+  (``reduce_dtype`` fp32), AdamW's two fp32 moments on the shard. Communication buffers: the
+  gathered root unit (embeddings, head: never resharded after forward) in the compute dtype,
+  the largest block gathered twice (the current unit and the prefetched next one), and the
+  largest block's fp32 reduce-scatter input. zero2 keeps every block gathered between forward
+  and backward.
+- ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, plus
+  DDP's gradient buckets (``gradient_as_bucket_view`` off: a second copy of the gradients);
+  zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
+  the low-precision weight casts are saved for backward (``compute_copies``).
+- tp: each rank's parameters from :func:`hf_scale.plan_report.tp_report` (``tp_layout``); pp: the
+  busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
+- cpu_offload: parameters, gradients and optimizer state live in host memory (``host``).
+- activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
+  checkpointing none / selective (matmul outputs kept, one block recomputed at a time) / full
+  (block inputs kept, one block recomputed); a pipeline's in-flight microbatches (1F1B: p on
+  stage 0, p - r on rank r; gpipe: all m).
+- logits and loss: the saved log-softmax (fp32), the logits the forward returns, and the two
+  fp32 gradients alive at the start of backward; with ``loss_chunk_tokens`` only one chunk's.
+- overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from ..config import ParallelConfig
+from .profile import ModelFacts
+
+GiB = 2**30
+# RSS of one CPU process after `import torch, transformers, hf_scale` (llama modeling loaded) and a
+# gloo process group of 1, measured on this machine (torch 2.13 CPU, transformers 5.23): 338-339 MiB
+# in three runs. CUDA: the context and cuBLAS workspace, a usual ~0.5 GiB (not measured here).
+OVERHEAD = {"cpu": 339 * 2**20, "cuda": 512 * 2**20}
+DTYPE_BYTES = {None: 4, "bf16": 2, "fp16": 2}
+TORCH_DTYPES = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step processes on each data-parallel rank."""
+
+    seq: int  # tokens per sequence
+    batch: int  # sequences per data-parallel rank per optimizer step
+    attn: str = "sdpa"  # the attention implementation ("sdpa" or "eager")
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: the parallel degrees and the knobs the chooser varies."""
+
+    strategy: str = "fsdp"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ac: str | None = None
+    precision: str | None = None
+    cpu_offload: bool = False
+    micro_batch: int = 1  # sequences per forward (gradient accumulation = batch / micro_batch)
+    loss_chunk_tokens: int | None = None
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def parallel_config(self) -> ParallelConfig:
+        """The ``ParallelConfig`` that runs this layout (raises its own error when invalid)."""
+        extra = {}
+        if self.strategy in ("fsdp", "zero2", "hsdp"):
+            extra = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+        return ParallelConfig(
+            strategy=self.strategy, mixed_precision=self.precision, cpu_offload=self.cpu_offload,
+            activation_checkpointing=self.ac, tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
+            pp_microbatches=self.pp_microbatches, loss_chunk_tokens=self.loss_chunk_tokens, **extra)
+
+    def describe(self) -> str:
+        mesh = f"{self.dp_replicate}x{self.dp_shard}x{self.tp}x{self.pp}"
+        bits = [self.strategy, mesh, self.precision or "fp32", f"ac={self.ac or 'none'}",
+                f"mb={self.micro_batch}"]
+        if self.cpu_offload:
+            bits.append("offload")
+        if self.loss_chunk_tokens:
+            bits.append(f"chunk={self.loss_chunk_tokens}")
+        if self.pp > 1:
+            bits.append(self.pp_schedule)
+        return " ".join(bits)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on one rank, by what holds them. ``host`` is not device memory (offload)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    logits_loss: int
+    comm_buffers: int
+    compute_copies: int
+    overhead: int
+    host: int = 0
+
+    @property
+    def device_total(self) -> int:
+        """What the accelerator (or, on CPU, the process) must hold at the peak."""
+        return sum(getattr(self, f.name) for f in fields(self) if f.name != "host")
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"device_total": self.device_total}
+
+
+def rank_params(facts: ModelFacts, layout: Layout) -> int:
+    """Parameters one rank holds before data-parallel sharding (its tp shards, its pp stages)."""
+    from ..plan_report import pp_report, tp_report
+
+    params = facts.params
+    if layout.tp > 1:
+        params = tp_report(facts.model, facts.plan, layout.tp)["params_per_rank"]
+    if layout.pp > 1:
+        pp = pp_report(facts.model, facts.plan, _pp_config(layout))
+        params = params * max(pp["rank_params"]) // facts.params
+    return params
+
+
+def _pp_config(layout: Layout) -> ParallelConfig:
+    return ParallelConfig(strategy="fsdp", pp=layout.pp, pp_schedule=layout.pp_schedule,
+                          pp_microbatches=layout.pp_microbatches)
+
+
+def pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[int], int]:
+    """Blocks per pp rank, in-flight microbatches per pp rank, and the microbatch count."""
+    if layout.pp == 1:
+        return [facts.layers], [1], 1
+    from ..plans.pp import pp_layout
+
+    cfg = _pp_config(layout)
+    pl = pp_layout(facts.model, facts.plan, layout.pp, cfg.stages_per_rank, layout.pp_schedule == "zbv")
+    m = layout.pp_microbatches or pl.num_stages
+    blocks = [sum(len(pl.stage_blocks[s]) for s in pl.stages_of(r)) for r in range(layout.pp)]
+    if layout.pp_schedule == "gpipe":
+        inflight = [m] * layout.pp
+    else:  # 1F1B and its interleaved / zero-bubble relatives: warm-up depth p - r
+        inflight = [min(m, layout.pp - r) for r in range(layout.pp)]
+    return blocks, inflight, m
+
+
+def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> MemoryEstimate:
+    """Peak per-rank memory of one training step of ``work`` under ``layout``."""
+    d = DTYPE_BYTES[layout.precision]
+    params = rank_params(facts, layout)
+    frac = params / facts.params  # this rank's share of every part (tp and pp)
+    sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
+    n = layout.dp_shard if sharded else 1
+    replicated = layout.strategy in ("ddp", "zero1")
+    p_bytes, g_bytes = 4 * params // n, 4 * params // n
+    opt_bytes = 8 * params // (layout.dp if layout.strategy == "zero1" else n)
+    block = max(facts.block_params) * frac if layout.pp == 1 else max(facts.block_params) / layout.tp
+    root = facts.root_params * frac if layout.pp == 1 else facts.root_params / layout.tp
+    comm = compute = 0
+    if sharded and layout.dp_shard * layout.dp_replicate > 1:
+        gathered = params * d if layout.strategy == "zero2" else (root + 2 * block) * d
+        comm = int(gathered + 4 * block)
+    elif replicated and layout.dp > 1:
+        comm = 4 * params  # DDP's gradient buckets
+    if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward
+        compute = int(facts.matmul_params * frac * d)
+    acts, logits = activation_bytes(facts, layout, work)
+    host = 0
+    if layout.cpu_offload:
+        host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
+    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts,
+                          logits_loss=logits, comm_buffers=comm, compute_copies=compute,
+                          overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host)
+
+
+def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple[int, int]:
+    """(blocks' saved activations at the peak, logits + loss) for one rank."""
+    prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
+    t = layout.tp
+    if layout.pp > 1:
+        seqs = layout.micro_batch / (layout.pp_microbatches or pipeline_shape(facts, layout)[2])
+    else:
+        seqs = layout.micro_batch
+
+    def tp_split(total: int, residual: int) -> float:
+        return residual + (total - residual) / t
+
+    full_block = tp_split(prof.block_bytes, prof.block_residual)
+    if layout.ac is None:
+        kept = full_block
+        recompute = 0.0
+    elif layout.ac == "selective":
+        kept = prof.block_input + prof.block_kept / t
+        recompute = full_block - kept
+    else:
+        kept = prof.block_input
+        recompute = full_block
+    blocks, inflight, _ = pipeline_shape(facts, layout)
+    per_rank = [b * kept * f for b, f in zip(blocks, inflight)]
+    acts = int((max(per_rank) + recompute) * seqs)
+    vocab_tokens = work.seq * seqs * facts.vocab / t
+    d = DTYPE_BYTES[layout.precision]
+    if layout.loss_chunk_tokens:
+        chunk = min(layout.loss_chunk_tokens, work.seq * seqs) * facts.vocab / t
+        logits = chunk * (d + 12) + prof.outside * seqs
+    else:  # saved log-softmax + the returned logits + two fp32 gradients at backward's start
+        logits = prof.logits / t * seqs + vocab_tokens * (d + 8) + prof.outside * seqs
+    if layout.pp > 1 and layout.pp_schedule == "gpipe":
+        logits += prof.logits / t * seqs * (inflight[-1] - 1)
+    return acts, int(logits)
+
+
+def with_layout(layout: Layout, **changes) -> Layout:
+    return replace(layout, **changes)

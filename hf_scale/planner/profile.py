@@ -1,0 +1,239 @@
+"""What the planner knows of a model, from its config alone: the module tree on the meta device
+(parameter counts per block, root and head) and the tensors one forward saves for backward.
+
+Activations are not a formula here: the model's own forward runs on the meta device (shapes
+only, no memory, no FLOPs) under ``saved_tensors_hooks``, and every tensor autograd keeps is
+counted once (by storage), parameters left out. Each is tagged with where it was saved (inside
+block ``i`` or outside the blocks: embeddings, final norm, head and loss), whether a matmul or
+attention kernel produced it (what selective checkpointing keeps), and whether it is
+residual-width (``b*s*h`` or ``b*s`` elements: replicated under tensor parallel without sequence
+parallel) or not (heads, MLP width, vocabulary: split over tp). The meta device has no fused
+attention, so ``sdpa`` is measured with the flash-attention op that CPUs and GPUs run (it saves
+the output and one log-sum-exp per row, not the ``T x T`` scores); ``eager`` keeps the scores.
+
+Usage::
+
+    facts = model_facts(config)
+    facts.profile(seq=512, dtype=torch.bfloat16, attn="sdpa").block_bytes   # per sequence
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import HfScalePlanError
+from ..plan_report import meta_model
+from ..plans import resolve_plan, wrap_units
+
+_aten = torch.ops.aten
+# The outputs selective checkpointing keeps (hf_scale.parallel.activation._SAVE_OPS).
+_KEPT_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention"}
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Bytes saved for backward by one forward of ONE sequence of ``seq`` tokens.
+
+    ``block_*``: the largest block; split into what selective checkpointing keeps (matmul and
+    attention outputs) and the rest, and into residual-width (replicated under tp) and sharded.
+    ``logits``: vocabulary-wide tensors outside the blocks (the head's output and the loss's);
+    ``outside``: the rest outside the blocks (embedding output, final norm).
+    """
+
+    seq: int
+    block_bytes: int
+    block_kept: int  # matmul / attention outputs (kept under selective checkpointing)
+    block_residual: int  # b*s*h or b*s sized: the same on every tp rank
+    block_input: int  # one block's input (what full checkpointing keeps)
+    logits: int
+    outside: int
+
+
+@dataclass
+class ModelFacts:
+    """Parameter counts of a model's parts, and its activation profiles (cached per shape)."""
+
+    model: nn.Module = field(repr=False)
+    plan: object = field(repr=False)
+    params: int
+    block_params: list[int]
+    root_params: int  # outside every block: embeddings, final norm, head (FSDP's root unit)
+    head_params: int  # the output head's weight (a tied head counted here too: it is a matmul)
+    embedding_params: int
+    hidden: int
+    vocab: int
+    layers: int
+    _profiles: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token: every block's, and the head's."""
+        return sum(self.block_params) + self.head_params
+
+    def profile(self, seq: int, dtype: torch.dtype, attn: str) -> ActivationProfile:
+        key = (seq, dtype, attn)
+        if key not in self._profiles:
+            self._profiles[key] = measure_activations(self, seq, dtype, attn)
+        return self._profiles[key]
+
+
+def model_facts(source, task: str = "causal_lm") -> ModelFacts:
+    """Facts of a model given as a config (``PretrainedConfig``) or a model object."""
+    model = source if isinstance(source, nn.Module) else meta_model(source, task)
+    plan = resolve_plan(model)
+    units = wrap_units(model, plan)
+    if not units:
+        raise HfScalePlanError(
+            f"{type(model).__name__} has no repeated blocks (plan.wrap_modules finds none): the planner "
+            "estimates per block. Give plan={'wrap_modules': [...]} or register_plan()."
+        )
+    seen: set[int] = set()
+    blocks = []
+    for unit in units:
+        count = 0
+        for p in unit.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                count += p.numel()
+        blocks.append(count)
+    total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    config = model.config
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "d_model", None) or config.n_embd
+    return ModelFacts(
+        model=model, plan=plan, params=total, block_params=blocks, root_params=total - sum(blocks),
+        head_params=head.weight.numel() if head is not None else 0,
+        embedding_params=emb.weight.numel() if emb is not None else 0,
+        hidden=hidden, vocab=getattr(config, "vocab_size", 0) or 0, layers=len(units),
+    )
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Records the storages of the outputs of the ops selective checkpointing keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.__name__.split(".")[0] in _KEPT_OPS:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.kept.add(t.untyped_storage()._cdata)
+        return out
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel keeps for backward: q, k, v (key/value heads not repeated:
+    ``enable_gqa``), the output and one fp32 log-sum-exp per query row."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        _, k, v, _, _ = ctx.saved_tensors
+        return grad, k.new_zeros(k.shape), v.new_zeros(v.shape)
+
+
+def _flash_sdpa(original, kept: set[int]):
+    """``F.scaled_dot_product_attention`` as a fused kernel on meta tensors (the meta device
+    would decompose it into the math path and save the ``T x T`` scores no GPU or CPU keeps)."""
+
+    @functools.wraps(original)
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not q.is_meta or attn_mask is not None:
+            return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                            scale=scale, enable_gqa=enable_gqa)
+        out, lse = _FusedAttention.apply(q, k, v)
+        kept.update(t.untyped_storage()._cdata for t in (out, lse))  # selective checkpointing keeps them
+        return out
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def _attention(model: nn.Module, attn: str, kept: set[int]):
+    configs = [m.config for m in model.modules() if hasattr(m, "config")]
+    before = [c._attn_implementation for c in configs]
+    original = torch.nn.functional.scaled_dot_product_attention
+    try:
+        for c in configs:
+            c._attn_implementation = attn
+        if attn == "sdpa":
+            torch.nn.functional.scaled_dot_product_attention = _flash_sdpa(original, kept)
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+        for c, b in zip(configs, before):
+            c._attn_implementation = b
+
+
+def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: str) -> ActivationProfile:
+    """Run one training forward of one sequence on the meta device and count saved tensors."""
+    model = facts.model.to(dtype)
+    model.train()
+    units = wrap_units(model, facts.plan)
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    where: list = [None]
+    saved: dict[int, tuple] = {}
+    inputs: dict[int, int] = {}
+    hooks = []
+    for i, unit in enumerate(units):
+        def enter(mod, args, kwargs, i=i):
+            where[0] = i
+            x = args[0] if args else next(iter(kwargs.values()))
+            inputs[i] = x.numel() * x.element_size()
+
+        hooks.append(unit.register_forward_pre_hook(enter, with_kwargs=True))
+        hooks.append(unit.register_forward_hook(lambda mod, a, o: where.__setitem__(0, None)))
+
+    def pack(t):
+        key = t.untyped_storage()._cdata
+        if key not in params and key not in saved:
+            saved[key] = (where[0], t.untyped_storage().nbytes(), t.numel(), t.shape[-1] if t.dim() else 1)
+        return t
+
+    ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
+    mode = _KeptOutputs()
+    try:
+        with _attention(model, attn, mode.kept), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            model(input_ids=ids, labels=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    per_block: dict[int, list] = {}
+    logits = outside = 0
+    for key, (blk, nbytes, numel, last) in saved.items():
+        if blk is None:
+            if facts.vocab and last == facts.vocab:
+                logits += nbytes
+            else:
+                outside += nbytes
+        else:
+            per_block.setdefault(blk, []).append((key, nbytes, numel))
+    biggest = max(per_block, key=lambda b: sum(n for _, n, _ in per_block[b]))
+    rows = per_block[biggest]
+    return ActivationProfile(
+        seq=seq,
+        block_bytes=sum(n for _, n, _ in rows),
+        block_kept=sum(n for k, n, _ in rows if k in mode.kept),
+        block_residual=sum(n for _, n, numel in rows if numel in (seq * facts.hidden, seq)),
+        block_input=inputs[biggest],
+        logits=logits,
+        outside=outside,
+    )

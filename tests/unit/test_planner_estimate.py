@@ -1,0 +1,123 @@
+"""The planner's memory estimator: hand-checkable parameter bytes per strategy, the activation
+profile against a real CPU forward, and the published 16 bytes / parameter of mixed-precision AdamW."""
+
+import pytest
+import torch
+import transformers as tf
+
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.planner.estimate import Layout, Workload, estimate_memory
+from hf_scale.planner.profile import measure_activations, model_facts
+from hf_scale.planner.source import read_source
+from tests.tiny_models import CAUSAL, tiny_batch, tiny_config, tiny_model
+
+WORK = Workload(seq=16, batch=2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_facts(tiny_config("llama"))
+
+
+def test_tiny_parameter_counts(tiny):
+    model = tiny_model("llama", CAUSAL)
+    # tied embeddings: one tensor, counted once; 2 blocks; the root holds embedding + final norm
+    assert tiny.params == sum(p.numel() for p in model.parameters())
+    assert tiny.layers == 2 and sum(tiny.block_params) + tiny.root_params == tiny.params
+    assert tiny.head_params == tiny.embedding_params == 128 * 32
+
+
+@pytest.mark.parametrize("strategy, shard, params, grads, optimizer", [
+    ("ddp", 1, 4, 4, 8),  # replicated: fp32 weights, fp32 gradients, two fp32 AdamW moments
+    ("zero1", 1, 4, 4, 4),  # optimizer state over 2 ranks
+    ("fsdp", 2, 2, 2, 4),  # everything over 2 ranks
+    ("zero2", 2, 2, 2, 4),
+])
+def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimizer):
+    replicate = 2 if strategy in ("ddp", "zero1") else 1
+    mem = estimate_memory(tiny, Layout(strategy, replicate, shard), WORK)
+    n = tiny.params
+    assert (mem.params, mem.grads, mem.optimizer) == (params * n, grads * n, optimizer * n)
+    assert mem.comm_buffers == (4 * n if strategy in ("ddp", "zero1") else mem.comm_buffers)
+    assert mem.device_total == sum(v for k, v in mem.as_dict().items() if k not in ("host", "device_total"))
+
+
+def test_offload_moves_state_to_the_host(tiny):
+    on, off = (estimate_memory(tiny, Layout("fsdp", 1, 2, cpu_offload=c), WORK) for c in (True, False))
+    assert on.params == on.grads == on.optimizer == 0
+    assert on.host == off.params + off.grads + off.optimizer
+    assert on.device_total == off.device_total - on.host
+
+
+def test_zero2_keeps_the_gathered_model(tiny):
+    fsdp = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16"), WORK)
+    zero2 = estimate_memory(tiny, Layout("zero2", 1, 2, precision="bf16"), WORK)
+    assert zero2.comm_buffers - fsdp.comm_buffers == pytest.approx(
+        2 * tiny.params - 2 * (tiny.root_params + 2 * max(tiny.block_params)), abs=2)
+
+
+def test_activations_order(tiny):
+    get = lambda **kw: estimate_memory(tiny, Layout("fsdp", 1, 2, **kw), WORK)
+    none, sel, full = get(), get(ac="selective"), get(ac="full")
+    assert full.activations < sel.activations < none.activations
+    assert get(loss_chunk_tokens=4).logits_loss < none.logits_loss
+    eager = estimate_memory(tiny, Layout("fsdp", 1, 2), Workload(seq=16, batch=2, attn="eager"))
+    assert eager.activations > none.activations  # the T x T scores
+    assert get(micro_batch=2).activations == 2 * none.activations
+
+
+def _saved_bytes_real(model, batch) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_profile_matches_a_real_cpu_forward(attn):
+    """The meta forward's saved bytes (blocks + outside + logits) equal a real CPU forward's."""
+    config = tiny_config("llama")
+    config._attn_implementation = attn
+    model = tiny_model("llama", CAUSAL)
+    model.config._attn_implementation = attn
+    model.train()
+    batch = tiny_batch(CAUSAL, 1, seq=16)
+    batch.pop("attention_mask")  # no mask: the causal kernel path, as in packed training
+    real = _saved_bytes_real(model, batch)
+    facts = model_facts(config)
+    prof = measure_activations(facts, 16, torch.float32, attn)
+    predicted = facts.layers * prof.block_bytes + prof.logits + prof.outside
+    assert predicted == pytest.approx(real, rel=0.02), (predicted, real)
+
+
+def test_llama3_8b_sixteen_bytes_per_parameter_sharded_over_8():
+    """Mixed-precision AdamW: fp32 master (4) + fp32 gradient (4) + two fp32 moments (8) = 16 bytes
+    per parameter (ZeRO paper's K=12 + 4 for the gradient in fp32 kept by FSDP2), over 8 ranks."""
+    config = tf.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                            tie_word_embeddings=False)
+    facts = model_facts(config)
+    assert facts.params == 8_030_261_248  # Llama-3-8B
+    mem = estimate_memory(facts, Layout("fsdp", 1, 8, precision="bf16", ac="full"), Workload(seq=1024, batch=1))
+    assert mem.params + mem.grads + mem.optimizer == 16 * facts.params // 8
+    # FSDP's buffers: the root (embeddings + head, 1.05B) and two blocks (218M each) gathered in bf16,
+    # one block's fp32 reduce-scatter input
+    block = max(facts.block_params)
+    assert facts.root_params == 2 * 128256 * 4096 + 4096 and block == 218_112_000
+    assert mem.comm_buffers == (facts.root_params + 2 * block) * 2 + 4 * block
+
+
+def test_read_source_config_json(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    config, job = read_source(str(tmp_path / "config.json"))
+    assert config.model_type == "llama" and job is None
+    with pytest.raises(HfScaleConfigError, match="local Hugging Face cache"):
+        read_source("no-such-org/no-such-model-xyz")
