@@ -1,0 +1,218 @@
+"""Step time of a layout: compute at a throughput, communication over links, the pipeline bubble.
+
+- compute: ``6 x N + 12 x L x h x s`` FLOPs per token (N: matmul parameters, the head's
+  included; the attention term of Chinchilla / PaLM's MFU accounting), split over tp and the
+  pipeline stages, at the device's achieved FLOP/s for the compute dtype. Full checkpointing
+  adds one forward (``2N + 4Lhs``); selective adds ``SELECTIVE_RECOMPUTE`` of the compute (the
+  norms and activations it recomputes are memory-bound: an assumption, not measured).
+- communication per step, ring algorithms (bus bytes ``(n-1)/n`` per all-gather / reduce-scatter,
+  ``2(n-1)/n`` per all-reduce): fsdp all-gathers the parameters in the compute dtype in forward
+  and again in backward and reduce-scatters fp32 gradients; zero2 all-gathers once; hsdp adds
+  the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
+  gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
+  residual stream twice per block in forward and twice in backward; pp sends each microbatch's
+  activations and receives their gradients. Each collective pays a latency. The data-parallel
+  traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
+  competes with compute for the same cores); tp's is on the critical path.
+- optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
+  local parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
+  parameter / gradient copies over PCIe on a GPU.
+- pipeline bubble: :func:`hf_scale.plan_report.bubble_fraction` (the formulas P2 wrote there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .estimate import DTYPE_BYTES, Layout, Workload, pipeline_shape, rank_params
+from .profile import ModelFacts
+
+SELECTIVE_RECOMPUTE = 0.05
+DDP_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network between ranks: bus bandwidth per rank (bytes/s), latency per collective (s), and
+    the share of data-parallel traffic hidden behind compute."""
+
+    bandwidth: float
+    latency: float
+    overlap: float
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank's achieved FLOP/s per compute dtype, memory bandwidth, and its links."""
+
+    name: str
+    flops_fp32: float
+    flops_low: float  # bf16 / fp16
+    mem_bandwidth: float
+    intra: Link  # within a node (NVLink, shared memory)
+    inter: Link  # between nodes (InfiniBand)
+    host_bandwidth: float = 20e9  # PCIe (cpu offload copies) and the host's memory for the optimizer
+    cores: int = 0  # CPU only: ranks share these cores (flops were measured with ``threads``)
+    threads: int = 1
+
+    def flops(self, precision: str | None, world: int = 1) -> float:
+        """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores."""
+        rate = self.flops_low if precision else self.flops_fp32
+        if self.cores:
+            rate *= min(1.0, self.cores / world / self.threads)
+        return rate
+
+
+NVLINK = Link(bandwidth=200e9, latency=10e-6, overlap=0.9)  # H100 NVLink 4: 450 GB/s per direction peak
+INFINIBAND = Link(bandwidth=40e9, latency=20e-6, overlap=0.8)  # 8 x 400 Gb/s NDR per node, per GPU ~50 GB/s
+# H100 SXM: 989 TFLOP/s dense bf16 peak at ~45% MFU; TF32 for fp32 at the same rate's half.
+H100 = Device("h100-80gb", flops_fp32=200e12, flops_low=450e12, mem_bandwidth=3.0e12, intra=NVLINK,
+              inter=INFINIBAND)
+
+
+def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None) -> float:
+    """Training FLOPs per token (forward + backward), with checkpointing's recomputation."""
+    attention = 12 * facts.layers * facts.hidden * seq
+    base = 6 * facts.matmul_params + attention
+    if ac == "full":
+        return base + (2 * facts.matmul_params + attention / 3)
+    if ac == "selective":
+        return base * (1 + SELECTIVE_RECOMPUTE)
+    return base
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one optimizer step on the busiest rank, by part, and the throughput."""
+
+    compute: float
+    bubble: float
+    comm_dp: float  # exposed part of the data-parallel collectives
+    comm_tp: float
+    comm_pp: float
+    optimizer: float
+    offload: float
+    tokens_per_step: int  # over all data-parallel ranks
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.comm_dp + self.comm_tp + self.comm_pp + self.optimizer + self.offload
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_step / self.total
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"total": self.total, "tokens_per_second": self.tokens_per_second}
+
+
+def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device, nodes: int = 1) -> StepCost:
+    """The estimated step time of ``work`` under ``layout`` on ``device`` ranks."""
+    from ..plan_report import bubble_fraction
+
+    d = DTYPE_BYTES[layout.precision]
+    micro = max(1, work.batch // layout.micro_batch)  # micro-batches (gradient accumulation)
+    tokens = work.batch * work.seq  # per data-parallel rank
+    share = _stage_share(facts, layout)
+    compute = tokens * flops_per_token(facts, work.seq, layout.ac) * share / layout.tp / device.flops(layout.precision, layout.world_size)
+    bubble = 0.0
+    if layout.pp > 1:
+        m = pipeline_shape(facts, layout)[2]
+        fraction, _ = bubble_fraction(layout.pp_schedule, layout.pp, _stages_per_rank(layout), m)
+        bubble = compute * fraction / (1 - fraction)
+    params = rank_params(facts, layout)
+    per_node = max(1, layout.world_size // nodes)
+    within = nodes == 1 or (layout.strategy == "hsdp" and layout.dp_shard * layout.tp <= per_node)
+    dp_link = device.intra if within else device.inter
+    comm_dp = _dp_seconds(layout, params, d, micro, facts.layers, dp_link, device)
+    comm_dp *= 1 - dp_link.overlap
+    comm_tp = 0.0
+    if layout.tp > 1:
+        size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
+        blocks = pipeline_shape(facts, layout)[0][0]
+        per_pass = 6 if layout.ac == "full" else 4
+        calls = per_pass * blocks * micro
+        comm_tp = per_pass * blocks * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \
+            + calls * device.intra.latency
+    comm_pp = 0.0
+    if layout.pp > 1:
+        link = device.intra if layout.world_size <= per_node else device.inter
+        comm_pp = 2 * tokens * facts.hidden * d / layout.tp / link.bandwidth + 2 * micro * link.latency
+    local = params // (layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1)
+    if layout.strategy == "zero1":
+        local = params // layout.dp
+    optimizer = 28 * local / (device.host_bandwidth if layout.cpu_offload else device.mem_bandwidth)
+    offload = 0.0
+    if layout.cpu_offload and device.name != "cpu":
+        offload = 2 * 4 * local / device.host_bandwidth  # parameters in, gradients out
+    return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp)
+
+
+def _stages_per_rank(layout: Layout) -> int:
+    return 2 if layout.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv") else 1
+
+
+def _stage_share(facts: ModelFacts, layout: Layout) -> float:
+    """The busiest pp rank's share of the compute (1 without pp)."""
+    if layout.pp == 1:
+        return 1.0
+    from ..plan_report import pp_report
+    from .estimate import _pp_config
+
+    report = pp_report(facts.model, facts.plan, _pp_config(layout))
+    per_rank = [0.0] * layout.pp
+    for stage in report["stages"]:
+        per_rank[stage["rank"]] += stage["compute"]
+    return max(per_rank)
+
+
+def _dp_seconds(layout: Layout, params: int, d: int, micro: int, layers: int, link: Link, device: Device) -> float:
+    """Seconds of data-parallel traffic per step (before overlap)."""
+    n, r = layout.dp_shard, layout.dp_replicate
+    if layout.dp == 1:
+        return 0.0
+    if layout.strategy in ("fsdp", "zero2", "hsdp"):
+        gathers = 1 if layout.strategy == "zero2" else 2
+        seconds = 0.0
+        if n > 1:
+            ag = gathers * micro * params * d * (n - 1) / n
+            rs = params * 4 * (n - 1) / n
+            seconds = (ag + rs) / link.bandwidth + (gathers * micro + 1) * (layers + 1) * link.latency
+        if r > 1:
+            inter = device.inter if layout.strategy == "hsdp" and n > 1 else link
+            seconds += params / n * 4 * 2 * (r - 1) / r / inter.bandwidth + (layers + 1) * inter.latency
+        return seconds
+    buckets = max(1, params * 4 // DDP_BUCKET_BYTES)
+    seconds = params * 4 * 2 * (layout.dp - 1) / layout.dp / link.bandwidth + buckets * link.latency
+    if layout.strategy == "zero1":  # every rank broadcasts its updated part
+        seconds += params * 4 * (layout.dp - 1) / layout.dp / link.bandwidth + layout.dp * link.latency
+    return seconds
+
+
+# ------------------------------------------------------------------ this machine, measured
+
+
+def calibration_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "hf_scale" / "calibration.json"
+
+
+def cpu_device(refresh: bool = False) -> Device:
+    """``gloo-cpu-here``: this machine measured once (a small llama's training step for FLOP/s,
+    a 2-process gloo all-reduce for bandwidth and latency), cached in ``calibration_path()``."""
+    path = calibration_path()
+    if path.is_file() and not refresh:
+        data = json.loads(path.read_text())
+    else:
+        from .calibrate import calibrate
+
+        data = calibrate()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
+    link = Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0)
+    return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
+                  mem_bandwidth=data["mem_bandwidth"], intra=link, inter=link, host_bandwidth=data["mem_bandwidth"],
+                  cores=data["cpus"], threads=data["threads"])

@@ -1,0 +1,60 @@
+"""The planner's step-time arithmetic on a device with round numbers (no calibration run)."""
+
+import pytest
+
+from hf_scale.plan_report import bubble_fraction
+from hf_scale.planner.cost import Device, Link, flops_per_token, step_cost
+from hf_scale.planner.estimate import Layout, Workload, rank_params
+from hf_scale.planner.profile import model_facts
+from tests.tiny_models import tiny_config
+
+LINK = Link(bandwidth=1e6, latency=0.0, overlap=0.0)
+DEV = Device("test", flops_fp32=1e9, flops_low=2e9, mem_bandwidth=1e9, intra=LINK, inter=LINK)
+WORK = Workload(seq=16, batch=4)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_facts(tiny_config("llama"))
+
+
+def test_flops_per_token(tiny):
+    n, attn = tiny.matmul_params, 12 * 2 * 32 * 16
+    assert flops_per_token(tiny, 16) == 6 * n + attn
+    assert flops_per_token(tiny, 16, "full") == 8 * n + attn * 4 / 3  # one more forward
+
+
+def test_compute_and_collectives(tiny):
+    p = tiny.params
+    fsdp = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, DEV)
+    assert fsdp.compute == pytest.approx(64 * flops_per_token(tiny, 16) / 1e9)
+    # all-gather in forward and backward (fp32), reduce-scatter fp32 gradients, ring (n-1)/n
+    assert fsdp.comm_dp == pytest.approx((2 * p * 4 + p * 4) / 2 / 1e6)
+    zero2 = step_cost(tiny, Layout("zero2", 1, 2, micro_batch=4, precision="bf16"), WORK, DEV)
+    assert zero2.comm_dp == pytest.approx((p * 2 + p * 4) / 2 / 1e6)
+    assert zero2.compute == pytest.approx(fsdp.compute / 2)  # bf16 at twice the FLOP/s
+    ddp = step_cost(tiny, Layout("ddp", 2, 1, micro_batch=4), WORK, DEV)
+    assert ddp.comm_dp == pytest.approx(p * 4 * 2 / 2 / 1e6)
+    zero1 = step_cost(tiny, Layout("zero1", 2, 1, micro_batch=4), WORK, DEV)
+    assert zero1.comm_dp == pytest.approx(ddp.comm_dp + p * 4 / 2 / 1e6)
+    assert zero1.optimizer == pytest.approx(ddp.optimizer / 2)
+    assert ddp.tokens_per_step == 2 * 64
+
+
+def test_overlap_hides_data_parallel_traffic(tiny):
+    hidden = Device("t", 1e9, 2e9, 1e9, Link(1e6, 0.0, 0.75), Link(1e6, 0.0, 0.75))
+    a = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, DEV)
+    b = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, hidden)
+    assert b.comm_dp == pytest.approx(a.comm_dp / 4)
+
+
+def test_pipeline_bubble_and_tp(tiny):
+    pp = step_cost(tiny, Layout("fsdp", 1, 1, pp=2, micro_batch=4), WORK, DEV)
+    fraction, _ = bubble_fraction("1f1b", 2, 1, 2)
+    assert pp.bubble == pytest.approx(pp.compute * fraction / (1 - fraction))
+    tp = step_cost(tiny, Layout("fsdp", 1, 1, tp=2, micro_batch=4), WORK, DEV)
+    one = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=4), WORK, DEV)
+    assert tp.compute == pytest.approx(one.compute / 2)
+    # 4 all-reduces per block (2 forward, 2 backward) of the residual stream, 2 blocks
+    assert tp.comm_tp == pytest.approx(4 * 2 * 64 * 32 * 4 * 2 * 1 / 2 / 1e6)
+    assert rank_params(tiny, Layout("fsdp", 1, 1, tp=2)) < tiny.params
