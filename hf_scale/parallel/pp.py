@@ -145,7 +145,10 @@ class StageModule(nn.Module):
             inputs["attention_mask"] = attention_mask
         if not self.last:
             out = getattr(self.view, self.base)(**inputs)
-            return out[0] if isinstance(out, tuple) else out.last_hidden_state
+            hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
+            # GPT-2 returns a view (.view(output_shape)); the zero-bubble schedules detach a
+            # stage's output in place after the input gradient, which a view refuses.
+            return hidden.clone() if hidden._is_view() else hidden
         out = self.view(**inputs, labels=labels, num_items_in_batch=self.label_tokens)
         loss = out.loss if hasattr(out, "loss") else out[0]
         full = getattr(loss, "full_tensor", None)  # a tensor-parallel loss is a DTensor
