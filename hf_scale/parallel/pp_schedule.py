@@ -144,6 +144,10 @@ class Pipeline:
         single = len(built) == 1 and self.schedule_name in ("gpipe", "1f1b")
         schedule = cls(built[0] if single else built, n_microbatches=self.microbatches,
                        loss_fn=self._loss_fn, scale_grads=False)
+        if not train and self.schedule_name == "zbv":
+            # torch 2.13's V schedule runs its backward actions in eval() too (and fails): give
+            # it a forward-only order, each rank's stages in turn; torch adds the sends/receives.
+            schedule.pipeline_order_with_comms = _forward_only(self.layout, self.microbatches)
         self._cache[key] = schedule
         if len(self._cache) > _KEEP_SHAPES:
             self._cache.popitem(last=False)
@@ -175,6 +179,27 @@ def _grad_like_param(param: torch.Tensor) -> torch.Tensor:
     if placements is not None and grad.placements != placements:
         grad = param.grad = grad.redistribute(param.device_mesh, placements)
     return _local(grad)
+
+
+def _forward_only(layout: PipelineLayout, microbatches: int) -> dict:
+    """Each rank's forwards, its stages in turn, lowered as torch lowers its own schedules
+    (FSDP unshard / reshard, then sends and receives); torch's validation wants backwards."""
+    from torch.distributed.pipelining.schedules import (
+        _Action,
+        _add_send_recv,
+        _add_unshard_reshard,
+        _ComputationType,
+    )
+
+    order = {
+        rank: _add_unshard_reshard([
+            _Action(stage, _ComputationType.FORWARD, mb)
+            for stage in layout.stages_of(rank) for mb in range(microbatches)
+        ])
+        for rank in sorted(set(layout.stage_ranks))
+    }
+    return _add_send_recv(order, stage_to_rank=lambda s: layout.stage_ranks[s],
+                          num_stages=layout.num_stages)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
