@@ -83,6 +83,9 @@ def pp_layout(
         )
     entries = list(plan.pp_plan) or _inferred_entries(base, plan)
     modules = dict(base.named_modules())
+    # a module the architecture leaves out in this config (OPT's project_in / project_out are
+    # None when word_embed_proj_dim == hidden_size) is skipped, not missing
+    entries = [e for e in entries if e in modules or not _set_to_none(base, e)]
     missing = [e for e in entries if e not in modules]
     if missing:
         raise HfScalePlanError(
@@ -174,6 +177,17 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
         if isinstance(child, nn.ModuleList) and child and type(child[0]).__name__ in wanted or isinstance(child, nn.Dropout) or _numel(child):
             entries.append(name)
     return entries
+
+
+def _set_to_none(base: nn.Module, dotted: str) -> bool:
+    """True when ``base.<dotted>`` exists as an attribute whose value is None."""
+    *parents, leaf = dotted.split(".")
+    node = base
+    for part in parents:
+        node = getattr(node, part, None)
+        if node is None:
+            return False
+    return hasattr(node, leaf) and getattr(node, leaf) is None
 
 
 def _numel(module: nn.Module | None) -> int:
