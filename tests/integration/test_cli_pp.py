@@ -10,6 +10,8 @@ with the right loss weighting, the tied gradients are summed across the two stag
 clipping's norm covers both stages with the tied weight counted once. Evaluation gives one
 process's loss (from ``eval_step``) and says why exact match is left out; sample generations
 of the live model are skipped with a line saying why, and the saved export answers instead.
+A second run, a 4-block tiny Llama under interleaved 1F1B (two stages per rank), holds to the
+same reference.
 """
 
 from __future__ import annotations
@@ -77,6 +79,31 @@ def test_generations_are_skipped_with_a_reason_and_the_export_answers(pp_run):
     log = pp_run[2]
     assert "sample generations of the trained model skipped: under pipeline parallel (pp=2)" in log, log[-3000:]
     assert "reloaded" in log and "greedy answers" in log and "(expected '" in log
+
+
+@pytest.fixture(scope="module")
+def interleaved_run(tmp_path_factory):
+    """A 4-block tiny Llama at pp=2 under interleaved 1F1B: stages 0 and 2 on rank 0, 1 and 3
+    (the head's copy) on rank 1; the recipe's output folder and the one-process reference."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import tiny_config
+
+    recipe = tiny_recipe(tmp_path_factory.mktemp("cli-pp-interleaved"), steps=STEPS)
+    config = tiny_config("llama")
+    config.num_hidden_layers, config.max_position_embeddings = 4, 128
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(recipe.parent / "tiny-llama")
+    out = recipe.parent / "runs" / "pp2-interleaved"
+    log = run_cli("finetune", str(recipe), "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b",
+                  "--train.output_dir", str(out), timeout=900).stdout
+    return out, log, plain_reference(recipe, batch_size=4)
+
+
+def test_two_stages_per_rank_train_like_one_process(interleaved_run):
+    out, log, reference = interleaved_run
+    assert "pipeline interleaved_1f1b" in log, log[-3000:]
+    check_against_reference(out, reference)
 
 
 def _one_process_eval(recipe) -> dict:
