@@ -1,5 +1,5 @@
 """Measure this machine once for the cost model: achieved training FLOP/s (fp32 and bf16) of a
-small llama's forward + backward, memory bandwidth (a large copy), and gloo all-reduce bus
+small llama's forward + backward (SmolLM2's block shape), memory bandwidth (a large copy), and gloo all-reduce bus
 bandwidth and latency between 2 local processes. Seconds, not minutes; noisy on a busy machine
 (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
 """
@@ -30,11 +30,12 @@ def training_flops(dtype: torch.dtype, seq: int = 256, batch: int = 2) -> float:
     from .cost import flops_per_token
     from .profile import model_facts
 
-    config = tf.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                            num_key_value_heads=4, vocab_size=4096, tie_word_embeddings=True)
+    # SmolLM2-135M's block shape (the models benchmarked here), 2 blocks, a small vocabulary
+    config = tf.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
+                            num_key_value_heads=3, vocab_size=8192, tie_word_embeddings=True)
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
-    ids = torch.randint(0, 4096, (batch, seq))
+    ids = torch.randint(0, 8192, (batch, seq))
 
     def step():
         model(input_ids=ids, labels=ids).loss.backward()

@@ -3,7 +3,8 @@
 - compute: ``6 x N + 12 x L x h x s`` FLOPs per token (N: matmul parameters, the head's
   included; the attention term of Chinchilla / PaLM's MFU accounting), split over tp and the
   pipeline stages, at the device's achieved FLOP/s for the compute dtype. Full checkpointing
-  adds one forward (``2N + 4Lhs``); selective adds ``SELECTIVE_RECOMPUTE`` of the compute (the
+  adds one forward of the blocks (``2N_blocks + 4Lhs``), the chunked loss one of the head
+  (``2N_head``: each chunk is checkpointed); selective adds ``SELECTIVE_RECOMPUTE`` of the compute (the
   norms and activations it recomputes are memory-bound: an assumption, not measured).
 - communication per step, ring algorithms (bus bytes ``(n-1)/n`` per all-gather / reduce-scatter,
   ``2(n-1)/n`` per all-reduce): fsdp all-gathers the parameters in the compute dtype in forward
@@ -73,15 +74,17 @@ H100 = Device("h100-80gb", flops_fp32=200e12, flops_low=450e12, mem_bandwidth=3.
               inter=INFINIBAND)
 
 
-def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None) -> float:
-    """Training FLOPs per token (forward + backward), with checkpointing's recomputation."""
+def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None, chunked: bool = False) -> float:
+    """Training FLOPs per token (forward + backward), with checkpointing's recomputation (and the
+    chunked loss's: each chunk's head matmul runs again in backward)."""
     attention = 12 * facts.layers * facts.hidden * seq
     base = 6 * facts.matmul_params + attention
+    extra = 2 * facts.head_params if chunked else 0
     if ac == "full":
-        return base + (2 * facts.matmul_params + attention / 3)
+        return base + extra + (2 * (facts.matmul_params - facts.head_params) + attention / 3)
     if ac == "selective":
-        return base * (1 + SELECTIVE_RECOMPUTE)
-    return base
+        return base * (1 + SELECTIVE_RECOMPUTE) + extra
+    return base + extra
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     micro = max(1, work.batch // layout.micro_batch)  # micro-batches (gradient accumulation)
     tokens = work.batch * work.seq  # per data-parallel rank
     share = _stage_share(facts, layout)
-    compute = tokens * flops_per_token(facts, work.seq, layout.ac) * share / layout.tp / device.flops(layout.precision, layout.world_size)
+    chunked = bool(layout.loss_chunk_tokens)
+    compute = tokens * flops_per_token(facts, work.seq, layout.ac, chunked) * share / layout.tp / device.flops(layout.precision, layout.world_size)
     bubble = 0.0
     if layout.pp > 1:
         m = pipeline_shape(facts, layout)[2]
@@ -159,6 +163,10 @@ def _stage_share(facts: ModelFacts, layout: Layout) -> float:
     """The busiest pp rank's share of the compute (1 without pp)."""
     if layout.pp == 1:
         return 1.0
+    return facts.cached(("share", layout.pp, layout.pp_schedule), lambda: _busiest_share(facts, layout))
+
+
+def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     from ..plan_report import pp_report
     from .estimate import _pp_config
 

@@ -126,6 +126,11 @@ class MemoryEstimate:
 
 def rank_params(facts: ModelFacts, layout: Layout) -> int:
     """Parameters one rank holds before data-parallel sharding (its tp shards, its pp stages)."""
+    return facts.cached(("rank_params", layout.tp, layout.pp, layout.pp_schedule),
+                        lambda: _rank_params(facts, layout))
+
+
+def _rank_params(facts: ModelFacts, layout: Layout) -> int:
     from ..plan_report import pp_report, tp_report
 
     params = facts.params
@@ -146,6 +151,11 @@ def pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[i
     """Blocks per pp rank, in-flight microbatches per pp rank, and the microbatch count."""
     if layout.pp == 1:
         return [facts.layers], [1], 1
+    return facts.cached(("pipeline", layout.pp, layout.pp_schedule, layout.pp_microbatches),
+                        lambda: _pipeline_shape(facts, layout))
+
+
+def _pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[int], int]:
     from ..plans.pp import pp_layout
 
     cfg = _pp_config(layout)
@@ -175,6 +185,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         gathered = params * d if layout.strategy == "zero2" else (root + 2 * block) * d
         comm = int(gathered + 4 * block)
+        if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
+            comm += 4 * params
     elif replicated and layout.dp > 1:
         comm = 4 * params  # DDP's gradient buckets
     if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward

@@ -77,6 +77,12 @@ class ModelFacts:
         """Parameters that take part in a matmul per token: every block's, and the head's."""
         return sum(self.block_params) + self.head_params
 
+    def cached(self, key, compute):
+        """``compute()`` once per ``key`` (tp / pp layouts of this model are reused per candidate)."""
+        if key not in self._profiles:
+            self._profiles[key] = compute()
+        return self._profiles[key]
+
     def profile(self, seq: int, dtype: torch.dtype, attn: str) -> ActivationProfile:
         key = (seq, dtype, attn)
         if key not in self._profiles:

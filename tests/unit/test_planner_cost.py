@@ -21,7 +21,9 @@ def tiny():
 def test_flops_per_token(tiny):
     n, attn = tiny.matmul_params, 12 * 2 * 32 * 16
     assert flops_per_token(tiny, 16) == 6 * n + attn
-    assert flops_per_token(tiny, 16, "full") == 8 * n + attn * 4 / 3  # one more forward
+    blocks = n - tiny.head_params
+    assert flops_per_token(tiny, 16, "full") == 6 * n + 2 * blocks + attn * 4 / 3  # one more forward of the blocks
+    assert flops_per_token(tiny, 16, chunked=True) == 6 * n + 2 * tiny.head_params + attn
 
 
 def test_compute_and_collectives(tiny):

@@ -1,0 +1,171 @@
+"""The chooser: every layout for a world size, its memory and step time, the fastest that fits.
+
+A layout fits when its estimated device memory is at most the budget less a margin (10% by
+default: the estimator's error, allocator fragmentation). Among those that fit, the one with the
+most tokens per second wins; layouts within 1% of it are a tie, broken toward less memory.
+Layouts the engine would refuse (``ParallelConfig`` / ``ParallelDims`` / tp and pp plans) are
+rejected with the engine's own message, so a reason here is a reason at launch too.
+
+Usage::
+
+    facts = model_facts(config)
+    best, candidates = choose(facts, Workload(seq=1024, batch=8, device="cuda"), world_size=8,
+                              budget=parse_memory("80GB"), device=H100)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from itertools import product
+
+from ..errors import HfScaleConfigError, HfScaleError
+from ..mesh import ParallelDims
+from .cost import Device, StepCost, step_cost
+from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory
+from .profile import ModelFacts
+
+MARGIN = 0.10
+TIE = 0.01
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_memory(value) -> int:
+    """Bytes from ``80GiB``, ``80 GB``, ``8e10`` or a number; anything else is an error."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return int(value)
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise HfScaleConfigError(
+            f"memory {value!r} is not a size: write a number with an optional unit, e.g. '80GB' "
+            "(10^9 bytes), '80GiB' (2^30), '512MiB' or '8e10' (bytes)."
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate | None = None
+    cost: StepCost | None = None
+    reason: str | None = None  # why it was rejected; None when it fits
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "zero2", "zero1", "ddp", "hsdp"),
+                      acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
+                      chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
+                      ranks_per_node: int | None = None) -> list[Layout]:
+    """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed)."""
+    per_node = ranks_per_node or world_size
+    tps = tps or [t for t in _divisors(world_size) if t <= per_node]
+    micro_batches = micro_batches or _divisors(work.batch)
+    layouts = []
+    for tp in tps:
+        if world_size % tp:
+            continue
+        for pp in pps or _divisors(world_size // tp):
+            if (world_size // tp) % pp:
+                continue
+            rest = world_size // tp // pp
+            meshes = []
+            for strategy in strategies if rest > 1 else ("fsdp",):
+                if strategy in ("ddp", "zero1"):
+                    meshes.append((strategy, rest, 1))
+                elif strategy == "hsdp":
+                    meshes += [(strategy, r, rest // r) for r in _divisors(rest) if 1 < r < rest]
+                else:
+                    meshes.append((strategy, 1, rest))
+            for (strategy, rep, shard), ac, prec, off, chunk, mb in product(
+                    meshes, acs, precisions, offloads, chunks, micro_batches):
+                if off and (strategy not in ("fsdp", "zero2", "hsdp") or rep * shard == 1):
+                    continue  # offload is FSDP's (a single process has nothing to offload to)
+                if chunk and chunk >= mb * work.seq:
+                    continue  # one chunk: the same as no chunking
+                layouts.append(Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk))
+    return list(dict.fromkeys(layouts))
+
+
+def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, device: Device, nodes: int = 1,
+             margin: float = MARGIN) -> Candidate:
+    """One layout's memory and step time, or why it cannot run or does not fit."""
+    try:
+        config = layout.parallel_config()
+        ParallelDims.resolve(config, layout.world_size, nodes)
+        if layout.cpu_offload and work.device == "cpu":
+            return Candidate(layout, reason="cpu_offload on a CPU device moves nothing: state already lives in RAM")
+        if layout.pp > 1 and layout.micro_batch % (layout.pp_microbatches or layout.pp * config.stages_per_rank):
+            return Candidate(layout, reason=f"micro-batch {layout.micro_batch} does not split into the pipeline's "
+                                            f"{layout.pp * config.stages_per_rank} microbatches")
+        memory = estimate_memory(facts, layout, work)
+        cost = step_cost(facts, layout, work, device, nodes)
+    except HfScaleError as e:
+        return Candidate(layout, reason=" ".join(str(e).split()))
+    usable = budget * (1 - margin)
+    if memory.device_total > usable:
+        return Candidate(layout, memory, cost, reason=(
+            f"needs {memory.device_total / GiB:.2f} GiB > {usable / GiB:.2f} GiB usable "
+            f"({budget / GiB:.2f} GiB less {margin:.0%})"))
+    return Candidate(layout, memory, cost)
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting candidates fastest first (ties within 1% toward less memory), then the rejected
+    ones (those with an estimate by memory, then the refused)."""
+    fits = [c for c in candidates if c.fits]
+    best = max((c.cost.tokens_per_second for c in fits), default=0.0)
+    fits.sort(key=lambda c: (c.cost.tokens_per_second < best * (1 - TIE), -c.cost.tokens_per_second
+                             if c.cost.tokens_per_second < best * (1 - TIE) else c.memory.device_total))
+    sized = sorted((c for c in candidates if not c.fits and c.memory), key=lambda c: c.memory.device_total)
+    refused = [c for c in candidates if not c.fits and not c.memory]
+    return fits + sized + refused
+
+
+def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, device: Device, nodes: int = 1,
+           margin: float = MARGIN, **space) -> tuple[Candidate, list[Candidate]]:
+    """The recommended candidate and every candidate, ranked; an error when none fits."""
+    per_node = max(1, world_size // nodes)
+    layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
+    ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
+    if not ranked or not ranked[0].fits:
+        raise HfScaleConfigError(_nothing_fits(facts, ranked, work, world_size, budget, margin, space))
+    return ranked[0], ranked
+
+
+def _nothing_fits(facts, ranked, work, world_size, budget, margin, space) -> str:
+    usable = budget * (1 - margin)
+    sized = [c for c in ranked if c.memory]
+    if not sized:
+        reasons = "; ".join(dict.fromkeys(c.reason for c in ranked[:3]))
+        return f"no layout of {world_size} rank(s) can run this model: {reasons}"
+    small = sized[0]
+    mem = small.memory
+    parts = sorted(((v, k) for k, v in mem.as_dict().items() if k not in ("device_total", "host")), reverse=True)
+    biggest = ", ".join(f"{k} {v / GiB:.2f} GiB" for v, k in parts[:3])
+    hints = []
+    state = 16 * facts.params
+    room = usable - mem.overhead - mem.activations - mem.logits_loss
+    if room > 0:
+        hints.append(f"at least {-(-state // int(room))} ranks to shard the 16 bytes/parameter of training state")
+    if "full" not in space.get("acs", ("full",)):
+        hints.append("activation_checkpointing='full'")
+    if work.device != "cpu" and True not in space.get("offloads", (True,)):
+        hints.append("cpu_offload (a sharded strategy)")
+    if mem.activations + mem.logits_loss > usable / 2:
+        hints.append(f"a shorter sequence or batch (activations + logits are "
+                     f"{(mem.activations + mem.logits_loss) / GiB:.2f} GiB of it)")
+    if not hints:
+        hints.append("more ranks, tensor or pipeline parallel, or a device with more memory")
+    return (f"no layout fits {budget / GiB:.2f} GiB per rank ({usable / GiB:.2f} GiB usable with a {margin:.0%} "
+            f"margin) on {world_size} rank(s) for seq {work.seq} x batch {work.batch}: the smallest need is "
+            f"{mem.device_total / GiB:.2f} GiB ({small.layout.describe()}: {biggest}). To fit, try "
+            + "; or ".join(hints) + ".")

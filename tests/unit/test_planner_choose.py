@@ -1,0 +1,104 @@
+"""The chooser: memory strings, rejections with the engine's reasons, the fastest layout that
+fits with ties toward less memory, and a clear error when nothing fits."""
+
+import pytest
+
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.planner.choose import (
+    Candidate,
+    choose,
+    enumerate_layouts,
+    evaluate,
+    parse_memory,
+    rank,
+)
+from hf_scale.planner.cost import Device, Link
+from hf_scale.planner.estimate import GiB, Layout, Workload, estimate_memory
+from hf_scale.planner.profile import model_facts
+from tests.tiny_models import tiny_config
+
+LINK = Link(bandwidth=1e9, latency=1e-5, overlap=0.5)
+GPU = Device("gpu", flops_fp32=1e12, flops_low=2e12, mem_bandwidth=1e12, intra=LINK, inter=LINK)
+WORK = Workload(seq=16, batch=4, device="cuda")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return model_facts(tiny_config("llama"))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("80GiB", 80 * 2**30), ("80 GB", 80 * 10**9), ("8e10", 8 * 10**10), ("512MiB", 512 * 2**20),
+    (" 1.5 TB ", 1.5e12), (2**30, 2**30)])
+def test_parse_memory(text, expected):
+    assert parse_memory(text) == int(expected)
+
+
+@pytest.mark.parametrize("text", ["eighty", "80 parsecs", "", "-5GB", "0"])
+def test_parse_memory_refuses(text):
+    with pytest.raises(HfScaleConfigError, match="not a size"):
+        parse_memory(text)
+
+
+def test_enumeration_covers_the_mesh_space():
+    layouts = enumerate_layouts(4, Workload(seq=16, batch=2), acs=(None,), precisions=(None,), offloads=(False,),
+                                chunks=(None,))
+    meshes = {(x.strategy, x.dp_replicate, x.dp_shard, x.tp, x.pp) for x in layouts}
+    assert ("hsdp", 2, 2, 1, 1) in meshes and ("ddp", 4, 1, 1, 1) in meshes and ("fsdp", 1, 1, 2, 2) in meshes
+    assert all(x.world_size == 4 for x in layouts)
+    assert {x.micro_batch for x in layouts} == {1, 2}
+
+
+def test_rejections_name_the_engine_reason(tiny):
+    bad_tp = evaluate(tiny, Layout("fsdp", 1, 1, tp=8), WORK, 10 * GiB, GPU)
+    assert not bad_tp.fits and "tp=8" in bad_tp.reason
+    ddp_tp = evaluate(tiny, Layout("ddp", 2, 1, tp=2), WORK, 10 * GiB, GPU)
+    assert "DDP does not take tensor-parallel" in ddp_tp.reason
+    cpu = evaluate(tiny, Layout("fsdp", 1, 2, cpu_offload=True), Workload(seq=16, batch=4), 10 * GiB, GPU)
+    assert "moves nothing" in cpu.reason
+    small = evaluate(tiny, Layout("fsdp", 1, 2), WORK, 100 * 2**20, GPU)
+    assert "GiB usable" in small.reason and small.memory is not None
+
+
+def test_margin(tiny):
+    need = estimate_memory(tiny, Layout("fsdp", 1, 2), WORK).device_total
+    assert evaluate(tiny, Layout("fsdp", 1, 2), WORK, int(need / 0.9) + 1, GPU).fits
+    assert not evaluate(tiny, Layout("fsdp", 1, 2), WORK, int(need / 0.9) - 1, GPU).fits
+
+
+def test_fastest_that_fits_ties_toward_less_memory(tiny):
+    best, ranked = choose(tiny, WORK, 2, 10 * GiB, GPU)
+    fits = [c for c in ranked if c.fits]
+    top = max(c.cost.tokens_per_second for c in fits)
+    assert best.cost.tokens_per_second >= top * 0.99
+    tied = [c for c in fits if c.cost.tokens_per_second >= top * 0.99]
+    assert best.memory.device_total == min(c.memory.device_total for c in tied)
+    # a budget just under the winner's need: it is rejected, and the fastest of the rest wins
+    budget = int((best.memory.device_total - 1) / 0.9)
+    best2, ranked2 = choose(tiny, WORK, 2, budget, GPU)
+    assert best2.layout != best.layout and best2.memory.device_total <= budget * 0.9
+    left = [c for c in ranked if c.memory and c.memory.device_total <= budget * 0.9]
+    assert best2.cost.tokens_per_second >= max(c.cost.tokens_per_second for c in left) * 0.99
+    assert any(c.layout == best.layout and "GiB usable" in c.reason for c in ranked2)
+
+
+def test_rank_orders_ties_by_memory():
+    from hf_scale.planner.cost import StepCost
+    from hf_scale.planner.estimate import MemoryEstimate
+
+    mem = lambda total: MemoryEstimate(total, 0, 0, 0, 0, 0, 0, 0)
+    cost = lambda seconds: StepCost(seconds, 0, 0, 0, 0, 0, 0, 1000)
+    a = Candidate(Layout("fsdp", 1, 2), mem(5), cost(1.0))
+    b = Candidate(Layout("ddp", 2, 1), mem(9), cost(0.995))  # 0.5% faster: a tie
+    c = Candidate(Layout("zero2", 1, 2), mem(7), cost(0.9))  # 10% faster
+    # ties are counted against the fastest: behind it, the order is by speed
+    assert [x.layout.strategy for x in rank([a, b, c])] == ["zero2", "ddp", "fsdp"]
+    assert [x.layout.strategy for x in rank([a, b])] == ["fsdp", "ddp"]
+
+
+def test_nothing_fits_says_the_smallest_need_and_what_would_fit(tiny):
+    with pytest.raises(HfScaleConfigError) as e:
+        choose(tiny, WORK, 2, 2**20, GPU, acs=(None,), offloads=(False,))
+    msg = str(e.value)
+    assert "smallest need is" in msg and "GiB" in msg and "activation_checkpointing='full'" in msg
+    assert "cpu_offload" in msg
