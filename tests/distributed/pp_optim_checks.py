@@ -14,15 +14,25 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import hf_scale
-from tests.tiny_models import CAUSAL, tiny_batch, tiny_model
+from tests.tiny_models import CAUSAL, tiny_batch, tiny_config
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def worker(config: dict) -> dict:
-    model = hf_scale.parallelize(tiny_model("llama", CAUSAL), config)
+def tiny_llama(layers: int) -> torch.nn.Module:
+    """The tiny Llama (head tied to the embedding) with ``layers`` blocks."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config("llama")
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def worker(config: dict, layers: int) -> dict:
+    model = hf_scale.parallelize(tiny_llama(layers), config)
     state = hf_scale.get_state(model)
     batch = tiny_batch(CAUSAL, 4)
     batch["labels"][0, :5] = -100
