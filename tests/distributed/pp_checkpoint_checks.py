@@ -145,11 +145,18 @@ def straight(arch: str, config) -> list[float]:
 
 def first_half(arch: str, config, root: str, through: int = TOTAL // 2) -> dict:
     """Train TOTAL // 2 steps, save the training state; go on ``through`` the given step."""
+    from hf_scale.checkpoint.state import _state_nbytes, optimizer_state
+
     model, optimizer, scheduler = _setup(arch, config, seed=0)
     losses = _train(model, optimizer, scheduler, 0, TOTAL // 2)
-    hf_scale.save_state(model, optimizer, scheduler=scheduler, root=root, step=TOTAL // 2)
+    # the free-space check's estimate of what the save writes beside the model (rank 0's is used)
+    estimate = _state_nbytes(optimizer_state(model, optimizer), sharded_plain=False,
+                             stages=hf_scale.get_state(model).pp_degree)
+    folder = hf_scale.save_state(model, optimizer, scheduler=scheduler, root=root, step=TOTAL // 2)
+    written = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and "model" not in p.parts)
     state = snapshot(model, optimizer)
-    return {"losses": losses + _train(model, optimizer, scheduler, TOTAL // 2, through), "state": state}
+    return {"losses": losses + _train(model, optimizer, scheduler, TOTAL // 2, through), "state": state,
+            "estimate": estimate, "written": written}
 
 
 def second_half(arch: str, config, root: str) -> dict:

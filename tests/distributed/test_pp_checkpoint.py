@@ -236,6 +236,12 @@ def test_fsdp2_state_into_zbv_where_one_rank_holds_both_ends_of_the_tie(world2):
     np.testing.assert_allclose(got["zbv_from_fsdp2"]["losses"], got["fsdp2_llama4"]["losses"][2:], rtol=1e-5)
 
 
+@pytest.mark.parametrize("world", ["world4", "world2"])
+def test_the_free_space_check_counts_every_stages_optimizer_state(world, request):
+    first = request.getfixturevalue(world)[0]["first"]
+    assert first["written"] <= first["estimate"] < 2 * first["written"]
+
+
 def test_hf_scale_export_of_a_pp2_fsdp2_checkpoint(world4, tmp_path):
     out = tmp_path / "exported"
     run_cli("export", os.path.join(world4[0]["root"], "latest"), str(out), timeout=300)
