@@ -1,9 +1,9 @@
 """Gradient clipping and weight-decay groups under pipeline parallel equal one process's.
 
-pp=2 (2 ranks), pp=2 x fsdp2 (4 ranks) and pp=2 under zbv (2 ranks, the embedding and the head's
-copy on one rank), the tiny Llama with its head tied to the embedding:
+pp=2 (2 ranks), pp=2 x fsdp2 and pp=2 x tp2 (4 ranks) and pp=2 under zbv (2 ranks, the embedding
+and the head's copy on one rank), the tiny Llama with its head tied to the embedding:
 the norm ``hf_scale.clip_grad_norm_(model)`` returns is one process's on every rank (both
-stages' gradients, reduced over the pp group after FSDP's dp reduction, the tied weight counted
+stages' gradients, reduced over the pp group after the dp / tp reduction, the tied weight counted
 once although both its copies hold the summed gradient); clipping scales every gradient, the
 head's copy included, by one process's factor; ``build_optimizer`` on a pruned stage puts each
 held parameter in the group one process puts it in.
@@ -28,7 +28,7 @@ TIE = ("lm_head.weight", "model.embed_tokens.weight")
 # (parallel config, world size, blocks): loop placement over 2 and 4 ranks, and the V of zbv
 # (rank 0 holds the first and the last stage: the embedding and the head's own copy)
 LAYOUTS = {"pp2": ({"pp": 2}, 2, 2), "pp2xfsdp2": ({"pp": 2, "strategy": "fsdp"}, 4, 2),
-           "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv"}, 2, 4)}
+           "pp2xtp2": ({"pp": 2, "tp": 2}, 4, 2), "pp2-zbv": ({"pp": 2, "pp_schedule": "zbv"}, 2, 4)}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -63,12 +63,12 @@ def test_the_norm_covers_every_stage_and_the_tied_weight_once(ranks, reference):
     for r in ranks:
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["whole"] == pytest.approx(reference["norm"], rel=1e-5), r
-    one_pipeline = [r for r in ranks if r["dp_rank"] == 0]
-    assert sorted(r["pp_rank"] for r in one_pipeline) == [0, 1]
+    by_stage = {r["pp_rank"]: r for r in ranks if r["dp_rank"] == 0}  # one replica (tp ranks agree)
+    assert sorted(by_stage) == [0, 1]
     # each stage alone: the sum of their squares counts the tied weight twice
     tie = float(reference["grads"][TIE[1]].norm())
-    stages = sum(r["stage"] ** 2 for r in one_pipeline)
-    assert stages == pytest.approx(reference["norm"] ** 2 + tie**2, rel=1e-4)
+    squares = sum(r["stage"] ** 2 for r in by_stage.values())
+    assert squares == pytest.approx(reference["norm"] ** 2 + tie**2, rel=1e-4)
     assert tie**2 > 1e-3 * reference["norm"] ** 2  # the tied weight is not negligible here
 
 
