@@ -79,14 +79,21 @@ def allreduce_link() -> tuple[float, float]:
 
 
 def calibrate() -> dict:
+    """The numbers :func:`hf_scale.planner.cost.cpu_device` reads; compute with one thread, as each
+    torchrun rank runs (``OMP_NUM_THREADS=1``)."""
     bus, latency = allreduce_link()
-    return {
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result = {
         "flops_fp32": training_flops(torch.float32),
         "flops_bf16": training_flops(torch.bfloat16),
         "mem_bandwidth": memory_bandwidth(),
         "allreduce_bus_bytes_per_s": bus,
         "allreduce_latency_s": latency,
-        "threads": torch.get_num_threads(),
+        "threads": 1,
         "cpus": os.cpu_count(),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": os.getloadavg()[0],
     }
+    torch.set_num_threads(threads)
+    return result

@@ -4,11 +4,10 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 
 - fsdp / hsdp / zero2 (FSDP2): sharded fp32 parameters (the master copy, also under mixed
   precision: ``MixedPrecisionPolicy`` casts at all-gather time), fp32 sharded gradients
-  (``reduce_dtype`` fp32), AdamW's two fp32 moments on the shard. Communication buffers: the
-  gathered root unit (embeddings, head: never resharded after forward) in the compute dtype,
-  the largest block gathered twice (the current unit and the prefetched next one), and the
-  largest block's fp32 reduce-scatter input. zero2 keeps every block gathered between forward
-  and backward.
+  (``reduce_dtype`` fp32), AdamW's two fp32 moments on the shard. Communication buffers at
+  the peak (the start of backward): the gathered root unit (embeddings, head: never resharded
+  after forward) and the last block (kept gathered for backward) in the compute dtype; zero2
+  keeps every block gathered between forward and backward.
 - ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, plus
   DDP's gradient buckets (``gradient_as_bucket_view`` off: a second copy of the gradients);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
@@ -20,8 +19,13 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   checkpointing none / selective (matmul outputs kept, one block recomputed at a time) / full
   (block inputs kept, one block recomputed); a pipeline's in-flight microbatches (1F1B: p on
   stage 0, p - r on rank r; gpipe: all m).
-- logits and loss: the saved log-softmax (fp32), the logits the forward returns, and the two
-  fp32 gradients alive at the start of backward; with ``loss_chunk_tokens`` only one chunk's.
+- logits and loss: the saved log-softmax (fp32), the logits the forward returns, and one fp32
+  gradient at the start of backward; with ``loss_chunk_tokens`` only one chunk's.
+- the peak: gradients do not exist yet when backward starts (``zero_grad(set_to_none=True)``)
+  and activations are freed as they appear, so the peak is parameters + optimizer state + the
+  larger of (activations + the larger of logits and one block's recomputation) and gradients; with gradient
+  accumulation the gradients of earlier micro-batches are there at the start of backward too.
+  Checked against ``torch.distributed._tools.MemTracker`` by ``scripts/bench_planner.py``.
 - overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).
 """
 
@@ -103,25 +107,31 @@ class Layout:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Peak bytes on one rank, by what holds them. ``host`` is not device memory (offload)."""
+    """Bytes on one rank, by what holds them; ``device_total`` is their peak together (not
+    their sum: see the module doc). ``host`` is not device memory (offload)."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
+    recompute: int  # one checkpointed block's activations rebuilt in backward
     logits_loss: int
     comm_buffers: int
     compute_copies: int
     overhead: int
     host: int = 0
+    accumulating: bool = False  # gradient accumulation: gradients live through every backward
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
-        return sum(getattr(self, f.name) for f in fields(self) if f.name != "host")
+        backward = self.activations + max(self.logits_loss, self.recompute) + (self.grads if self.accumulating else 0)
+        late = 0 if self.accumulating else self.grads
+        return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
+                + max(backward, late))
 
     def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self)} | {"device_total": self.device_total}
+        return {f.name: int(getattr(self, f.name)) for f in fields(self)} | {"device_total": self.device_total}
 
 
 def rank_params(facts: ModelFacts, layout: Layout) -> int:
@@ -183,25 +193,26 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     root = facts.root_params * frac if layout.pp == 1 else facts.root_params / layout.tp
     comm = compute = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
-        gathered = params * d if layout.strategy == "zero2" else (root + 2 * block) * d
-        comm = int(gathered + 4 * block)
+        comm = int(params * d if layout.strategy == "zero2" else (root + block) * d)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += 4 * params
     elif replicated and layout.dp > 1:
         comm = 4 * params  # DDP's gradient buckets
     if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward
         compute = int(facts.matmul_params * frac * d)
-    acts, logits = activation_bytes(facts, layout, work)
+    acts, recompute, logits = activation_bytes(facts, layout, work)
     host = 0
     if layout.cpu_offload:
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
-    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts,
+    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
                           logits_loss=logits, comm_buffers=comm, compute_copies=compute,
-                          overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host)
+                          overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
+                          accumulating=work.batch > layout.micro_batch)
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple[int, int]:
-    """(blocks' saved activations at the peak, logits + loss) for one rank."""
+    """(blocks' saved activations, one block's recomputation in backward, logits + loss) for one
+    rank; the recomputation starts once the loss's gradients are freed, so the two never add."""
     prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
     t = layout.tp
     if layout.pp > 1:
@@ -224,17 +235,18 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
         recompute = full_block
     blocks, inflight, _ = pipeline_shape(facts, layout)
     per_rank = [b * kept * f for b, f in zip(blocks, inflight)]
-    acts = int((max(per_rank) + recompute) * seqs)
+    acts = int(max(per_rank) * seqs)
     vocab_tokens = work.seq * seqs * facts.vocab / t
     d = DTYPE_BYTES[layout.precision]
     if layout.loss_chunk_tokens:
         chunk = min(layout.loss_chunk_tokens, work.seq * seqs) * facts.vocab / t
-        logits = chunk * (d + 12) + prof.outside * seqs
-    else:  # saved log-softmax + the returned logits + two fp32 gradients at backward's start
-        logits = prof.logits / t * seqs + vocab_tokens * (d + 8) + prof.outside * seqs
+        # a chunk's logits and log-softmax (fp32), recomputed in backward, with their two gradients
+        logits = chunk * (2 * d + 16) + prof.outside * seqs
+    else:  # saved log-softmax + the returned logits + one fp32 gradient at backward's start
+        logits = prof.logits / t * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
     if layout.pp > 1 and layout.pp_schedule == "gpipe":
         logits += prof.logits / t * seqs * (inflight[-1] - 1)
-    return acts, int(logits)
+    return acts, int(recompute * seqs), int(logits)
 
 
 def with_layout(layout: Layout, **changes) -> Layout:

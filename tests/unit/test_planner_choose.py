@@ -86,7 +86,7 @@ def test_rank_orders_ties_by_memory():
     from hf_scale.planner.cost import StepCost
     from hf_scale.planner.estimate import MemoryEstimate
 
-    mem = lambda total: MemoryEstimate(total, 0, 0, 0, 0, 0, 0, 0)
+    mem = lambda total: MemoryEstimate(total, 0, 0, 0, 0, 0, 0, 0, 0)
     cost = lambda seconds: StepCost(seconds, 0, 0, 0, 0, 0, 0, 1000)
     a = Candidate(Layout("fsdp", 1, 2), mem(5), cost(1.0))
     b = Candidate(Layout("ddp", 2, 1), mem(9), cost(0.995))  # 0.5% faster: a tie

@@ -1,0 +1,249 @@
+"""Benchmark: the auto-planner's predictions (hf_scale.planner) against measured runs on this machine.
+
+Run (one machine, gloo on CPU; each leg its own ``torchrun``, OMP_NUM_THREADS=1 per rank)::
+
+    python scripts/bench_planner.py                       # every leg (tens of minutes on 2 cores)
+    python scripts/bench_planner.py --legs tiny_w1,tiny_fsdp_w2 --no-calibrate   # a quick check
+    python scripts/bench_planner.py --write docs/benchmarks.md            # the table into the docs
+
+Each leg trains a randomly initialised Llama-shaped model (tiny, small, or SmolLM2-135M's shape
+from its config: the same memory and FLOPs as the real weights) with AdamW on fixed random token
+ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per rank:
+
+* peak tracked tensor bytes in one step after warm-up (``torch.distributed._tools.MemTracker``:
+  parameters, gradients, optimizer state, activations, temporaries; every tensor the dispatcher
+  sees, FSDP's buffers included);
+* peak RSS over the timed steps (``bench_common.RssSampler``, every 5 ms);
+* step time (the slowest rank's, mean of the timed steps).
+
+The prediction for the same layout comes from the config alone: ``estimate_memory`` (device total
+less the process overhead against tracked bytes; device total plus host bytes against RSS) and
+``step_cost`` on ``gloo-cpu-here``, calibrated at the start of the run (``--no-calibrate`` reuses
+the cached calibration) so the calibration and the legs share the machine's load. Rows print the
+ratios first (predicted / measured), the issue's targets being +/-5% tracked, +/-10% RSS,
++/-25% step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (
+    RssSampler,
+    add_write_arg,
+    check_doc,
+    launch_ranks,
+    markdown_table,
+    torchrun,
+    write_doc,
+)
+
+MODELS = {  # LlamaConfig keyword arguments
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True},
+    "small": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6, "num_attention_heads": 8,
+                  "num_key_value_heads": 4, "vocab_size": 8192, "tie_word_embeddings": True},
+    "smollm2": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True},
+}
+# name: (model, world, seq, batch per dp rank, layout fields); micro_batch = batch (no accumulation)
+LEGS = {
+    "tiny_w1": ("tiny", 1, 64, 2, {}),
+    "tiny_fsdp_w2": ("tiny", 2, 64, 2, {"strategy": "fsdp", "dp_shard": 2}),
+    "tiny_ddp_w2": ("tiny", 2, 64, 2, {"strategy": "ddp", "dp_replicate": 2}),
+    "small_zero2_w2": ("small", 2, 256, 2, {"strategy": "zero2", "dp_shard": 2}),
+    "small_zero1_w2": ("small", 2, 256, 2, {"strategy": "zero1", "dp_replicate": 2}),
+    "small_hsdp_w4": ("small", 4, 256, 1, {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}),
+    "small_fsdp_full_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "full"}),
+    "small_fsdp_sel_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "selective"}),
+    "small_fsdp_offload_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "cpu_offload": True}),
+    "small_fsdp_chunk_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "loss_chunk_tokens": 128}),
+    "small_tp2_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "tp": 2}),
+    "small_pp2_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "pp": 2}),
+    "smollm2_w1": ("smollm2", 1, 256, 1, {}),
+    "smollm2_fsdp_w2": ("smollm2", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2}),
+    "smollm2_fsdp_ac_chunk_w2": ("smollm2", 2, 512, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "full",
+                                                        "loss_chunk_tokens": 256}),
+    "smollm2_fsdp_w4": ("smollm2", 4, 256, 1, {"strategy": "fsdp", "dp_shard": 4}),
+}
+GiB = 2**30
+
+
+def leg_layout(name: str):
+    from hf_scale.planner.estimate import Layout
+
+    _, _, _, batch, fields = LEGS[name]
+    return Layout(**{"micro_batch": batch, **fields})
+
+
+def config_of(name: str):
+    import transformers
+
+    config = transformers.LlamaConfig(**MODELS[LEGS[name][0]])
+    config._attn_implementation = "sdpa"
+    return config
+
+
+# ------------------------------------------------------------------ one leg (on each rank)
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import hf_scale
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    out = Path(args.out) / f"{args.worker}.rank{rank}.json"
+    _, world, seq, batch, _ = LEGS[args.worker]
+    layout = leg_layout(args.worker)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_of(args.worker))
+    parallel = layout.parallel_config() if world > 1 else hf_scale.ParallelConfig(
+        activation_checkpointing=layout.ac, loss_chunk_tokens=layout.loss_chunk_tokens)
+    model = hf_scale.parallelize(model, parallel)
+    optimizer = hf_scale.build_optimizer(model, lr=1e-5)
+    dp_rank, dp = _dp(model)
+    g = torch.Generator().manual_seed(1234)
+    data = torch.randint(model.config.vocab_size, (args.warmup + args.steps + 1, batch * dp, seq), generator=g)
+    data = data[:, dp_rank * batch : (dp_rank + 1) * batch]
+
+    def step(ids):
+        model.train_step({"input_ids": ids, "labels": ids})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    for ids in data[: args.warmup]:
+        step(ids)
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step(data[args.warmup])
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    parts = {str(getattr(k, "value", k)): v for k, v in peak.items()}
+    sampler = RssSampler()
+    sampler.start()
+    times = []
+    for ids in data[args.warmup + 1 :]:
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step(ids)
+        times.append(time.perf_counter() - start)
+    out.write_text(json.dumps({"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": sampler.stop(),
+                               "step_times": times}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _dp(model) -> tuple[int, int]:
+    from hf_scale.state import get_state
+
+    state = get_state(model)
+    if state is None or state.dims is None:
+        return 0, 1
+    return state.dims.dp_rank(state.mesh), state.dims.dp_degree
+
+
+# ------------------------------------------------------------------ the launcher
+
+
+def predict(name: str, device) -> dict:
+    from hf_scale.planner.cost import step_cost
+    from hf_scale.planner.estimate import Workload, estimate_memory
+    from hf_scale.planner.profile import model_facts
+
+    _, _world, seq, batch, _ = LEGS[name]
+    facts = model_facts(config_of(name))
+    layout, work = leg_layout(name), Workload(seq=seq, batch=batch, device="cpu")
+    memory = estimate_memory(facts, layout, work)
+    return {"parts": memory.as_dict(), "tracked": memory.device_total - memory.overhead + memory.host,
+            "rss": memory.device_total + memory.host, "step": step_cost(facts, layout, work, device).total}
+
+
+def launch(name: str, args, out_dir: Path) -> dict:
+    world = LEGS[name][1]
+    cmd = torchrun(os.path.abspath(__file__), world, "--worker", name, "--out", str(out_dir),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
+    results, error = launch_ranks(cmd, out_dir, name, world, args.timeout, env)
+    if error:
+        return {"status": error}
+    slowest = [max(s) for s in zip(*(r["step_times"] for r in results))]
+    return {"status": "ok", "parts": results[0]["parts"], "tracked": max(r["tracked"] for r in results), "rss": max(r["rss"] for r in results),
+            "step": sum(slowest) / len(slowest)}
+
+
+def table(rows: dict) -> str:
+    header = ["leg", "layout", "tracked pred/meas", "RSS pred/meas", "step pred/meas", "tracked pred (GiB)",
+              "tracked meas (GiB)", "RSS pred (GiB)", "RSS meas (GiB)", "step pred (s)", "step meas (s)"]
+    cells = []
+    for name, (pred, meas) in rows.items():
+        model, world, seq, batch, _ = LEGS[name]
+        label = f"{leg_layout(name).describe()}, {model}, {batch}x{seq}/dp rank, world {world}"
+        if meas["status"] != "ok":
+            cells.append([name, label, meas["status"]])
+            continue
+        cells.append([name, label] + [f"{pred[k] / meas[k]:.2f}" for k in ("tracked", "rss", "step")]
+                     + [f"{pred['tracked'] / GiB:.3f}", f"{meas['tracked'] / GiB:.3f}", f"{pred['rss'] / GiB:.3f}",
+                        f"{meas['rss'] / GiB:.3f}", f"{pred['step']:.2f}", f"{meas['step']:.2f}"])
+    return markdown_table(header, cells)
+
+
+def summary(rows: dict) -> str:
+    ok = [(p, m) for p, m in rows.values() if m["status"] == "ok"]
+    if not ok:
+        return "no leg ran"
+    worst = {k: max(abs(p[k] / m[k] - 1) for p, m in ok) for k in ("tracked", "rss", "step")}
+    targets = {"tracked": 0.05, "rss": 0.10, "step": 0.25}
+    return "\n".join(f"{'PASS' if worst[k] <= t else 'FAIL'}: {k} within +/-{t:.0%} on {len(ok)} leg(s) "
+                     f"(worst {worst[k]:+.1%})" for k, t in targets.items())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--legs", default=",".join(LEGS), help="comma-separated leg names")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--no-calibrate", action="store_true", help="reuse the cached calibration")
+    parser.add_argument("--worker")
+    parser.add_argument("--out")
+    add_write_arg(parser, "planner")
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+    check_doc(args)
+    names = args.legs.split(",")
+    unknown = [n for n in names if n not in LEGS]
+    if unknown:
+        parser.error(f"unknown legs {unknown}; known: {', '.join(LEGS)}")
+    from hf_scale.planner.cost import calibration_path, cpu_device
+
+    device = cpu_device(refresh=not args.no_calibrate)
+    print(f"calibration ({calibration_path()}): {device}", flush=True)
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="bench_planner_") as tmp:
+        for name in names:
+            rows[name] = (predict(name, device), launch(name, args, Path(tmp)))
+            pred, meas = rows[name]
+            print(f"[{name}] {meas['status']}\n  predicted {pred['parts']}\n  measured {meas.get('parts')}", flush=True)
+    body = table(rows) + "\n\n```\n" + summary(rows) + "\n```\n"
+    print(body)
+    write_doc(args, body, note=f"Calibration: {device}.")
+
+
+if __name__ == "__main__":
+    main()
