@@ -156,7 +156,9 @@ class Pipeline:
     def _sum_tied_grads(self) -> None:
         """A weight tied across stages (input embedding, head) gets the sum of both gradients
         on both stages, so both copies take the same optimizer step."""
-        params = dict(self.model.named_parameters())
+        # every name: where tensor parallel re-tied a V rank's head copy to its embedding, the
+        # two names are one parameter, whose gradient autograd has summed already
+        params = dict(self.model.named_parameters(remove_duplicate=False))
         for target, source in self.ties:
             held = [p for p in (params.get(target), params.get(source)) if p is not None]
             if len(held) == 2 and held[0] is held[1]:
