@@ -15,6 +15,7 @@ parameters by their unchanged names, gathered over fsdp / tp only (never across 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -144,7 +145,7 @@ def stage_facts(model) -> dict:
         "stages": list(layout.stages_of(state.pp_rank)),
         "stage_blocks": [list(b) for b in layout.stage_blocks],
         "held_blocks": sorted(int(k) for k in blocks._modules),
-        "head_is_embedding": head is not None and embed is not None and head.weight is embed.weight,
+        "head_is_embedding": getattr(head, "weight", None) is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0),
     }
 
 
@@ -155,6 +156,7 @@ def run_cases(cases: list[dict]) -> list[dict]:
 
     results = []
     for case in cases:
+        print(f"[pp_checks] rank {os.environ['RANK']}: {case.get('id')}", file=sys.stderr, flush=True)
         try:
             results.append(pp_run(case))
         except (hf_scale.HfScaleError, RuntimeError, ValueError, AssertionError, TypeError, AttributeError):
@@ -194,8 +196,9 @@ def forward_refused(arch: str, config: dict) -> str:
 
 def world_checks(cases: list[dict], extra: dict) -> dict:
     """All pp checks of one world size, in one process group."""
-    out = {"parity": run_cases(cases), "rank": int(os.environ["RANK"])}
+    out = {"rank": int(os.environ["RANK"])}
     for key, (fn, args, kwargs) in extra.items():  # name -> (function of this module, args, kwargs)
         out[key] = globals()[fn](*args, **kwargs)
         dist.barrier()  # a rank that raised no error would hang here, failing the spawn
+    out["parity"] = run_cases(cases)  # last: a case that crashes a pipeline can derail the next ones
     return out

@@ -19,7 +19,14 @@ import pytest
 
 from tests.distributed import pp_checks
 from tests.distributed.pp_checks import reference_run
-from tests.distributed.test_parity import FP32_RTOL, LOW_LOSS_RTOL, LOW_UPDATE_RTOL, NOISE_GRAD, UPDATE_RTOL, update_errors
+from tests.distributed.test_parity import (
+    FP32_RTOL,
+    LOW_LOSS_RTOL,
+    LOW_UPDATE_RTOL,
+    NOISE_GRAD,
+    UPDATE_RTOL,
+    update_errors,
+)
 from tests.harness import run_ranks
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
@@ -30,19 +37,20 @@ def _case(arch: str, name: str, **config) -> dict:
     return {"arch": arch, "config": {"pp": 2, **config}, "id": f"{arch}-{name}"}
 
 
-WORLD2 = [_case(a, s, pp_schedule=s) for a in ALL_SCHEDULE_ARCHS for s in SCHEDULES] + [
+# zbv last: a case that crashes inside a schedule can leave messages that derail the next ones
+WORLD2 = [_case(a, s, pp_schedule=s) for s in SCHEDULES for a in ALL_SCHEDULE_ARCHS if s != "zbv"] + [
     _case("opt", "1f1b", pp_schedule="1f1b"),
     _case("qwen2", "1f1b", pp_schedule="1f1b"),
     _case("llama", "1f1b-mb8", pp_schedule="1f1b", pp_microbatches=8),  # one row per microbatch
     _case("llama", "gpipe-split1", pp_schedule="gpipe", pp_split_points=[1]),  # 1 + 3 blocks
     _case("gpt2", "interleaved-split", pp_schedule="interleaved_1f1b", pp_split_points=[1, 2, 3], pp_microbatches=8),
     _case("llama", "1f1b-full_ac", pp_schedule="1f1b", activation_checkpointing="full"),
-    _case("llama", "zbv-full_ac", pp_schedule="zbv", activation_checkpointing="full"),
+    _case("llama", "interleaved-full_ac", pp_schedule="interleaved_1f1b", activation_checkpointing="full"),
     _case("gpt2", "1f1b-selective_ac", pp_schedule="1f1b", activation_checkpointing="selective"),
     _case("llama", "1f1b-bf16", pp_schedule="1f1b", mixed_precision="bf16"),
     _case("gpt2", "interleaved-bf16", pp_schedule="interleaved_1f1b", mixed_precision="bf16"),
     _case("llama", "1f1b-ddp", pp_schedule="1f1b", strategy="ddp"),  # one data-parallel rank: allowed
-]
+] + [_case(a, "zbv", pp_schedule="zbv") for a in ALL_SCHEDULE_ARCHS]
 WORLD4 = [
     _case("llama", "1f1b-fsdp2", pp_schedule="1f1b", strategy="fsdp"),
     _case("gpt2", "1f1b-fsdp2", pp_schedule="1f1b", strategy="fsdp"),
@@ -50,8 +58,8 @@ WORLD4 = [
     _case("llama", "1f1b-zero2", pp_schedule="1f1b", strategy="zero2"),
     _case("llama", "1f1b-tp2", pp_schedule="1f1b", tp=2),
     _case("gpt2", "1f1b-tp2", pp_schedule="1f1b", tp=2),
-    _case("llama", "zbv-tp2", pp_schedule="zbv", tp=2),
     _case("llama", "1f1b-fsdp2-full_ac-bf16", pp_schedule="1f1b", activation_checkpointing="full", mixed_precision="bf16"),
+    _case("llama", "zbv-tp2", pp_schedule="zbv", tp=2),
 ]
 
 # name -> (function of pp_checks, args, kwargs): each returns this rank's error message
@@ -115,18 +123,19 @@ def check_pp_parity(case: dict, results: list[dict]) -> None:
         by_slice.setdefault(result["dp_rank"], []).append(result["raw_losses"])
     for dp_rank, raw in by_slice.items():
         assert all(r == raw[0] for r in raw), f"data-parallel slice {dp_rank}: ranks returned {raw}"
-    check_stage_parameters(ref, results, update_tol)
-    if low:
-        diff = max(abs(g - w) / w for g, w in zip(results[0]["losses"], ref["losses"]))
-        assert diff > FP32_RTOL, "mixed precision had no effect: losses equal fp32's"
+    worst = check_stage_parameters(ref, results, update_tol)
+    if low:  # the tiny models' losses hardly move in bf16 (near-uniform logits); updates do
+        assert worst > UPDATE_RTOL, f"mixed precision had no effect: updates within {worst:.1e} of fp32's"
 
 
-def check_stage_parameters(ref: dict, results: list[dict], update_tol: float) -> None:
+def check_stage_parameters(ref: dict, results: list[dict], update_tol: float) -> float:
     """Each rank holds exactly its stages' blocks, names unchanged; together the ranks hold
-    every parameter; each one's update is the one-process update of the same name."""
+    every parameter; each one's update is the one-process update of the same name. Returns
+    the largest update error."""
     noise = NOISE_GRAD * max(ref["norms"])
     unique = set(ref["params"]) - set(ref["tie_targets"])  # a tied head is the embedding
     held: set[str] = set()
+    worst = 0.0
     for rank, result in enumerate(results):
         params = result["params"]
         unknown = set(params) - set(ref["params"])
@@ -139,8 +148,10 @@ def check_stage_parameters(ref: dict, results: list[dict], update_tol: float) ->
         sub = {key: {n: ref[key][n] for n in params} for key in ("params", "initial", "grad_max")}
         for name, rel in update_errors(sub, params, noise).items():
             assert rel <= update_tol, f"rank {rank} {name}: its update differs from one process's by {rel:.2e} of its norm"
+            worst = max(worst, rel)
         held |= set(params)
     assert unique <= held, f"no rank holds {sorted(unique - held)}"
+    return worst
 
 
 def _block_index(name: str) -> int | None:
@@ -192,7 +203,7 @@ def test_pp_fsdp_shards_within_a_stage(world4):
     for r in results:
         by_stage.setdefault(r["pp_rank"], []).append(r)
     assert sorted(by_stage) == [0, 1]
-    for stage, ranks in by_stage.items():
+    for ranks in by_stage.values():
         assert sorted(r["dp_rank"] for r in ranks) == [0, 1]
         assert ranks[0]["held_blocks"] == ranks[1]["held_blocks"]
         assert ranks[0]["raw_losses"] != ranks[1]["raw_losses"], "both data-parallel ranks trained on the same slice"
@@ -263,15 +274,10 @@ def _fake_results(ref: dict, moved: bool = True) -> list[dict]:
     split = [[0, 1], [2, 3]]
     results = []
     for rank, blocks in enumerate(split):
-        names = [n for n in source if (pp_checks_block(n) in blocks) or
-                 (rank == 0 and "embed" in n) or (rank == 1 and pp_checks_block(n) is None and "embed" not in n)]
+        names = [n for n in source if _block_index(n) in blocks or (_block_index(n) is None and ("embed" in n) == (rank == 0))]
         results.append({"params": {n: source[n].numpy() for n in names}, "stages": [rank], "stage_blocks": split,
                         "held_blocks": blocks})
     return results
-
-
-def pp_checks_block(name: str):
-    return _block_index(name)
 
 
 def test_parameter_check_passes_the_reference_and_fails_stale_or_misplaced_parameters():

@@ -22,8 +22,8 @@ from tests.distributed.pp_checks import pp_config, pp_model
 from tests.tiny_models import AUTO, tiny_model
 
 # SmolLM2-135M's shapes (the Hub is out of reach; the zoo ships GGUF weights, not a config).
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+           "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
 
 
 @pytest.fixture(scope="module")
