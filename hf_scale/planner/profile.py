@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass, field
 
@@ -91,8 +92,15 @@ class ModelFacts:
 
 
 def model_facts(source, task: str = "causal_lm") -> ModelFacts:
-    """Facts of a model given as a config (``PretrainedConfig``) or a model object."""
-    model = source if isinstance(source, nn.Module) else meta_model(source, task)
+    """Facts of a model given as a config (``PretrainedConfig``) or a model object (a real one is
+    rebuilt on the meta device from its config: nothing of it is touched)."""
+    if isinstance(source, nn.Module):
+        model = source
+        if any(not p.is_meta for p in source.parameters()):  # a real model: its class, on meta
+            with torch.device("meta"):
+                model = type(source)(copy.deepcopy(source.config))
+    else:
+        model = meta_model(source, task)
     plan = resolve_plan(model)
     units = wrap_units(model, plan)
     if not units:

@@ -1,0 +1,80 @@
+"""What ``hf-scale plan SOURCE --gpus N --gpu-memory 80GB --seq S --batch B`` prints: every
+candidate layout with its per-rank memory split and step time, why the others were rejected,
+and the recommendation.
+
+Usage::
+
+    print(format_candidates(*plan_candidates(config, gpus=8, gpu_memory="80GB", seq=4096, batch=1)))
+"""
+
+from __future__ import annotations
+
+from .choose import Candidate, choose, parse_memory
+from .cost import H100, INFINIBAND, NVLINK, Device, cpu_device
+from .estimate import GiB, Workload
+from .profile import ModelFacts, model_facts
+
+_PARTS = ("params", "grads", "optimizer", "activations", "logits_loss", "comm_buffers")
+
+
+def plan_candidates(source, gpus: int, gpu_memory, seq: int, batch: int, nodes: int = 1,
+                    device: Device | None = None, task: str = "causal_lm", **space):
+    """``(facts, best, ranked, budget, work)`` for ``source`` (a config or a model) on ``gpus``
+    ranks of ``gpu_memory`` each; ``device`` defaults to H100 numbers, or this machine's
+    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes."""
+    budget = parse_memory(gpu_memory)
+    device_type = "cpu" if device is not None and device.name == "cpu" else "cuda"
+    device = device or H100
+    work = Workload(seq=seq, batch=batch, device=device_type)
+    facts = source if isinstance(source, ModelFacts) else model_facts(source, task)
+    best, ranked = choose(facts, work, gpus, budget, device, nodes, **space)
+    return facts, best, ranked, budget, work
+
+
+def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate], budget: int, work: Workload,
+                      top: int = 12) -> str:
+    """The candidates as lines: fitting ones fastest first (at most ``top``), a count of the
+    rejected ones by reason, and the recommendation."""
+    world = best.layout.world_size
+    lines = [
+        (f"auto-planner: {type(facts.model).__name__}, {facts.params / 1e6:,.1f}M parameters, {facts.layers} blocks; "
+        f"{world} rank(s) of {budget / GiB:.1f} GiB ({work.device}); seq {work.seq} x batch {work.batch} per "
+        f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"),
+        ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers = peak "
+        "(host); step in seconds"),
+    ]
+    fits = [c for c in ranked if c.fits][:top]
+    width = max(len(c.layout.describe()) for c in fits)
+    for i, c in enumerate(fits):
+        mem = c.memory
+        split = " / ".join(f"{getattr(mem, p) / GiB:.2f}" for p in _PARTS)
+        host = f" (host {mem.host / GiB:.2f})" if mem.host else ""
+        mark = "*" if c is best else " "
+        lines.append(f" {mark}{i + 1:>3} {c.layout.describe():{width}}  {split} = {mem.device_total / GiB:.2f}{host}"
+                     f"  step {c.cost.total:.3g}s  {c.cost.tokens_per_second:,.0f} tok/s")
+    rejected: dict[str, int] = {}
+    for c in ranked:
+        if not c.fits:
+            key = "does not fit the memory" if "GiB usable" in c.reason else c.reason.split(". ")[0]
+            rejected[key] = rejected.get(key, 0) + 1
+    if rejected:
+        lines.append("rejected:")
+        lines += [f"  {n:>4} x {reason}" for reason, n in sorted(rejected.items(), key=lambda kv: -kv[1])]
+    lay = best.layout
+    lines.append(f"recommended: {lay.describe()} -> parallel: strategy={lay.strategy}, dp_replicate={lay.dp_replicate}, "
+                 f"dp_shard={lay.dp_shard}, tp={lay.tp}, pp={lay.pp}, activation_checkpointing={lay.ac}, "
+                 f"mixed_precision={lay.precision}, cpu_offload={lay.cpu_offload}, loss_chunk_tokens="
+                 f"{lay.loss_chunk_tokens}; micro-batch {lay.micro_batch} (grad_accum "
+                 f"{max(1, work.batch // lay.micro_batch)})")
+    return "\n".join(lines)
+
+
+def device_for(name: str | None) -> Device | None:
+    """A device by name: ``h100`` (NVLink within a node, InfiniBand between), ``cpu`` (this
+    machine, calibrated), or None (the default)."""
+    if name in (None, "h100"):
+        return None
+    if name == "cpu":
+        return cpu_device()
+    links = {"nvlink": NVLINK, "infiniband": INFINIBAND}
+    raise ValueError(f"unknown device {name!r}: h100 or cpu (links: {', '.join(links)})")

@@ -1,0 +1,40 @@
+"""``hf-scale plan --gpus``'s candidate table and ``parallelize(model, "auto")``'s choice."""
+
+import pytest
+
+from hf_scale.config import ParallelConfig
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.planner.auto import auto_config, is_auto
+from hf_scale.planner.report import format_candidates, plan_candidates
+from tests.tiny_models import CAUSAL, tiny_config, tiny_model
+
+
+def test_candidates_table_and_recommendation():
+    facts, best, ranked, budget, work = plan_candidates(tiny_config("llama"), 4, "1GiB", 16, 2)
+    text = format_candidates(facts, best, ranked, budget, work)
+    assert text.splitlines()[2].startswith(" *  1 ")  # the recommendation is the first row
+    assert f"recommended: {best.layout.describe()}" in text
+    assert "rejected:" in text and "does not split into the pipeline" in text
+    assert "4 rank(s) of 1.0 GiB" in text
+
+
+def test_auto_config_is_a_valid_parallel_config():
+    model = tiny_model("llama", CAUSAL)
+    config, best = auto_config(model, world_size=2, budget=2**30, device_type="cuda", seq=16)
+    assert isinstance(config, ParallelConfig) and best.fits
+    assert config.strategy == best.layout.strategy and config.mixed_precision is None  # not asked for
+    fixed, _ = auto_config(model, world_size=2, budget=2**30, device_type="cuda", seq=16,
+                           fixed={"strategy": "auto", "activation_checkpointing": "full", "mixed_precision": "bf16"})
+    assert fixed.activation_checkpointing == "full" and fixed.mixed_precision == "bf16"
+    assert next(model.parameters()).device.type == "cpu"  # the real model was not touched
+
+
+def test_auto_refuses_degrees_that_contradict_the_world_size():
+    with pytest.raises(HfScaleConfigError, match="does not divide the world size 2"):
+        auto_config(tiny_model("llama", CAUSAL), world_size=2, budget=2**30, device_type="cuda", seq=16,
+                    fixed={"strategy": "auto", "tp": 3})
+
+
+def test_is_auto():
+    assert is_auto("auto") and is_auto({"strategy": "auto", "tp": 2})
+    assert not is_auto({"strategy": "fsdp"}) and not is_auto(None) and not is_auto(ParallelConfig())
