@@ -38,7 +38,9 @@ def read_source(source):
             raise HfScaleConfigError(f"{name!r} has no config.json: give a model folder, its config.json, "
                                      "a recipe .yaml or a Hub id in the local cache.")
         return AutoConfig.from_pretrained(str(path)), None
-    if name.startswith("zoo:"):
+    from ..zoo import is_zoo
+
+    if is_zoo(name):
         from ..cli import read_model_config
         from ..train.config import ModelConfig
 
