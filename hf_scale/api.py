@@ -28,7 +28,7 @@ DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def parallelize(
     model: nn.Module,
-    config: ParallelConfig | Mapping[str, Any] | None = None,
+    config: ParallelConfig | Mapping[str, Any] | str | None = None,
     *,
     plan: ModelPlan | Mapping[str, Any] | None = None,
 ) -> nn.Module:
@@ -39,7 +39,9 @@ def parallelize(
     ``tp`` mesh dimension; activation checkpointing on the blocks; then FSDP2 (fsdp / zero2 /
     hsdp) or DDP (ddp / zero1) over the data-parallel mesh, with mixed precision and CPU
     offload as configured. Without torchrun (world size 1) only activation checkpointing,
-    mixed precision and chunked loss apply.
+    mixed precision and chunked loss apply. ``config="auto"`` (or ``{"strategy": "auto", ...}``
+    with fields to keep) asks :mod:`hf_scale.planner` for the fastest layout that fits this world
+    size and device memory, and logs it.
 
     Returns the same module object (its class gains the FSDP / DDP mixin), so
     ``model.config``, ``model.generate`` and parameter names are unchanged. Build the
@@ -50,6 +52,13 @@ def parallelize(
         model = AutoModelForCausalLM.from_pretrained(name)
         model = hf_scale.parallelize(model, {"strategy": "fsdp", "mixed_precision": "bf16"})
     """
+    if config == "auto" or (isinstance(config, Mapping) and config.get("strategy") == "auto"):
+        # The one way into the application's planner (DESIGN): the fastest layout that fits.
+        from .planner.auto import auto_config
+
+        config, best = auto_config(model, fixed=config if isinstance(config, Mapping) else None)
+        log_rank0(f"strategy 'auto' chose {best.layout.describe()}: {best.memory.device_total / 2**30:.2f} GiB "
+                  f"per rank estimated, {best.cost.tokens_per_second:,.0f} tokens/s (one sequence per rank)")
     config = as_parallel_config(config)
     if get_state(model) is not None:
         raise HfScaleConfigError(

@@ -40,13 +40,14 @@ def is_auto(config) -> bool:
 
 def auto_config(model, *, world_size: int | None = None, budget: int | None = None, device_type: str | None = None,
                 seq: int | None = None, batch: int = 1, fixed: Mapping | None = None,
-                nodes: int = 1) -> tuple[ParallelConfig, Candidate]:
+                nodes: int | None = None) -> tuple[ParallelConfig, Candidate]:
     """The ``ParallelConfig`` of the fastest layout that fits, and the chosen candidate."""
     import torch
 
     fixed = dict(fixed or {})
     fixed.pop("strategy", None)
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    nodes = nodes or max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if budget is None:

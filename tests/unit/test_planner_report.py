@@ -38,3 +38,21 @@ def test_auto_refuses_degrees_that_contradict_the_world_size():
 def test_is_auto():
     assert is_auto("auto") and is_auto({"strategy": "auto", "tp": 2})
     assert not is_auto({"strategy": "fsdp"}) and not is_auto(None) and not is_auto(ParallelConfig())
+
+
+def test_parallelize_auto_in_one_process(tmp_path, monkeypatch):
+    """``parallelize(model, "auto")`` without torchrun: the planner's choice for one CPU process
+    (a calibration file stands in for this machine's measurement)."""
+    import json
+
+    import hf_scale
+
+    (tmp_path / "hf_scale").mkdir()
+    (tmp_path / "hf_scale" / "calibration.json").write_text(json.dumps({
+        "flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9, "allreduce_bus_bytes_per_s": 5e8,
+        "allreduce_latency_s": 4e-4, "threads": 1, "cpus": 2}))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = hf_scale.parallelize(tiny_model("llama", CAUSAL), "auto")
+    state = hf_scale.get_state(model)
+    assert state.config.strategy == "fsdp" and state.config.mixed_precision is None
+    assert state.config.cpu_offload is False
