@@ -1,0 +1,48 @@
+"""scripts/bench_planner.py: its legs cover what issue 14 asks of the calibration run, every leg
+is a layout the engine accepts and the planner can estimate, and the ratios and targets it prints."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from bench_planner import LEGS, config_of, leg_layout, summary, table
+
+from hf_scale.mesh import ParallelDims
+from hf_scale.planner.estimate import Workload, estimate_memory
+from hf_scale.planner.profile import model_facts
+
+
+def test_legs_cover_the_issue():
+    layouts = {name: leg_layout(name) for name in LEGS}
+    assert len(LEGS) >= 12
+    assert {world for _, world, _, _, _ in LEGS.values()} == {1, 2, 4}
+    assert {lay.strategy for lay in layouts.values()} >= {"fsdp", "zero2", "zero1", "ddp", "hsdp"}
+    assert any(lay.tp > 1 for lay in layouts.values()) and any(lay.pp > 1 for lay in layouts.values())
+    assert {lay.ac for lay in layouts.values()} == {None, "selective", "full"}
+    assert any(lay.cpu_offload for lay in layouts.values()) and any(lay.loss_chunk_tokens for lay in layouts.values())
+    assert {model for model, *_ in LEGS.values()} == {"tiny", "small", "smollm2"}
+
+
+def test_every_leg_is_a_valid_layout_the_planner_estimates():
+    facts = {}
+    for name, (model, world, seq, batch, _) in LEGS.items():
+        layout = leg_layout(name)
+        assert layout.world_size == world, name
+        if world > 1:
+            ParallelDims.resolve(layout.parallel_config(), world)
+        facts.setdefault(model, model_facts(config_of(name)))
+        assert estimate_memory(facts[model], layout, Workload(seq=seq, batch=batch)).device_total > 0
+
+
+def test_table_ratios_and_targets():
+    pred = {"tracked": 105.0, "rss": 90.0, "step": 2.0}
+    rows = {"tiny_w1": (pred, {"status": "ok", "tracked": 100.0, "rss": 100.0, "step": 1.0}),
+            "tiny_ddp_w2": (pred, {"status": "failed: boom"})}
+    text = table(rows)
+    assert "| tiny_w1 | " in text and "| 1.05 | 0.90 | 2.00 |" in text and "failed: boom" in text
+    verdict = summary(rows)
+    assert "PASS: tracked within +/-5% on 1 leg(s) (worst +5.0%)" in verdict
+    assert "PASS: rss within +/-10% on 1 leg(s) (worst -10.0%)" in verdict
+    assert "FAIL: step within +/-25% on 1 leg(s) (worst +100.0%)" in verdict
