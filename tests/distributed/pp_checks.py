@@ -136,8 +136,10 @@ def pp_run(case: dict) -> dict:
 def stage_facts(model) -> dict:
     """Which pp rank this is, its stages and the blocks it holds (by original index)."""
     state = hf_scale.get_state(model)
-    pipeline = state.pipeline
-    layout = pipeline.layout
+    if state.pipeline is None:  # a baseline without pp: every block on every rank
+        return {"pp_rank": 0, "dp_rank": state.dp_rank, "rank": int(os.environ["RANK"]), "stages": [0],
+                "stage_blocks": [list(range(LAYERS))], "held_blocks": list(range(LAYERS)), "head_is_embedding": None}
+    layout = state.pipeline.layout
     blocks = model.get_submodule(layout.blocks)
     head, embed = model.get_output_embeddings(), model.get_input_embeddings()
     return {

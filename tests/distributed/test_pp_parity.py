@@ -6,8 +6,9 @@ steps on padded batches: the same losses, the same evaluation loss, and each ran
 parameters (names unchanged) updated as the same names of the one-process model.
 
 Tolerances are test_parity.py's: fp32 losses within 1e-5 relative; parameters by their update
-(2e-4 of the reference update's norm, i.e. ~1e-5 of a weight's norm after 3 steps; Adam's
-bound for elements with a zero gradient); bf16 2e-2 / 0.5, and bf16 must differ from fp32.
+(2e-4 of the reference update's norm, i.e. ~1e-5 of a weight's norm after 3 steps; 5e-4 with
+tp, see TP_UPDATE_RTOL; Adam's bound for elements with a zero gradient); bf16 2e-2 / 0.5, and
+bf16's updates must differ from fp32's.
 Bad input fails with our error on every rank before any collective.
 
 Ranks are spawned once per world size; each test reads one part of the result.
@@ -29,6 +30,11 @@ from tests.distributed.test_parity import (
 )
 from tests.harness import run_ranks
 
+# tensor parallel sums GPT-2's rowwise MLP output in another order; on these padded batches
+# Adam turns that into update errors of up to 3.35e-4 (transformer.h.0.mlp.c_proj.weight with
+# tp=2 alone, no pp; 2.78e-4 under pp=2 x tp=2), over UPDATE_RTOL. A step missed or wrongly
+# weighted is 1 or ~1e-2 (see the data check at the end), so 5e-4 still tells them apart.
+TP_UPDATE_RTOL = 5e-4
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 ALL_SCHEDULE_ARCHS = ("llama", "gpt2", "gpt_neox")
 
@@ -113,6 +119,8 @@ def check_pp_parity(case: dict, results: list[dict]) -> None:
     ref = _reference(case["arch"])
     low = case["config"].get("mixed_precision") is not None
     loss_tol, update_tol = (LOW_LOSS_RTOL, LOW_UPDATE_RTOL) if low else (FP32_RTOL, UPDATE_RTOL)
+    if not low and case["config"].get("tp", 1) > 1:
+        update_tol = TP_UPDATE_RTOL
     for rank, result in enumerate(results):
         for step, (got, want) in enumerate(zip(result["losses"], ref["losses"], strict=True)):
             assert abs(got - want) <= loss_tol * abs(want), f"rank {rank} step {step}: loss {got} vs one process {want}"
