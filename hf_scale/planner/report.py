@@ -78,3 +78,20 @@ def device_for(name: str | None) -> Device | None:
         return cpu_device()
     links = {"nvlink": NVLINK, "infiniband": INFINIBAND}
     raise ValueError(f"unknown device {name!r}: h100 or cpu (links: {', '.join(links)})")
+
+
+def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | None = None, seq: int | None = None,
+              batch: int | None = None, nodes: int = 1, world_size: int | None = None, task: str = "causal_lm") -> str:
+    """``hf-scale plan``'s candidate table. With ``gpus``: that many GPUs of ``gpu_memory`` (80GB by
+    default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
+    ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
+    ``batch`` default to the recipe's ``data.max_seq_len`` and ``train.batch_size x grad_accum``."""
+    import psutil
+
+    seq = seq or (job.data.max_seq_len if job else 1024)
+    batch = batch or (job.train.batch_size * job.train.grad_accum if job else 1)
+    if gpus:
+        return format_candidates(*plan_candidates(config, gpus, gpu_memory or "80GB", seq, batch, nodes, task=task))
+    world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
+    memory = gpu_memory or psutil.virtual_memory().total // world
+    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device=cpu_device(), task=task))

@@ -56,3 +56,10 @@ def test_parallelize_auto_in_one_process(tmp_path, monkeypatch):
     state = hf_scale.get_state(model)
     assert state.config.strategy == "fsdp" and state.config.mixed_precision is None
     assert state.config.cpu_offload is False
+
+
+def test_plan_text_for_gpus_from_a_config():
+    from hf_scale.planner.report import plan_text
+
+    text = plan_text(tiny_config("llama"), gpus=4, gpu_memory="80GB", seq=16, batch=2)
+    assert "4 rank(s) of 74.5 GiB (cuda); seq 16 x batch 2" in text and "recommended:" in text
