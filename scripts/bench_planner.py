@@ -10,7 +10,8 @@ Each leg trains a randomly initialised Llama-shaped model (tiny, small, or SmolL
 from its config: the same memory and FLOPs as the real weights) with AdamW on fixed random token
 ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per rank:
 
-* peak tracked tensor bytes in one step after warm-up (``torch.distributed._tools.MemTracker``:
+* peak tracked tensor bytes in one step after warm-up (``torch.distributed._tools.MemTracker``'s
+  device peak, its per-module statistics off:
   parameters, gradients, optimizer state, activations, temporaries; every tensor the dispatcher
   sees, FSDP's buffers included);
 * peak RSS over the timed steps (``bench_common.RssSampler``, every 5 ms);
@@ -98,7 +99,6 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from torch.distributed._tools.mem_tracker import MemTracker
 
     import hf_scale
 
@@ -126,7 +126,7 @@ def worker(args) -> None:
     model.train()
     for ids in data[: args.warmup]:
         step(ids)
-    tracker = MemTracker()
+    tracker = device_tracker()
     tracker.track_external(model, optimizer)
     with tracker:
         step(data[args.warmup])
@@ -146,6 +146,32 @@ def worker(args) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _device_tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class DeviceTracker(MemTracker):
+        """MemTracker's per-device peak without its per-module statistics, which refuse a module
+        that runs several forwards in one step (a pipeline stage's microbatches)."""
+
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+    return DeviceTracker
+
+
+def device_tracker():
+    return _device_tracker_class()()
 
 
 def _dp(model) -> tuple[int, int]:

@@ -31,7 +31,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -234,8 +234,7 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
         kept = prof.block_input
         recompute = full_block
     blocks, inflight, _ = pipeline_shape(facts, layout)
-    per_rank = [b * kept * f for b, f in zip(blocks, inflight)]
-    acts = int(max(per_rank) * seqs)
+    per_rank = [blk * kept * f * seqs for blk, f in zip(blocks, inflight)]
     vocab_tokens = work.seq * seqs * facts.vocab / t
     d = DTYPE_BYTES[layout.precision]
     if layout.loss_chunk_tokens:
@@ -246,8 +245,10 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
         logits = prof.logits / t * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
     if layout.pp > 1 and layout.pp_schedule == "gpipe":
         logits += prof.logits / t * seqs * (inflight[-1] - 1)
-    return acts, int(recompute * seqs), int(logits)
+    # under pp the logits live on the last rank only: the busiest rank is the larger of the two
+    last = len(per_rank) - 1
+    busiest = max(range(len(per_rank)), key=lambda r: per_rank[r] + (max(logits, recompute * seqs) if r == last else
+                                                                     recompute * seqs))
+    return int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0)
 
 
-def with_layout(layout: Layout, **changes) -> Layout:
-    return replace(layout, **changes)

@@ -137,3 +137,13 @@ def test_read_source_config_json(tmp_path):
     assert config.model_type == "llama" and job is None
     with pytest.raises(HfScaleConfigError, match="local Hugging Face cache"):
         read_source("no-such-org/no-such-model-xyz")
+
+
+def test_pipeline_busiest_rank(tiny):
+    """pp=2 over 2 blocks, 1F1B, 2 microbatches of 1 sequence: rank 0 holds 2 in flight of its block,
+    the last rank 1 and the logits; the estimate is the busier of the two."""
+    mem = estimate_memory(tiny, Layout("fsdp", 1, 1, pp=2, micro_batch=2), WORK2)
+    prof = tiny.profile(16, torch.float32, "sdpa")
+    one = estimate_memory(tiny, Layout("fsdp", 1, 1, micro_batch=1), Workload(seq=16, batch=1))
+    rank0, last = 2 * prof.block_bytes, prof.block_bytes + one.logits_loss
+    assert mem.activations + mem.logits_loss == max(rank0, last)
