@@ -1,5 +1,6 @@
-"""Measure this machine once for the cost model: achieved training FLOP/s (fp32 and bf16) of a
-small llama's forward + backward (SmolLM2's block shape), memory bandwidth (a large copy), and gloo all-reduce bus
+"""Measure this machine once for the cost model: the fixed cost of a block's ops (a tiny llama),
+achieved training FLOP/s of small llamas' forward + backward (hidden 576, SmolLM2's width, in
+fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and gloo all-reduce bus
 bandwidth and latency between 2 local processes. Seconds, not minutes; noisy on a busy machine
 (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
 """
@@ -23,25 +24,42 @@ def _best(fn, reps: int) -> float:
     return min(times)
 
 
-def training_flops(dtype: torch.dtype, seq: int = 256, batch: int = 2) -> float:
-    """FLOP/s of a small llama's training forward + backward (the planner's FLOPs per token)."""
+def _llama(hidden: int, layers: int, vocab: int = 8192):
     import transformers as tf
 
+    heads = max(1, hidden // 64)
+    return tf.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32 or 64,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                          vocab_size=vocab, tie_word_embeddings=True)
+
+
+def training_seconds(config, dtype: torch.dtype, seq: int, batch: int) -> float:
+    """Best-of-3 time of one training forward + backward of ``config``'s model (random weights)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return _best(lambda: model(input_ids=ids, labels=ids).loss.backward(), 3)
+
+
+def block_overhead() -> float:
+    """Seconds per block (embedding + head + loss counted as one more) of a step whose FLOPs are
+    negligible: the fixed cost of a block's ops on this machine (dispatch, autograd, allocation)."""
+    config = _llama(32, 4, vocab=64)
+    return training_seconds(config, torch.float32, 8, 1) / (config.num_hidden_layers + 1)
+
+
+def training_flops(dtype: torch.dtype, hidden: int = 576, seq: int = 256, batch: int = 2,
+                   overhead: float = 0.0) -> float:
+    """FLOP/s of a small llama's training forward + backward at width ``hidden`` (the planner's
+    FLOPs per token), less the fixed per-block ``overhead``."""
     from .cost import flops_per_token
     from .profile import model_facts
 
-    # SmolLM2-135M's block shape (the models benchmarked here), 2 blocks, a small vocabulary
-    config = tf.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2, num_attention_heads=9,
-                            num_key_value_heads=3, vocab_size=8192, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
-    ids = torch.randint(0, 8192, (batch, seq))
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    seconds = _best(step, 3)
-    return batch * seq * flops_per_token(model_facts(config), seq) / seconds
+    config = _llama(hidden, 2)
+    seconds = training_seconds(config, dtype, seq, batch) - overhead * (config.num_hidden_layers + 1)
+    return batch * seq * flops_per_token(model_facts(config), seq) / max(seconds, 1e-9)
 
 
 def memory_bandwidth() -> float:
@@ -84,9 +102,12 @@ def calibrate() -> dict:
     bus, latency = allreduce_link()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    overhead = block_overhead()
     result = {
-        "flops_fp32": training_flops(torch.float32),
-        "flops_bf16": training_flops(torch.bfloat16),
+        "block_overhead_s": overhead,
+        "flops_fp32": training_flops(torch.float32, overhead=overhead),
+        "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead),
+        "flops_bf16": training_flops(torch.bfloat16, overhead=overhead),
         "mem_bandwidth": memory_bandwidth(),
         "allreduce_bus_bytes_per_s": bus,
         "allreduce_latency_s": latency,

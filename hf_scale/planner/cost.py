@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ from .estimate import DTYPE_BYTES, Layout, Workload, pipeline_shape, rank_params
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
+WIDE = 576  # the hidden size the CPU calibration measures its main FLOP/s at
 DDP_BUCKET_BYTES = 25 * 2**20
 
 
@@ -58,10 +60,18 @@ class Device:
     host_bandwidth: float = 20e9  # PCIe (cpu offload copies) and the host's memory for the optimizer
     cores: int = 0  # CPU only: ranks share these cores (flops were measured with ``threads``)
     threads: int = 1
+    block_overhead: float = 0.0  # seconds of fixed cost per block per micro-batch (CPU: measured)
+    narrow: tuple[int, float] | None = None  # (hidden, fp32 FLOP/s) measured at a narrower width
 
-    def flops(self, precision: str | None, world: int = 1) -> float:
-        """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores."""
+    def flops(self, precision: str | None, world: int = 1, hidden: int | None = None) -> float:
+        """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores, and a model
+        narrower than the calibration's 576 runs at a rate interpolated (log-width) towards the
+        narrow measurement."""
         rate = self.flops_low if precision else self.flops_fp32
+        if self.narrow and hidden and hidden < WIDE:
+            width, slow = self.narrow
+            x = min(1.0, max(0.0, math.log(WIDE / hidden) / math.log(WIDE / width)))
+            rate *= (slow / self.flops_fp32) ** x
         if self.cores:
             rate *= min(1.0, self.cores / world / self.threads)
         return rate
@@ -121,7 +131,10 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     tokens = work.batch * work.seq  # per data-parallel rank
     share = _stage_share(facts, layout)
     chunked = bool(layout.loss_chunk_tokens)
-    compute = tokens * flops_per_token(facts, work.seq, layout.ac, chunked) * share / layout.tp / device.flops(layout.precision, layout.world_size)
+    compute = tokens * flops_per_token(facts, work.seq, layout.ac, chunked) * share / layout.tp / device.flops(layout.precision, layout.world_size, facts.hidden)
+    blocks_here = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
+    passes = 4 / 3 if layout.ac == "full" else 1.0  # a recomputed forward is a third of a step's ops
+    compute += micro * (blocks_here + 1) * passes * device.block_overhead
     bubble = 0.0
     if layout.pp > 1:
         m = pipeline_shape(facts, layout)[2]
@@ -223,4 +236,5 @@ def cpu_device(refresh: bool = False) -> Device:
     link = Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0)
     return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
                   mem_bandwidth=data["mem_bandwidth"], intra=link, inter=link, host_bandwidth=data["mem_bandwidth"],
-                  cores=data["cpus"], threads=data["threads"])
+                  cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
+                  narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None)

@@ -1,5 +1,7 @@
 """The planner's step-time arithmetic on a device with round numbers (no calibration run)."""
 
+import math
+
 import pytest
 
 from hf_scale.plan_report import bubble_fraction
@@ -60,3 +62,17 @@ def test_pipeline_bubble_and_tp(tiny):
     # 4 all-reduces per block (2 forward, 2 backward) of the residual stream, 2 blocks
     assert tp.comm_tp == pytest.approx(4 * 2 * 64 * 32 * 4 * 2 * 1 / 2 / 1e6)
     assert rank_params(tiny, Layout("fsdp", 1, 1, tp=2)) < tiny.params
+
+
+def test_block_overhead_and_narrow_width(tiny):
+    slow = Device("t", flops_fp32=1e9, flops_low=2e9, mem_bandwidth=1e9, intra=LINK, inter=LINK, block_overhead=0.01)
+    base = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, DEV)
+    more = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, slow)
+    assert more.compute - base.compute == pytest.approx(2 * (2 + 1) * 0.01)  # 2 micro-batches x (2 blocks + 1)
+    full = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2, ac="full"), WORK, slow)
+    full0 = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2, ac="full"), WORK, DEV)
+    assert full.compute - full0.compute == pytest.approx(2 * 3 * 0.01 * 4 / 3)
+    narrow = Device("t", 1e9, 2e9, 1e9, LINK, LINK, narrow=(256, 0.25e9))
+    assert narrow.flops(None, hidden=576) == 1e9 and narrow.flops(None, hidden=256) == pytest.approx(0.25e9)
+    assert narrow.flops(None, hidden=384) == pytest.approx(1e9 * 0.25 ** (math.log(576 / 384) / math.log(576 / 256)))
+    assert narrow.flops(None, hidden=64) == pytest.approx(0.25e9)  # clamped at the narrow measurement
