@@ -2,8 +2,8 @@
 
 :class:`Pipeline` is what ``model.train_step`` / ``model.eval_step`` call under pipeline
 parallel. Per batch it splits the batch into microbatches (every rank of a pipeline holds the
-same batch: input ids on the first stage, the attention mask on every stage, the labels on the
-last), runs the schedule, sums the gradients of a weight tied across stages (the input
+same batch: the input ids go to the first stage; the attention mask and the labels, as keyword
+arguments, to every stage, which the last one uses for the loss), runs the schedule, sums the gradients of a weight tied across stages (the input
 embedding of the first stage and the head of the last: Megatron's embedding group), and hands
 every rank the batch's loss.
 
@@ -13,7 +13,9 @@ returns, per microbatch, the sum of its token losses divided by the batch's labe
 no gradient rescaling is needed (``scale_grads=False``).
 
 torch's stages fix their activation shapes at their first batch; batches padded to other
-lengths get their own stages and schedule (kept for the last few shapes).
+lengths get their own stages and schedule (kept for the last few shapes; each new one costs a
+shape-inference exchange and its receive buffers, logged once: pad to a few fixed lengths to
+avoid it).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import HfScaleConfigError
+from ..log import log_rank0
 from ..plans.pp import PipelineLayout
 
 SCHEDULES = {
@@ -88,8 +91,9 @@ class Pipeline:
         kwargs = {"labels": labels} if mask is None else {"attention_mask": mask, "labels": labels}
         schedule = self._schedule(tuple(ids.shape), train)
         if train:
+            before = self._tied_grads_before()
             schedule.step(ids, target=labels, return_outputs=False, **kwargs)
-            self._sum_tied_grads()
+            self._sum_tied_grads(before)
         else:
             schedule.eval(ids, target=labels, return_outputs=False, **kwargs)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -147,28 +151,50 @@ class Pipeline:
         if not train and self.schedule_name == "zbv":
             # torch 2.13's V schedule runs its backward actions in eval() too (and fails): give
             # it a forward-only order, each rank's stages in turn; torch adds the sends/receives.
-            schedule.pipeline_order_with_comms = _forward_only(self.layout, self.microbatches)
+            try:
+                schedule.pipeline_order_with_comms = _forward_only(self.layout, self.microbatches)
+            except (ImportError, TypeError) as e:  # torch's private lowering helpers moved
+                raise HfScaleConfigError(
+                    f"eval_step under pp_schedule='zbv' uses torch {torch.__version__}'s schedule "
+                    f"internals, which changed ({e}): evaluate with another pp_schedule."
+                ) from None
         self._cache[key] = schedule
+        if len(self._cache) > 1:
+            log_rank0("pipeline: a batch of a new shape builds new stages (torch fixes activation "
+                      "shapes at the first batch): pad batches to a few fixed lengths to avoid it",
+                      once=True)
         if len(self._cache) > _KEEP_SHAPES:
             self._cache.popitem(last=False)
         return schedule
 
-    def _sum_tied_grads(self) -> None:
-        """A weight tied across stages (input embedding, head) gets the sum of both gradients
-        on both stages, so both copies take the same optimizer step."""
-        # every name: where tensor parallel re-tied a V rank's head copy to its embedding, the
-        # two names are one parameter, whose gradient autograd has summed already
+    def _tied_ends(self) -> list[list[torch.Tensor]]:
+        """Per tie across stages, the end(s) this rank holds (one, or both on a V rank)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
+        ends = []
         for target, source in self.ties:
             held = [p for p in (params.get(target), params.get(source)) if p is not None]
-            if len(held) == 2 and held[0] is held[1]:
-                continue
+            if held and not (len(held) == 2 and held[0] is held[1]):
+                ends.append(held)
+        return ends
+
+    def _tied_grads_before(self) -> list[list[torch.Tensor | None]]:
+        """The tied ends' gradients before this step (accumulated by earlier train_steps)."""
+        return [[None if p.grad is None else _grad_like_param(p).clone() for p in held]
+                for held in self._tied_ends()]
+
+    def _sum_tied_grads(self, before: list[list[torch.Tensor | None]]) -> None:
+        """A weight tied across stages (input embedding, head) gets the sum of both ends'
+        gradients of this step on both ends, so both copies take the same optimizer step. Only
+        this step's increment is summed: gradients accumulated by earlier train_steps were
+        summed then (gradient accumulation calls train_step several times per optimizer step)."""
+        for held, prev in zip(self._tied_ends(), before):
             grads = [_grad_like_param(p) for p in held]
-            if len(grads) == 2:  # both ends on this rank (a V schedule): add locally
-                grads[0].add_(grads[1])
-                grads[1].copy_(grads[0])
-            elif grads:
-                dist.all_reduce(grads[0], group=self.tie_group)
+            deltas = [g if b is None else g - b for g, b in zip(grads, prev)]
+            total = deltas[0] + deltas[1] if len(deltas) == 2 else deltas[0]
+            if len(deltas) == 1:
+                dist.all_reduce(total, group=self.tie_group)
+            for grad, b in zip(grads, prev):
+                grad.copy_(total if b is None else b + total)
 
 
 def _grad_like_param(param: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,10 @@ def pp_run(case: dict) -> dict:
     for batch in batches(case.get("steps", STEPS)):
         local = slice_batch(batch, state.dp_rank, state.dp_degree)
         mine, total = label_tokens(local), label_tokens(batch)
-        loss = model.train_step(local, loss_scale=mine * state.dp_degree / total)
+        # "accum": gradient accumulation, several train_steps (each a share of the rows) per step
+        parts = [slice_batch(local, i, case.get("accum", 1)) for i in range(case.get("accum", 1))]
+        loss = sum(model.train_step(part, loss_scale=label_tokens(part) * state.dp_degree / total)
+                   * label_tokens(part) / mine for part in parts)
         optimizer.step()
         optimizer.zero_grad()
         raw.append(float(loss))

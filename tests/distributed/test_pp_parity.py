@@ -56,7 +56,10 @@ WORLD2 = [_case(a, s, pp_schedule=s) for s in SCHEDULES for a in ALL_SCHEDULE_AR
     _case("llama", "1f1b-bf16", pp_schedule="1f1b", mixed_precision="bf16"),
     _case("gpt2", "interleaved-bf16", pp_schedule="interleaved_1f1b", mixed_precision="bf16"),
     _case("llama", "1f1b-ddp", pp_schedule="1f1b", strategy="ddp"),  # one data-parallel rank: allowed
-] + [_case(a, "zbv", pp_schedule="zbv") for a in ALL_SCHEDULE_ARCHS]
+    {**_case("llama", "1f1b-accum2", pp_schedule="1f1b"), "accum": 2},  # tied sum once per train_step
+] + [_case(a, "zbv", pp_schedule="zbv") for a in ALL_SCHEDULE_ARCHS] + [
+    {**_case("llama", "zbv-accum2", pp_schedule="zbv"), "accum": 2},  # both tied ends on rank 0
+]
 WORLD4 = [
     _case("llama", "1f1b-fsdp2", pp_schedule="1f1b", strategy="fsdp"),
     _case("gpt2", "1f1b-fsdp2", pp_schedule="1f1b", strategy="fsdp"),
