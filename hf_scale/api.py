@@ -135,7 +135,7 @@ def parallelize(
                 mesh["tp"],
                 {n: style for n, style in layout.styles.items() if n in present},
                 {n: attrs for n, attrs in layout.local_attrs.items() if n in present},
-                _present_ties(model, resolved.tied_weights),
+                _present_ties(model, resolved.tied_weights, stages_layout),
             )
             if env.device.type != "cpu" and not _on_meta(model) and not fsdp_moves:
                 model.to(env.device)  # the parameters tp left whole (norms, biases): shards are there
@@ -202,10 +202,12 @@ def _describe(stages_layout) -> str:
     return " | ".join(f"{b[0]}-{b[-1]}" for b in stages_layout.stage_blocks)
 
 
-def _present_ties(model: nn.Module, ties) -> tuple:
-    """The ties whose two ends this rank holds (a pipeline stage may hold one end)."""
+def _present_ties(model: nn.Module, ties, stages_layout=None) -> tuple:
+    """The ties tensor parallel must restore: both ends held here and in one pipeline stage (a
+    V schedule's rank holds the embedding and its own copy of the head: they stay two)."""
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    return tuple((t, s) for t, s in ties if t in names and s in names)
+    split = set(tied_across_stages(stages_layout, ties)) if stages_layout is not None else set()
+    return tuple((t, s) for t, s in ties if t in names and s in names and (t, s) not in split)
 
 
 def _apply_ac(model: nn.Module, units: list[nn.Module], config: ParallelConfig) -> None:

@@ -61,10 +61,9 @@ class ZeroEmbedding(nn.Module):
         self.dim, self.dtype = dim, dtype
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        ids = kwargs.get("position_ids")
-        if ids is None:
-            ids = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+        # one zero (0-dim: it broadcasts, and adds nothing nor promotes a bf16 sum to fp32)
+        ids = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        return torch.zeros((), dtype=self.dtype, device=ids.device)
 
 
 class PassThrough(nn.Module):
