@@ -74,6 +74,7 @@ def pp_layout(
     stage after the first; None balances the stages' compute.
     """
     _check_causal_lm(model)
+    _check_stagewise(model)
     base_name = getattr(model, "base_model_prefix", "")
     base = getattr(model, base_name, None) if base_name else None
     if not isinstance(base, nn.Module):
@@ -96,7 +97,9 @@ def pp_layout(
     if len(lists) != 1:
         raise HfScalePlanError(
             f"pp_plan of {type(model).__name__} must name exactly one block ModuleList; it names "
-            f"{[entries[i] for i in lists] or 'none'} among {entries}."
+            f"{[entries[i] for i in lists] or 'none'} among {entries}. Pass "
+            "plan={'pp_plan': {...}} to parallelize (transformers' base_model_pp_plan format) or "
+            "call hf_scale.register_plan(model_type, pp_plan=...)."
         )
     cut = lists[0]
     blocks = modules[entries[cut]]
@@ -144,6 +147,29 @@ def pp_layout(
     )
 
 
+# Architectures whose stages do not compose (a one-process chain of stage views differs from the
+# model's own loss, review of 2026-11-23): their base forward transforms ``inputs_embeds`` again
+# on every stage (CTRL's sqrt(d_model), RecurrentGemma's normaliser) or adds a parameter-free
+# position embedding (XGLM), or for reasons not yet traced (beam, deepseek_v4).
+NOT_STAGEWISE = ("beam", "ctrl", "deepseek_v4", "recurrent_gemma", "xglm")
+# config attributes that scale the embeddings inside the base forward (Granite: 12 in its configs)
+_EMBEDDING_SCALES = {"embedding_multiplier": 1.0, "scale_embedding": False}
+
+
+def _check_stagewise(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", "")
+    scaled = [f"{a}={getattr(config, a)!r}" for a, plain in _EMBEDDING_SCALES.items()
+              if getattr(config, a, plain) not in (plain, None)]
+    if model_type in NOT_STAGEWISE or scaled:
+        why = f"its config sets {', '.join(scaled)}" if scaled else f"model_type {model_type!r} is known not to"
+        raise HfScaleConfigError(
+            f"pipeline parallel cannot split {type(model).__name__} yet: {why} (its base forward "
+            "transforms the hidden states it receives on every stage, so a later stage would "
+            "compute something else than the whole model). Use fsdp / tp for this model, or pp=1."
+        )
+
+
 def _check_causal_lm(model: nn.Module) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -163,7 +189,8 @@ def _head(model: nn.Module) -> tuple[str, nn.Module]:
     if not isinstance(head, nn.Linear) or name is None:
         raise HfScalePlanError(
             f"{type(model).__name__} has no Linear output head (get_output_embeddings() gave "
-            f"{type(head).__name__}): the last pipeline stage computes the loss through it."
+            f"{type(head).__name__}): the last pipeline stage computes the loss through it. Use "
+            "fsdp / tp for this model, or pp=1."
         )
     return name, head
 
