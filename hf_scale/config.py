@@ -171,6 +171,21 @@ class ParallelConfig:
                     f"pp_schedule={self.pp_schedule!r} interleaves several stages per rank: "
                     f"pp_stages_per_rank must be >= 2 (got {self.pp_stages_per_rank}); use '1f1b' for one."
                 )
+        m, pp = self.pp_microbatches, self.pp
+        if m is not None and pp > 1:
+            stages = pp * self.stages_per_rank
+            if self.pp_schedule == "1f1b" and m < pp:
+                raise HfScaleConfigError(
+                    f"pp_microbatches={m} with pp_schedule='1f1b' and pp={pp}: 1F1B needs at least "
+                    f"one microbatch per stage (>= {pp}); use {pp} or more, or 'gpipe'."
+                )
+            rounds = max(1, m // pp)
+            if self.pp_schedule in ("interleaved_1f1b", "zero_bubble") and m % rounds:
+                raise HfScaleConfigError(
+                    f"pp_microbatches={m} with pp_schedule={self.pp_schedule!r} and pp={pp}: torch's "
+                    f"interleaved schedules run rounds of pp microbatches, so m must be a multiple of "
+                    f"m // pp = {rounds}; use a multiple of {pp} (e.g. {stages})."
+                )
         if self.pp_split_points is not None and self.pp == 1:
             raise HfScaleConfigError("pp_split_points is set but pp=1: set pp, or drop pp_split_points.")
 

@@ -32,7 +32,7 @@ class ParallelState:
     env: DistEnv
     dims: ParallelDims | None  # None in one process
     mesh: Any  # DeviceMesh, or None in one process
-    pipeline: Any = None  # hf_scale.parallel.pp.Pipeline under pipeline parallel
+    pipeline: Any = None  # hf_scale.parallel.pp_schedule.Pipeline under pipeline parallel
 
     @property
     def dp_mesh(self):

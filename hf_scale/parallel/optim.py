@@ -106,7 +106,9 @@ def no_sync(model: nn.Module, enabled: bool = True) -> Iterator[None]:
 
     Gradients accumulate locally; the first backward outside the block reduces the sum.
     Under FSDP2 this sets ``set_requires_gradient_sync(False)`` (no reduce-scatter and no
-    all-reduce), under DDP the reducer is switched off. In one process it does nothing.
+    all-reduce), under DDP the reducer is switched off. In one process it does nothing, and
+    under pipeline parallel too: there torch's schedule drives each stage's FSDP gradient sync
+    itself (one reduce-scatter per ``train_step``, correct but not deferred).
     Divide the loss by the number of micro-batches, as in plain PyTorch.
 
     Usage::

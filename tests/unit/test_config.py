@@ -90,3 +90,16 @@ def test_shipped_parallel_recipes_load():
     assert len(recipes) >= 6
     strategies = {load_yaml(ParallelConfig, path).strategy for path in recipes}
     assert strategies == {"fsdp", "zero2", "zero1", "ddp", "hsdp"}
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"pp": 2, "pp_microbatches": 1}, r"pp_microbatches=1 .*1F1B needs at least one microbatch per stage \(>= 2\)"),
+    ({"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_microbatches": 5}, r"pp_microbatches=5 .*multiple of 2"),
+    ({"pp": 2, "pp_schedule": "gpipe", "pp_stages_per_rank": 2}, r"runs one stage per rank"),
+    ({"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 3}, r"exactly 2 stages"),
+    ({"pp_split_points": [2]}, r"pp_split_points is set but pp=1"),
+    ({"pp": 0}, r"pp=0: must be a positive integer"),
+])
+def test_pipeline_settings_torch_would_reject_are_refused_here(fields, message):
+    with pytest.raises(HfScaleConfigError, match=message):
+        ParallelConfig(**fields)
