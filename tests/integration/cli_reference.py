@@ -86,3 +86,20 @@ def check_against_reference(out_dir: Path, ref: dict) -> None:
         got_update = got[name].detach() - ref["initial"][name]
         rel = float((got_update - want_update).norm() / want_update.norm().clamp_min(1e-12))
         assert rel <= UPDATE_RTOL, f"{name}: update differs from plain AdamW's by {rel:.2e} of its norm"
+
+
+def one_process_eval(recipe) -> dict:
+    """hf_scale's evaluation of the initial model in one process (no parallelism at all)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_scale.train.config import load_job
+    from hf_scale.train.data import load_splits, tokenize_causal_lm
+    from hf_scale.train.evaluate import evaluate
+    from hf_scale.train.loader import PadCollator
+
+    job = load_job(recipe)
+    tokenizer = AutoTokenizer.from_pretrained(job.model.name_or_path)
+    eval_ds = tokenize_causal_lm(load_splits(job.data)["eval"], tokenizer, job.data, job.data.max_seq_len)
+    model = AutoModelForCausalLM.from_pretrained(job.model.name_or_path, dtype=torch.float32)
+    return evaluate(model, eval_ds, PadCollator(tokenizer.pad_token_id), task="causal_lm",
+                    batch_size=job.train.eval_batch_size, rank=0, world=1, device=torch.device("cpu"))

@@ -27,6 +27,7 @@ from tests.integration.cli_reference import (
     LOSS_RTOL,
     check_against_reference,
     logged_steps,
+    one_process_eval,
     plain_reference,
 )
 from tests.tiny_models import tiny_recipe
@@ -70,7 +71,7 @@ def test_evaluation_under_pp_is_one_process_loss_without_exact_match(pp_run):
     assert set(summary["before"]) == set(summary["after"]) == {"eval_loss", "eval_examples"}
     assert summary["before"]["eval_examples"] == 10  # not once per stage
     assert "evaluation under pipeline parallel (pp=2) reports the loss only" in log
-    want = _one_process_eval(recipe)
+    want = one_process_eval(recipe)
     np.testing.assert_allclose(summary["before"]["eval_loss"], want["eval_loss"], rtol=1e-5)
     assert summary["after"]["eval_loss"] != summary["before"]["eval_loss"]
 
@@ -105,19 +106,3 @@ def test_two_stages_per_rank_train_like_one_process(interleaved_run):
     assert "pipeline interleaved_1f1b" in log, log[-3000:]
     check_against_reference(out, reference)
 
-
-def _one_process_eval(recipe) -> dict:
-    """hf_scale's evaluation of the initial model in one process (no parallelism at all)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_scale.train.config import load_job
-    from hf_scale.train.data import load_splits, tokenize_causal_lm
-    from hf_scale.train.evaluate import evaluate
-    from hf_scale.train.loader import PadCollator
-
-    job = load_job(recipe)
-    tokenizer = AutoTokenizer.from_pretrained(job.model.name_or_path)
-    eval_ds = tokenize_causal_lm(load_splits(job.data)["eval"], tokenizer, job.data, job.data.max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(job.model.name_or_path, dtype=torch.float32)
-    return evaluate(model, eval_ds, PadCollator(tokenizer.pad_token_id), task="causal_lm",
-                    batch_size=job.train.eval_batch_size, rank=0, world=1, device=torch.device("cpu"))

@@ -19,10 +19,13 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
 from tests.harness import finish_command, free_port, start_command
-from tests.integration.cli_reference import check_against_reference, plain_reference
+from tests.integration.cli_reference import (
+    check_against_reference,
+    one_process_eval,
+    plain_reference,
+)
 from tests.tiny_models import tiny_recipe
 
 STEPS = 3
@@ -52,7 +55,7 @@ def test_tokens_and_eval_examples_count_once(tp_run):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["tokens_seen"] == reference["tokens"]  # one process's tokens, not twice them
     assert summary["before"]["eval_examples"] == summary["after"]["eval_examples"] == 10
-    want = _one_process_eval(recipe)
+    want = one_process_eval(recipe)
     np.testing.assert_allclose(summary["before"]["eval_loss"], want["eval_loss"], rtol=1e-5)
     assert summary["before"]["eval_exact_match"] == want["eval_exact_match"]
 
@@ -62,19 +65,3 @@ def test_every_rank_generates_the_same_tokens_and_the_export_repeats_them(tp_run
     assert "greedy answers of the trained model (same tokens on all 4 ranks)" in log, log[-3000:]
     assert "reloaded" in log and "the export gives the trained model's answers" in log, log[-3000:]
 
-
-def _one_process_eval(recipe) -> dict:
-    """hf_scale's evaluation of the initial model in one process (no parallelism at all)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hf_scale.train.config import load_job
-    from hf_scale.train.data import load_splits, tokenize_causal_lm
-    from hf_scale.train.evaluate import evaluate
-    from hf_scale.train.loader import PadCollator
-
-    job = load_job(recipe)
-    tokenizer = AutoTokenizer.from_pretrained(job.model.name_or_path)
-    eval_ds = tokenize_causal_lm(load_splits(job.data)["eval"], tokenizer, job.data, job.data.max_seq_len)
-    model = AutoModelForCausalLM.from_pretrained(job.model.name_or_path, dtype=torch.float32)
-    return evaluate(model, eval_ds, PadCollator(tokenizer.pad_token_id), task="causal_lm",
-                    batch_size=job.train.eval_batch_size, rank=0, world=1, device=torch.device("cpu"))
