@@ -95,6 +95,11 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
     """Facts of a model given as a config (``PretrainedConfig``) or a model object (a real one is
     rebuilt on the meta device from its config: nothing of it is touched)."""
     if isinstance(source, nn.Module):
+        if getattr(source, "config", None) is None:
+            raise HfScalePlanError(
+                f"{type(source).__name__} has no transformers config: the planner builds the model from its "
+                "config on the meta device. Give a transformers model, its config or its config.json."
+            )
         model = source
         if any(not p.is_meta for p in source.parameters()):  # a real model: its class, on meta
             with torch.device("meta"):

@@ -147,3 +147,27 @@ def test_pipeline_busiest_rank(tiny):
     one = estimate_memory(tiny, Layout("fsdp", 1, 1, micro_batch=1), Workload(seq=16, batch=1))
     rank0, last = 2 * prof.block_bytes, prof.block_bytes + one.logits_loss
     assert mem.activations + mem.logits_loss == max(rank0, last)
+
+
+def test_models_the_planner_cannot_estimate():
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    from hf_scale.errors import HfScalePlanError
+
+    class NoConfig(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+    class NoBlocks(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.a = nn.Linear(4, 4)
+
+    with pytest.raises(HfScalePlanError, match="no transformers config"):
+        model_facts(NoConfig())
+    with pytest.raises(HfScalePlanError, match="repeated blocks"):
+        model_facts(NoBlocks(PretrainedConfig()))
