@@ -154,7 +154,7 @@ def worker(leg: str, out: Path, name: str, args) -> None:
         pipeline, tie_s = get_state(model).pipeline, []
         if pipeline is not None:  # time the tied-embedding gradient sum inside train_step
             sum_tied = pipeline._sum_tied_grads
-            pipeline._sum_tied_grads = lambda: tie_s.append(timed_call(sum_tied))
+            pipeline._sum_tied_grads = lambda *a, **k: tie_s.append(timed_call(lambda: sum_tied(*a, **k)))
         share = slice(None) if pipeline is not None else slice(rank * args.batch // world, (rank + 1) * args.batch // world)
         fwd_bwd, whole, losses = [], [], []
         for ids in batches:
