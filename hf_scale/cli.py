@@ -182,6 +182,18 @@ def plan(args: list[str]) -> int:
                              "parallel.pp_schedule, else 1f1b)")
     parser.add_argument("--pp-microbatches", type=int, default=None,
                         help="microbatches per batch under pp (default: the recipe's, else the number of stages)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="auto-planner: rank every layout for this many GPUs (H100 numbers) and recommend one")
+    parser.add_argument("--gpu-memory", default=None,
+                        help="auto-planner: memory per rank, e.g. 80GB, 80GiB or 8e10 (default 80GB; on CPU the RAM "
+                             "per process)")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="auto-planner: tokens per sequence (default: the recipe's data.max_seq_len, else 1024)")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="auto-planner: sequences per data-parallel rank per step (default: the recipe's "
+                             "train.batch_size x grad_accum, else 1)")
+    parser.add_argument("--candidates", action="store_true",
+                        help="auto-planner for this machine: the recipe's CPU processes, the RAM divided among them")
     args, overrides = take_overrides(args)
     ns = parser.parse_strict(args)
     flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("pp", ns.pp), ("pp_schedule", ns.pp_schedule),
@@ -203,6 +215,13 @@ def plan(args: list[str]) -> int:
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
         parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
         nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp
+    if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch:
+        from .planner.report import plan_text
+
+        job = job if ns.source.endswith((".yaml", ".yml")) else None
+        print(plan_text(read_model_config(model_cfg), job, gpus=ns.gpus, gpu_memory=ns.gpu_memory, seq=ns.seq,
+                        batch=ns.batch, nodes=nnodes, world_size=ns.world_size, task=ns.task or model_cfg.task))
+        return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0

@@ -63,3 +63,15 @@ def test_plan_text_for_gpus_from_a_config():
 
     text = plan_text(tiny_config("llama"), gpus=4, gpu_memory="80GB", seq=16, batch=2)
     assert "4 rank(s) of 74.5 GiB (cuda); seq 16 x batch 2" in text and "recommended:" in text
+
+
+def test_plan_command_ranks_layouts_for_gpus(tmp_path, capsys):
+    from hf_scale.cli import main
+
+    tiny_config("llama").save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path / "config.json"), "--gpus", "4", "--gpu-memory", "80 GB", "--seq", "16",
+                 "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "4 rank(s) of 74.5 GiB (cuda); seq 16 x batch 2" in out and "recommended:" in out
+    assert main(["plan", str(tmp_path), "--gpus", "4", "--gpu-memory", "eighty"]) == 2
+    assert "memory 'eighty' is not a size" in capsys.readouterr().err
