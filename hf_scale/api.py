@@ -52,13 +52,12 @@ def parallelize(
         model = AutoModelForCausalLM.from_pretrained(name)
         model = hf_scale.parallelize(model, {"strategy": "fsdp", "mixed_precision": "bf16"})
     """
-    if config == "auto" or (isinstance(config, Mapping) and config.get("strategy") == "auto"):
-        # The one way into the application's planner (DESIGN): the fastest layout that fits.
-        from .planner.auto import auto_config
+    if is_auto_request(config):
+        # The one way into the application's planner (DESIGN): the fastest layout that fits,
+        # decided on rank 0 for every rank, logged.
+        from .planner.auto import auto_parallel
 
-        config, best = auto_config(model, fixed=config if isinstance(config, Mapping) else None)
-        log_rank0(f"strategy 'auto' chose {best.layout.describe()}: {best.memory.device_total / 2**30:.2f} GiB "
-                  f"per rank estimated, {best.cost.tokens_per_second:,.0f} tokens/s (one sequence per rank)")
+        config = auto_parallel(model, config)
     config = as_parallel_config(config)
     if get_state(model) is not None:
         raise HfScaleConfigError(
@@ -177,6 +176,15 @@ def parallelize(
     model.train_step = functools.partial(train_step, model)
     model.eval_step = functools.partial(eval_step, model)
     return model
+
+
+def is_auto_request(config) -> bool:
+    """``"auto"``, ``{"strategy": "auto", ...}`` or ``ParallelConfig(strategy="auto")``."""
+    if isinstance(config, str):
+        return config == "auto"
+    if isinstance(config, ParallelConfig):
+        return config.auto
+    return isinstance(config, Mapping) and config.get("strategy") == "auto"
 
 
 def _pipeline(model, stages_layout, stages, roots, mesh, dims, env, config, resolved) -> Pipeline:

@@ -204,6 +204,7 @@ def plan(args: list[str]) -> int:
         if flags:
             parallel = from_dict(ParallelConfig, {**vars(parallel), **flags})
         nnodes = ns.nnodes or launch.nnodes
+        given_nodes = ns.nnodes or (launch.nnodes if launch.nnodes > 1 else None)
         world = ns.world_size or launch.nproc_per_node * launch.nnodes
     else:
         if overrides:
@@ -215,12 +216,13 @@ def plan(args: list[str]) -> int:
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
         parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
         nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp
-    if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch:
+        given_nodes = ns.nnodes
+    if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or parallel.auto:
         from .planner.report import plan_text
 
         job = job if ns.source.endswith((".yaml", ".yml")) else None
         print(plan_text(read_model_config(model_cfg), job, gpus=ns.gpus, gpu_memory=ns.gpu_memory, seq=ns.seq,
-                        batch=ns.batch, nodes=nnodes, world_size=ns.world_size, task=ns.task or model_cfg.task))
+                        batch=ns.batch, nodes=given_nodes, world_size=ns.world_size, task=ns.task or model_cfg.task))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))

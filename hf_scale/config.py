@@ -24,6 +24,7 @@ from typing import Any, Literal, TypeVar, Union
 from .errors import HfScaleConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+AUTO = "auto"  # strategy: let hf_scale.planner choose the layout (fields given beside it stay fixed)
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
 # torch.distributed.pipelining schedules; the last three hold several stages per rank.
@@ -42,6 +43,9 @@ class ParallelConfig:
             ``"zero2"`` (FSDP2 that keeps parameters gathered between forward and backward),
             ``"zero1"`` (DDP + ``ZeroRedundancyOptimizer``: only optimizer state sharded),
             ``"ddp"`` (DistributedDataParallel) or ``"hsdp"`` (replicate x shard 2-D mesh).
+            ``"auto"``: :func:`hf_scale.parallelize` asks the planner for the fastest layout that
+            fits this world size and device memory; the other fields given (those not at their
+            defaults) are kept fixed (:meth:`fixed_fields`).
         dp_replicate: replica groups. Default: 1, except hsdp where it is the number of nodes.
         dp_shard: ranks that shard one replica. Default: every rank not used by dp_replicate.
         mixed_precision: ``None`` (fp32), ``"bf16"`` or ``"fp16"``: parameters are cast for
@@ -91,7 +95,7 @@ class ParallelConfig:
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
-        _check_choice("strategy", self.strategy, STRATEGIES)
+        _check_choice("strategy", self.strategy, (*STRATEGIES, AUTO))
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("activation_checkpointing", self.activation_checkpointing, AC_MODES)
         for name in ("dp_replicate", "dp_shard"):
@@ -124,7 +128,7 @@ class ParallelConfig:
                 f"ac_every={self.ac_every} only applies to activation_checkpointing='full' "
                 f"(got {self.activation_checkpointing!r}); set both or drop ac_every."
             )
-        sharded = self.strategy in ("fsdp", "zero2", "hsdp")
+        sharded = self.strategy in ("fsdp", "zero2", "hsdp", AUTO)  # auto: the planner's choice is checked again
         if self.cpu_offload and not sharded:
             raise HfScaleConfigError(
                 f"cpu_offload=True needs a sharded strategy (fsdp, zero2, hsdp), not "
@@ -171,6 +175,18 @@ class ParallelConfig:
                     f"pp_schedule={self.pp_schedule!r} interleaves several stages per rank: "
                     f"pp_stages_per_rank must be >= 2 (got {self.pp_stages_per_rank}); use '1f1b' for one."
                 )
+        if self.pp > 1 and self.mixed_precision == "fp16":
+            raise HfScaleConfigError(
+                f"mixed_precision='fp16' with pp={self.pp}: each stage would scale its own loss and "
+                "skip steps on its own overflows, so the stages could drift apart. Use 'bf16' (no loss "
+                "scaling) under pipeline parallel."
+            )
+        if self.pp > 1 and self.cpu_offload:
+            raise HfScaleConfigError(
+                f"cpu_offload=True with pp={self.pp} is not supported yet (the tied-embedding gradient "
+                "sum across stages runs on the device's process group). Drop cpu_offload, or shard "
+                "over more ranks (dp_shard) or more stages."
+            )
         m, pp = self.pp_microbatches, self.pp
         if m is not None and pp > 1:
             stages = pp * self.stages_per_rank
@@ -200,6 +216,16 @@ class ParallelConfig:
     def sharded(self) -> bool:
         """True when parameters are sharded with FSDP2 (fsdp, zero2, hsdp)."""
         return self.strategy in ("fsdp", "zero2", "hsdp")
+
+    @property
+    def auto(self) -> bool:
+        """True when the planner chooses the layout (``strategy="auto"``)."""
+        return self.strategy == AUTO
+
+    def fixed_fields(self) -> dict[str, Any]:
+        """The fields set away from their defaults (``strategy`` aside): what ``"auto"`` keeps."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "strategy" and getattr(self, f.name) != f.default}
 
 
 def as_parallel_config(value: ParallelConfig | dict | None) -> ParallelConfig:

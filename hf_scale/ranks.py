@@ -105,3 +105,29 @@ def rank0_first() -> Iterator[None]:
     finally:
         if world > 1 and r == 0:
             dist.barrier()
+
+
+def share_from_rank0(fn, *args):
+    """Collective: ``fn(*args)`` on rank 0 only, its result on every rank. A failure on rank 0 is
+    raised on every rank with the same message (an :mod:`hf_scale.errors` class keeps its class),
+    so a decision that must be identical everywhere (the auto-planner's) is made once."""
+    if rank_world()[1] == 1:
+        return fn(*args)
+    box: list[Any] = [None]
+    error = None
+    if rank_world()[0] == 0:
+        try:
+            box[0] = ("ok", fn(*args))
+        except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+            error, box[0] = e, ("error", type(e).__name__, str(e))
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0][0] == "ok":
+        return box[0][1]
+    from . import errors
+
+    kind = getattr(errors, box[0][1], None)
+    if isinstance(kind, type) and issubclass(kind, errors.HfScaleError):
+        raise kind(box[0][2])
+    raise errors.HfScaleError(f"rank 0 failed: {box[0][1]}: {box[0][2]}")

@@ -171,3 +171,19 @@ def run_cli(*args: str, script: str | None = None, timeout: float = 300, check: 
     """``python -m hf_scale.cli *args`` (or ``python <script> *args``); output merged in stdout."""
     entry = [script] if script else ["-m", "hf_scale.cli"]
     return finish_command(start_command([sys.executable, *entry, *args]), timeout, check)
+
+
+# A stand-in for this machine's planner calibration (hf_scale.planner.calibrate measures it in
+# seconds with a 2-process gloo run; tests use fixed numbers of this machine's order instead).
+STAND_IN_CALIBRATION = {"flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9,
+                        "allreduce_bus_bytes_per_s": 5e8, "allreduce_latency_s": 4e-4, "threads": 1, "cpus": 2}
+
+
+def stand_in_calibration(cache_home: Path) -> dict[str, str]:
+    """Write :data:`STAND_IN_CALIBRATION` where ``cpu_device()`` reads it under
+    ``XDG_CACHE_HOME=cache_home``; returns that variable for a command's environment."""
+    import json
+
+    (cache_home / "hf_scale").mkdir(parents=True, exist_ok=True)
+    (cache_home / "hf_scale" / "calibration.json").write_text(json.dumps(STAND_IN_CALIBRATION))
+    return {"XDG_CACHE_HOME": str(cache_home)}

@@ -1,11 +1,15 @@
-"""``parallelize(model, "auto")``: the chooser's layout for the ranks and memory this run has.
+"""``strategy: "auto"``: the chooser's layout for the ranks and memory this run has.
 
 The world size comes from torchrun's environment, the memory budget from the device (a GPU's
 total memory; on CPU the machine's RAM divided among the local processes), the device's speed
 from :data:`hf_scale.planner.cost.H100` on a GPU (a stand-in: the ranking, not the seconds,
-matters) or this machine's calibration on CPU. ``parallelize`` does not see a batch, so the
-workload is one sequence of ``min(max_position_embeddings, 1024)`` tokens per rank unless
-given. Fields given beside ``strategy: "auto"`` are kept fixed, and must fit the world size.
+matters) or this machine's calibration on CPU. ``parallelize`` does not see a batch, so its
+workload is one sequence of ``min(max_position_embeddings, 1024)`` tokens per rank; the
+fine-tuning loop passes the recipe's ``max_seq_len``, ``batch_size`` and ``grad_accum``.
+Fields given beside ``strategy: "auto"`` (those not at their defaults) are kept fixed; degrees
+that contradict the world size are refused. Under torchrun rank 0 decides and every rank gets
+its answer (:func:`hf_scale.ranks.share_from_rank0`): a calibration or a tie can never make
+two ranks choose differently.
 
 Usage::
 
@@ -16,62 +20,121 @@ Usage::
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
-from ..config import ParallelConfig, from_dict
+from ..api import is_auto_request as is_auto
+from ..config import ParallelConfig, as_parallel_config, from_dict
 from ..errors import HfScaleConfigError
+from ..log import log_rank0
 from .choose import Candidate, choose
 from .cost import H100, cpu_device
-from .estimate import Workload
+from .estimate import GiB, Workload
 from .profile import model_facts
 
 # ParallelConfig fields the chooser varies; a value given for one of them narrows its search.
 _SPACE = {"mixed_precision": "precisions", "activation_checkpointing": "acs", "cpu_offload": "offloads",
           "loss_chunk_tokens": "chunks", "tp": "tps", "pp": "pps"}
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 
 
-def is_auto(config) -> bool:
-    """True for ``"auto"`` or a mapping with ``strategy: auto``."""
-    if isinstance(config, str):
-        return config == "auto"
-    return isinstance(config, Mapping) and config.get("strategy") == "auto"
+def fixed_fields(config) -> dict:
+    """What ``"auto"`` must keep: a mapping's keys, or a ParallelConfig's non-default fields."""
+    if isinstance(config, str) or config is None:
+        return {}
+    if isinstance(config, ParallelConfig):
+        return config.fixed_fields()
+    return {k: v for k, v in config.items() if k != "strategy"}
 
 
-def auto_config(model, *, world_size: int | None = None, budget: int | None = None, device_type: str | None = None,
+def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1,
+                 micro_batch: int | None = None) -> ParallelConfig:
+    """Collective under torchrun: the ``ParallelConfig`` the planner chooses for ``source`` (a
+    model or its config) with ``requested``'s fixed fields, decided on rank 0, logged once.
+
+    Usage::
+
+        config = resolve_auto(model, "auto")                           # parallelize's workload
+        config = resolve_auto(model.config, job.parallel, seq=512, batch=32, micro_batch=8)
+    """
+    from ..distributed import init_distributed
+    from ..ranks import share_from_rank0
+
+    fixed = fixed_fields(requested)
+    init_distributed(int(fixed.get("timeout_seconds", ParallelConfig.timeout_seconds)))
+    config, describe = share_from_rank0(_decide, source, fixed, seq, batch, micro_batch)
+    log_rank0(f"strategy 'auto' chose {describe}")
+    return config
+
+
+def _decide(source, fixed, seq, batch, micro_batch) -> tuple[ParallelConfig, str]:
+    seq = _seq(source, seq)
+    config, best = auto_config(source, fixed=fixed, seq=seq, batch=batch, micro_batch=micro_batch)
+    mem, cost = best.memory, best.cost
+    return config, (f"{best.layout.describe()}: {mem.device_total / GiB:.2f} GiB per rank estimated, "
+                    f"{cost.tokens_per_second:,.0f} tokens/s estimated (seq {seq} x batch {batch} per "
+                    "data-parallel rank)")
+
+
+def _seq(source, seq: int | None) -> int:
+    config = getattr(source, "config", source)
+    return seq or min(getattr(config, "max_position_embeddings", 1024) or 1024, 1024)
+
+
+def auto_config(source, *, world_size: int | None = None, budget: int | None = None, device_type: str | None = None,
                 seq: int | None = None, batch: int = 1, fixed: Mapping | None = None,
-                nodes: int | None = None) -> tuple[ParallelConfig, Candidate]:
-    """The ``ParallelConfig`` of the fastest layout that fits, and the chosen candidate."""
+                nodes: int | None = None, micro_batch: int | None = None) -> tuple[ParallelConfig, Candidate]:
+    """The ``ParallelConfig`` of the fastest layout that fits, and the chosen candidate (one
+    process's computation: :func:`resolve_auto` is the collective entry point)."""
     import torch
 
-    fixed = dict(fixed or {})
-    fixed.pop("strategy", None)
+    fixed = {k: v for k, v in dict(fixed or {}).items() if k != "strategy"}
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     nodes = nodes or max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if budget is None:
         budget = _device_memory(device_type)
-    config = getattr(model, "config", None)
-    seq = seq or min(getattr(config, "max_position_embeddings", 1024) or 1024, 1024)
-    need = int(fixed.get("tp", 1)) * int(fixed.get("pp", 1))
-    if world_size % need:
-        raise HfScaleConfigError(
-            f"strategy='auto' with tp={fixed.get('tp', 1)} x pp={fixed.get('pp', 1)} = {need} does not divide the "
-            f"world size {world_size}: drop the fixed degrees (auto chooses them) or start a multiple of {need} "
-            "processes."
-        )
+    seq = _seq(source, seq)
+    _check_degrees(fixed, world_size)
     space = {key: (fixed.pop(field),) for field, key in _SPACE.items() if field in fixed}
     if "precisions" not in space:
         space["precisions"] = (None,)  # precision changes the numerics: only when asked for
+    if micro_batch is not None:
+        space["micro_batches"] = (micro_batch,)
+    degrees = {k: fixed.pop(k) for k in ("dp_replicate", "dp_shard") if k in fixed}
+    if degrees:
+        space["keep"] = lambda lay: all(getattr(lay, k) == v for k, v in degrees.items())
     device = cpu_device() if device_type == "cpu" else H100
     work = Workload(seq=seq, batch=batch, device=device_type)
-    best, _ = choose(model_facts(model), work, world_size, budget, device, nodes, **space)
+    best, _ = choose(model_facts(source), work, world_size, budget, device, nodes, **space)
     lay = best.layout
     chosen = lay.parallel_config() if world_size > 1 else ParallelConfig(
         activation_checkpointing=lay.ac, mixed_precision=lay.precision, loss_chunk_tokens=lay.loss_chunk_tokens)
-    values = {k: v for k, v in vars(chosen).items()} | fixed
+    values = dict(vars(chosen)) | fixed
     return from_dict(ParallelConfig, values), best
+
+
+def _check_degrees(fixed: Mapping, world_size: int) -> None:
+    given = {k: int(fixed[k]) for k in _DEGREES if fixed.get(k) is not None}
+    product = math.prod(given.values())
+    whole = {"dp_replicate", "dp_shard"} <= set(given)
+    if world_size % product or (whole and product != world_size):
+        shown = " x ".join(f"{k}={v}" for k, v in given.items())
+        raise HfScaleConfigError(
+            f"strategy='auto' with {shown} = {product} does not {'equal' if whole else 'divide'} the world size "
+            f"{world_size}: drop the fixed degrees (auto chooses them) or start "
+            f"{'exactly' if whole else 'a multiple of'} {product} processes."
+        )
+
+
+def auto_parallel(model, requested) -> ParallelConfig:
+    """``parallelize``'s entry: ``requested`` ("auto" or a config with ``strategy: auto``) as a
+    concrete ParallelConfig for this run (one sequence per rank as the workload)."""
+    if not is_auto(requested):
+        return as_parallel_config(requested)
+    return resolve_auto(model, requested)
 
 
 def _device_memory(device_type: str) -> int:

@@ -79,8 +79,10 @@ class Device:
 
 NVLINK = Link(bandwidth=200e9, latency=10e-6, overlap=0.9)  # H100 NVLink 4: 450 GB/s per direction peak
 INFINIBAND = Link(bandwidth=40e9, latency=20e-6, overlap=0.8)  # 8 x 400 Gb/s NDR per node, per GPU ~50 GB/s
-# H100 SXM: 989 TFLOP/s dense bf16 peak at ~45% MFU; TF32 for fp32 at the same rate's half.
-H100 = Device("h100-80gb", flops_fp32=200e12, flops_low=450e12, mem_bandwidth=3.0e12, intra=NVLINK,
+# H100 SXM: 989 TFLOP/s dense bf16 peak at ~45% MFU. fp32 runs at the 67 TFLOP/s of the CUDA
+# cores at the same ~45%: PyTorch leaves TF32 matmuls off (torch.backends.cuda.matmul.allow_tf32
+# is False by default) and hf_scale does not turn them on.
+H100 = Device("h100-80gb", flops_fp32=30e12, flops_low=450e12, mem_bandwidth=3.0e12, intra=NVLINK,
               inter=INFINIBAND)
 
 
@@ -157,7 +159,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     comm_pp = 0.0
     if layout.pp > 1:
         link = device.intra if layout.world_size <= per_node else device.inter
-        comm_pp = 2 * tokens * facts.hidden * d / layout.tp / link.bandwidth + 2 * micro * link.latency
+        # every tp rank of a stage holds the whole activation (no sequence parallel) and sends it
+        comm_pp = 2 * tokens * facts.hidden * d / link.bandwidth + 2 * micro * link.latency
     local = params // (layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1)
     if layout.strategy == "zero1":
         local = params // layout.dp

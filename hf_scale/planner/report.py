@@ -14,6 +14,7 @@ from .cost import H100, INFINIBAND, NVLINK, Device, cpu_device
 from .estimate import GiB, Workload
 from .profile import ModelFacts, model_facts
 
+GPUS_PER_NODE = 8  # an H100 node (DGX / HGX): the NVLink domain
 _PARTS = ("params", "grads", "optimizer", "activations", "logits_loss", "comm_buffers")
 
 
@@ -81,7 +82,7 @@ def device_for(name: str | None) -> Device | None:
 
 
 def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | None = None, seq: int | None = None,
-              batch: int | None = None, nodes: int = 1, world_size: int | None = None, task: str = "causal_lm") -> str:
+              batch: int | None = None, nodes: int | None = None, world_size: int | None = None, task: str = "causal_lm") -> str:
     """``hf-scale plan``'s candidate table. With ``gpus``: that many GPUs of ``gpu_memory`` (80GB by
     default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
     ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
@@ -90,8 +91,10 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
 
     seq = seq or (job.data.max_seq_len if job else 1024)
     batch = batch or (job.train.batch_size * job.train.grad_accum if job else 1)
-    if gpus:
+    if gpus:  # nodes of 8 GPUs unless told (64 GPUs are not one NVLink domain)
+        nodes = nodes or max(1, -(-gpus // GPUS_PER_NODE))
         return format_candidates(*plan_candidates(config, gpus, gpu_memory or "80GB", seq, batch, nodes, task=task))
+    nodes = nodes or 1
     world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
     memory = gpu_memory or psutil.virtual_memory().total // world
     return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device=cpu_device(), task=task))

@@ -286,14 +286,7 @@ class JobConfig:
                 "hub.push: true needs checkpoint.save_final: true (the final model is what is pushed)."
             )
         self._check_microbatches()
-        if self.parallel.pp > 1 and self.parallel.mixed_precision == "fp16":
-            # each stage would see only its own overflows: one stage skipping the step while
-            # another takes it splits the model
-            raise HfScaleConfigError(
-                f"parallel.mixed_precision='fp16' with parallel.pp={self.parallel.pp}: the fine-tuning loop's fp16 "
-                "loss scaler does not agree on overflows across pipeline stages yet; use mixed_precision: bf16 "
-                "(no loss scaling needed), or pp: 1."
-            )
+        # fp16 under pp is refused by ParallelConfig itself (each stage would scale its own loss)
 
     def _check_microbatches(self) -> None:
         """Under pp each batch is cut into ``pp_microbatches`` equal microbatches: say so

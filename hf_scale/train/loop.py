@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -48,6 +49,8 @@ def run(job: JobConfig) -> dict:
     """Train as ``job`` says; call on every rank. Returns the summary rank 0 printed."""
     env = init_distributed(job.parallel.timeout_seconds)
     rank, world = env.rank, env.world_size
+    if job.parallel.auto:  # the planner's layout for this world size and the recipe's batches
+        job = _with_auto_layout(job)
     if rank != 0:
         _quiet_progress_bars()
     _seed(job.train.seed)
@@ -102,6 +105,17 @@ def run(job: JobConfig) -> dict:
             metrics.plot_loss(model_dir / LOSS_CURVE)
     finish_run(job, model_dir, summary, eval_ds, tokenizer, world, dp_degree=dp.degree, model=model)
     return summary
+
+
+def _with_auto_layout(job: JobConfig) -> JobConfig:
+    """``job`` with ``parallel.strategy: auto`` replaced by the planner's layout, planned for the
+    recipe's sequences (``max_seq_len``), batch per data-parallel rank and micro-batch (the
+    recipe's ``batch_size``; ``grad_accum`` of them per step); the recipe's checks run again on it."""
+    from ..planner.auto import resolve_auto
+
+    parallel = resolve_auto(load_config(job.model), job.parallel, seq=job.data.max_seq_len,
+                            batch=job.train.batch_size * job.train.grad_accum, micro_batch=job.train.batch_size)
+    return dataclasses.replace(job, parallel=parallel)
 
 
 def _datasets(job: JobConfig, tokenizer):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import ROOT, finish_command, free_port, run_cli, start_command
+from tests.harness import ROOT, finish_command, free_port, run_cli, stand_in_calibration, start_command
 from tests.integration.cli_reference import check_against_reference, logged_steps, plain_reference
 from tests.tiny_models import SEQCLS, save_tiny_checkpoint, tiny_recipe
 
@@ -53,6 +53,26 @@ def test_every_strategy_trains_like_plain_transformers(recipe, reference, strate
     check_against_reference(out, reference)
     assert f"{strategy} over pp=1 x dp_replicate" in log and "launching: torchrun --nproc-per-node=2" in log
     _check_outputs(out, log)
+
+
+def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference):
+    """``--parallel.strategy auto``: rank 0's planner picks the layout for 2 processes and the
+    recipe's batches, every rank applies it, and training is the one-process reference's."""
+    import re
+
+    out = recipe.parent / "runs" / "auto"
+    env = stand_in_calibration(recipe.parent / "cache")
+    argv = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--parallel.strategy", "auto",
+            "--train.output_dir", str(out)]
+    log = finish_command(start_command(argv, env), 300).stdout
+    chosen = re.search(r"strategy 'auto' chose (\w+) (\d+)x(\d+)x(\d+)x(\d+) .*\(seq 64 x batch 4 per", log)
+    assert chosen, log[-3000:]
+    strategy, rep, shard, tp, pp = chosen.groups()
+    assert f"{strategy} over pp={pp} x dp_replicate={rep} x dp_shard={shard} x tp={tp}" in log
+    check_against_reference(out, reference)
+    from huggingface_hub import ModelCard
+
+    assert strategy in ModelCard.load(out / "model" / "README.md").data.tags  # the layout that ran
 
 
 def _check_outputs(out: Path, log: str) -> None:

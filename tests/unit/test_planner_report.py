@@ -40,22 +40,46 @@ def test_is_auto():
     assert not is_auto({"strategy": "fsdp"}) and not is_auto(None) and not is_auto(ParallelConfig())
 
 
-def test_parallelize_auto_in_one_process(tmp_path, monkeypatch):
-    """``parallelize(model, "auto")`` without torchrun: the planner's choice for one CPU process
-    (a calibration file stands in for this machine's measurement)."""
-    import json
-
+def test_parallelize_auto_in_one_process_applies_what_the_budget_forces(tmp_path, monkeypatch):
+    """``parallelize(model, "auto")`` without torchrun: with a budget between the estimates of no
+    checkpointing and of full checkpointing, the planner must choose checkpointing, and the model
+    then runs checkpointed blocks (a stand-in calibration for this machine)."""
     import hf_scale
+    from hf_scale.planner import Layout, Workload, estimate_memory, model_facts
+    from hf_scale.planner import auto as auto_module
+    from hf_scale.planner.choose import MARGIN
+    from tests.harness import stand_in_calibration
 
-    (tmp_path / "hf_scale").mkdir()
-    (tmp_path / "hf_scale" / "calibration.json").write_text(json.dumps({
-        "flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9, "allreduce_bus_bytes_per_s": 5e8,
-        "allreduce_latency_s": 4e-4, "threads": 1, "cpus": 2}))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model = hf_scale.parallelize(tiny_model("llama", CAUSAL), "auto")
+    monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path)["XDG_CACHE_HOME"])
+    model = tiny_model("llama", CAUSAL)
+    facts, work = model_facts(model), Workload(seq=auto_module._seq(model, None), batch=1, device="cpu")
+    plain = estimate_memory(facts, Layout(), work).device_total
+    full = estimate_memory(facts, Layout(ac="full"), work).device_total
+    assert full < plain
+    monkeypatch.setattr(auto_module, "_device_memory", lambda device_type: int((plain + full) / 2 / (1 - MARGIN)))
+    model = hf_scale.parallelize(model, "auto")
     state = hf_scale.get_state(model)
-    assert state.config.strategy == "fsdp" and state.config.mixed_precision is None
-    assert state.config.cpu_offload is False
+    assert state.config.activation_checkpointing is not None and state.config.strategy == "fsdp"
+    wrapped = [m for m in model.modules() if type(m).__name__ == "CheckpointWrapper"]
+    assert state.config.activation_checkpointing == "selective" or wrapped
+
+
+def test_auto_keeps_fixed_degrees_and_refuses_contradictions():
+    model = tiny_model("llama", CAUSAL)
+    kw = dict(world_size=2, budget=2**30, device_type="cuda", seq=16)
+    config, best = auto_config(model, fixed=ParallelConfig(strategy="auto", dp_shard=2).fixed_fields(), **kw)
+    assert config.dp_shard == 2 and best.layout.dp_shard == 2 and config.strategy in ("fsdp", "zero2")
+    for fixed, message in [({"dp_replicate": 3}, "dp_replicate=3 = 3 does not divide the world size 2"),
+                           ({"dp_replicate": 1, "dp_shard": 1}, "= 1 does not equal the world size 2"),
+                           ({"loss_chunk_tokens": 1024}, "matches what was fixed \\(chunks=1024")]:
+        with pytest.raises(HfScaleConfigError, match=message):
+            auto_config(model, fixed=fixed, **kw)
+
+
+def test_auto_is_a_strategy_of_parallel_config():
+    config = ParallelConfig(strategy="auto", mixed_precision="bf16", tp=2)
+    assert config.auto and config.fixed_fields() == {"mixed_precision": "bf16", "tp": 2}
+    assert is_auto(config) and not ParallelConfig().auto
 
 
 def test_plan_text_for_gpus_from_a_config():
