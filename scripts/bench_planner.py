@@ -57,11 +57,13 @@ MODELS = {  # LlamaConfig keyword arguments
 # name: (model, world, seq, batch per dp rank, layout fields); micro_batch = batch (no accumulation)
 LEGS = {
     "tiny_w1": ("tiny", 1, 64, 2, {}),
+    "tiny_full_w1": ("tiny", 1, 64, 2, {"ac": "full"}),
     "tiny_fsdp_w2": ("tiny", 2, 64, 2, {"strategy": "fsdp", "dp_shard": 2}),
     "tiny_ddp_w2": ("tiny", 2, 64, 2, {"strategy": "ddp", "dp_replicate": 2}),
     "small_zero2_w2": ("small", 2, 256, 2, {"strategy": "zero2", "dp_shard": 2}),
     "small_zero1_w2": ("small", 2, 256, 2, {"strategy": "zero1", "dp_replicate": 2}),
     "small_hsdp_w4": ("small", 4, 256, 1, {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}),
+    "small_fsdp_w4": ("small", 4, 256, 1, {"strategy": "fsdp", "dp_shard": 4}),
     "small_fsdp_full_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "full"}),
     "small_fsdp_sel_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "selective"}),
     "small_fsdp_offload_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "cpu_offload": True}),
@@ -235,8 +237,39 @@ def summary(rows: dict) -> str:
     # the signed error farthest from 0, per measure
     worst = {k: max((p[k] / m[k] - 1 for p, m in ok), key=abs) for k in ("tracked", "rss", "step")}
     targets = {"tracked": 0.05, "rss": 0.10, "step": 0.25}
-    return "\n".join(f"{'PASS' if abs(worst[k]) <= t + 1e-9 else 'FAIL'}: {k} within +/-{t:.0%} on {len(ok)} "
-                     f"leg(s) (worst {worst[k]:+.1%})" for k, t in targets.items())
+    lines = [f"{'PASS' if abs(worst[k]) <= t + 1e-9 else 'FAIL'}: {k} within +/-{t:.0%} on {len(ok)} "
+             f"leg(s) (worst {worst[k]:+.1%})" for k, t in targets.items()]
+    return "\n".join(lines + ranking(rows))
+
+
+def tokens_per_second(name: str, seconds: float) -> float:
+    """Tokens of one step over every data-parallel rank, per second (what the chooser ranks by)."""
+    _, _, seq, batch, _ = LEGS[name]
+    return seq * batch * leg_layout(name).dp / seconds
+
+
+def ranking(rows: dict) -> list[str]:
+    """Issue 14's ranking target, per group of legs that train the same model on the same
+    sequences and batch per data-parallel rank at one world size: the leg the planner ranks
+    fastest (predicted tokens/s) is within 5% of the fastest measured."""
+    groups: dict[tuple, list[str]] = {}
+    for name, (_, meas) in rows.items():
+        if meas["status"] == "ok":
+            model, world, seq, batch, _ = LEGS[name]
+            groups.setdefault((model, world, seq, batch), []).append(name)
+    lines = []
+    for (model, world, seq, batch), names in groups.items():
+        if len(names) < 2:
+            continue
+        pred = {n: tokens_per_second(n, rows[n][0]["step"]) for n in names}
+        meas = {n: tokens_per_second(n, rows[n][1]["step"]) for n in names}
+        chosen, fastest = max(names, key=pred.get), max(names, key=meas.get)
+        ratio = meas[chosen] / meas[fastest]
+        order = ", ".join(f"{n} {meas[n]:,.0f}" for n in sorted(names, key=meas.get, reverse=True))
+        lines.append(f"{'PASS' if ratio >= 0.95 else 'FAIL'}: ranking, {model} {batch}x{seq}/dp rank at world {world}: "
+                     f"predicted fastest {chosen} measures {ratio:.2f}x the fastest measured ({fastest}); measured "
+                     f"tokens/s {order}")
+    return lines
 
 
 def main() -> None:

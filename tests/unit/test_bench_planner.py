@@ -46,3 +46,19 @@ def test_table_ratios_and_targets():
     assert "PASS: tracked within +/-5% on 1 leg(s) (worst +5.0%)" in verdict
     assert "PASS: rss within +/-10% on 1 leg(s) (worst -10.0%)" in verdict
     assert "FAIL: step within +/-25% on 1 leg(s) (worst +100.0%)" in verdict
+
+
+def test_ranking_target_per_group_of_comparable_legs():
+    """Legs of one model, sequence, batch and world are ranked by tokens/s over the data-parallel
+    ranks: tp2 (one data-parallel rank) must be twice as fast per step to match fsdp's tokens."""
+    def row(pred_step, meas_step):
+        return ({"tracked": 1.0, "rss": 1.0, "step": pred_step}, {"status": "ok", "tracked": 1.0, "rss": 1.0,
+                                                                   "step": meas_step})
+
+    # predicted: tp2 (0.4 s for half the tokens) beats fsdp (1.0 s); measured: fsdp 1.0 s, tp2 0.9 s
+    rows = {"small_fsdp_chunk_w2": row(1.0, 1.0), "small_tp2_w2": row(0.4, 0.9), "tiny_w1": row(1.0, 1.0)}
+    verdict = summary(rows)
+    assert "FAIL: ranking, small 2x256/dp rank at world 2: predicted fastest small_tp2_w2 measures 0.56x" in verdict
+    assert "world 1" not in verdict  # a leg alone in its group ranks nothing
+    rows["small_tp2_w2"] = row(0.6, 0.9)
+    assert "PASS: ranking, small 2x256/dp rank at world 2: predicted fastest small_fsdp_chunk_w2" in summary(rows)
