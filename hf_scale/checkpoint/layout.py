@@ -69,13 +69,14 @@ class ShardFile:
 
 
 def parse_size(size: int | str) -> int:
-    """``"5GB"`` / ``"500MB"`` / an int -> bytes (decimal units, as transformers reads them)."""
+    """``"5GB"`` / ``"500MB"`` / an int -> bytes (decimal units, as transformers reads them);
+    ``"auto"`` is resolved by :func:`plan_files`, not here."""
     if isinstance(size, int):
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)\s*", str(size), flags=re.I)
     if not match:
         raise HfScaleCheckpointError(
-            f"max_shard_size={size!r} is not a size: use bytes (an int) or e.g. '5GB', '500MB'."
+            f"max_shard_size={size!r} is not a size: use bytes (an int), e.g. '5GB', '500MB', or 'auto'."
         )
     number, unit = float(match.group(1)), match.group(2).upper()
     base = 1024 if "I" in unit else 1000
@@ -83,10 +84,42 @@ def parse_size(size: int | str) -> int:
     return int(number * base**power)
 
 
-def plan_files(tensors: list[TensorSpec], max_shard_size: int | str) -> list[ShardFile]:
+AUTO_SHARD_CAP = 5 * 10**9  # transformers' usual largest shard
+AUTO_SHARD_FLOOR = 100 * 10**6  # below this a file hashes in ~0.1 s: not worth another file
+
+
+def auto_shard_size(tensors: list[TensorSpec], ranks: int) -> int:
+    """``max_shard_size="auto"``: the smallest limit that packs the tensors into as many files as
+    there are ranks (each rank then hashes its own files in parallel after writing: the sha256 of
+    one file cannot be split), files of at least ~100 MB and at most 5 GB.
+
+    SmolLM2-135M (538 MB fp32) saved from 2 ranks: two files of ~270 MB, not one of 538 MB."""
+    total = sum(t.nbytes for t in tensors)
+    want = max(1, min(ranks, total // AUTO_SHARD_FLOOR), -(-total // AUTO_SHARD_CAP))
+    low, high = max((t.nbytes for t in tensors), default=1), max(total, 1)
+    while low < high:  # greedy packing needs fewer files as the limit grows: bisect the limit
+        mid = (low + high) // 2
+        if len(_pack(tensors, mid)) <= want:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
+def plan_files(tensors: list[TensorSpec], max_shard_size: int | str, ranks: int = 1) -> list[ShardFile]:
     """Pack tensors, in order, into files of at most ``max_shard_size`` bytes (a larger tensor
-    gets a file of its own), named as transformers names them."""
-    limit = parse_size(max_shard_size)
+    gets a file of its own; ``"auto"``: :func:`auto_shard_size` for ``ranks`` writers), named as
+    transformers names them."""
+    limit = auto_shard_size(tensors, ranks) if max_shard_size == "auto" else parse_size(max_shard_size)
+    files = _pack(tensors, limit)
+    n = len(files)
+    for k, f in enumerate(files, start=1):
+        f.name = SINGLE_FILE if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+        f.finalize()
+    return files
+
+
+def _pack(tensors: list[TensorSpec], limit: int) -> list[ShardFile]:
     files: list[ShardFile] = [ShardFile("")]
     used = 0
     for t in tensors:
@@ -95,10 +128,6 @@ def plan_files(tensors: list[TensorSpec], max_shard_size: int | str) -> list[Sha
             used = 0
         files[-1].tensors.append(t)
         used += t.nbytes
-    n = len(files)
-    for k, f in enumerate(files, start=1):
-        f.name = SINGLE_FILE if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
-        f.finalize()
     return files
 
 

@@ -37,7 +37,7 @@ def save_pretrained(
     save_directory: str | os.PathLike,
     *,
     tokenizer=None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = "auto",
     checksums: bool = True,
 ) -> Path:
     """Save ``model`` (parallelized or not) as transformers does, writing from every rank.
@@ -45,9 +45,10 @@ def save_pretrained(
     Call it on every rank. The folder holds ``model.safetensors`` or
     ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``, ``config.json``,
     ``generation_config.json`` (for generative models), the tokenizer when given, and
-    ``checksums.sha256`` (sha256 of every shard, ``sha256sum -c`` format; the shards are
-    hashed by all ranks in turn, after writing: with ``checksums=False`` a save skips that
-    read-back, about half of its time when there are fewer shards than ranks). Tied weights are
+    ``checksums.sha256`` (sha256 of every shard, ``sha256sum -c`` format; each rank hashes its
+    share of the files after writing; ``checksums=False`` skips that read-back).
+    ``max_shard_size="auto"`` (the default) makes as many files as ranks, of 100 MB to 5 GB
+    each, so the ranks hash in parallel; give a size (``"5GB"``, bytes) for transformers' packing. Tied weights are
     written once, under the name transformers keeps; names follow the checkpoint format
     transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
     ``AutoModel*.from_pretrained``.
@@ -80,16 +81,17 @@ class SavePlan:
         return sum(f.size for f in self.files)
 
 
-def plan_save(model: nn.Module, max_shard_size: int | str = "5GB") -> SavePlan:
+def plan_save(model: nn.Module, max_shard_size: int | str = "auto") -> SavePlan:
     """What to write, identical on every rank. Under pipeline parallel each rank holds only its
     stages' tensors: their names, shapes and dtypes are all-gathered (one collective), and each
     whole tensor is owned by one of the ranks holding it."""
     state = _checkpoint_state_dict(model)
     specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
+    world = rank_world()[1]
     if not pipelined(model):
-        return SavePlan(state, plan_files(specs, max_shard_size), _owners(state, rank_world()[1]))
+        return SavePlan(state, plan_files(specs, max_shard_size, world), _owners(state, world))
     specs, holders = global_specs(model, specs, {n for n, t in state.items() if _sharded(t)})
-    return SavePlan(state, plan_files(specs, max_shard_size), owners(specs, holders))
+    return SavePlan(state, plan_files(specs, max_shard_size, world), owners(specs, holders))
 
 
 def write_model_folder(model: nn.Module, folder: Path, plan: SavePlan, *, tokenizer=None, checksums=True) -> None:

@@ -196,7 +196,8 @@ class CheckpointConfig:
         resume: ``latest`` (the newest complete checkpoint in ``dir``; an error if there is
             none), ``auto`` (``latest`` when one exists, else start fresh: for torchrun
             ``max_restarts``) or a checkpoint folder.
-        max_shard_size: largest safetensors shard of the saved model.
+        max_shard_size: largest safetensors shard of the saved model (e.g. ``"5GB"``), or ``"auto"``:
+            one file per rank (100 MB to 5 GB each), so the ranks hash the files in parallel.
         save_final: save the final model (Hub format) to ``<output_dir>/model``.
     """
 
@@ -204,7 +205,7 @@ class CheckpointConfig:
     keep_last: Optional[int] = 2
     dir: Optional[str] = None
     resume: Optional[str] = None
-    max_shard_size: str = "5GB"
+    max_shard_size: str = "auto"
     save_final: bool = True
 
 

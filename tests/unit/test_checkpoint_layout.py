@@ -192,3 +192,21 @@ def test_a_torn_latest_pointer_falls_back_to_the_newest_checkpoint(tmp_path):
     (outside / "trainer_state.json").write_text("{}")
     (tmp_path / "latest").write_text(f"../{outside.name}")  # never a folder outside the root
     assert state_module.resolve_checkpoint(tmp_path / "latest").name == "step_00000002"
+
+
+def test_auto_shard_size_gives_each_rank_a_file_to_hash():
+    """``max_shard_size="auto"``: as many files as ranks (SmolLM2's 538 MB at 2 ranks: 2 files),
+    none under ~100 MB (a tiny model stays one file), none over 5 GB, packed in order."""
+    smollm2 = [TensorSpec("model.embed_tokens.weight", (49152, 576), torch.float32)] + [
+        TensorSpec(f"model.layers.{i}.w{j}", (1536, 576), torch.float32) for i in range(30) for j in range(4)]
+    total = sum(t.nbytes for t in smollm2)
+    for ranks, count in [(1, 1), (2, 2), (4, 4)]:
+        files = plan_files(smollm2, "auto", ranks)
+        assert len(files) == count, ranks
+        assert [t.name for f in files for t in f.tensors] == [t.name for t in smollm2]
+        sizes = [sum(t.nbytes for t in f.tensors) for f in files]
+        assert max(sizes) <= total / count + smollm2[0].nbytes  # balanced up to one tensor
+    tiny = [TensorSpec(f"w{i}", (64, 64), torch.float32) for i in range(8)]
+    assert [f.name for f in plan_files(tiny, "auto", 4)] == ["model.safetensors"]
+    big = [TensorSpec(f"w{i}", (50_000, 10_000), torch.float32) for i in range(8)]  # 8 x 2 GB
+    assert all(sum(t.nbytes for t in f.tensors) <= 5 * 10**9 for f in plan_files(big, "auto", 2))
