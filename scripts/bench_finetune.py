@@ -36,7 +36,11 @@ Per leg, over the measured steps (the first ``--warmup`` steps are skipped):
   allocator, so it includes freed memory malloc kept);
 * loss per step, to show both legs train the same thing.
 
-Targets (from the issue): hf_scale's data wait < 5% of step time; hf_scale tokens/s >= 1.0x Trainer.
+* **hf_scale ddp** / **hf_scale auto**: the same command with ``--parallel.strategy ddp`` /
+  ``auto`` (the planner's choice for 2 processes and the recipe's batches, printed with the leg).
+
+Targets (from the issues): hf_scale's data wait < 5% of step time; hf_scale tokens/s >= 1.0x
+Trainer; with ``strategy: auto`` (issue 14) >= 1.0x Trainer.
 """
 
 from __future__ import annotations
@@ -185,6 +189,9 @@ def hf_scale_leg(args, out: Path, tag: str, extra: tuple = ()) -> dict:
     steps = [s for s in steps if "tokens_per_s" in s]
     log = (out / f"{tag}.log").read_text(errors="replace").splitlines()
     layout = next((ln.removeprefix("[hf_scale] ") for ln in log if " over pp=" in ln), "?")
+    chose = next((ln.removeprefix("[hf_scale] ") for ln in log if "strategy 'auto' chose" in ln), None)
+    if chose:
+        layout = f"{chose}; {layout}"
     ends = [s["elapsed_s"] for s in steps]
     measured = steps[args.warmup:]
     return {"status": "ok", "tok_s": [s["tokens_per_s"] for s in measured],
@@ -232,6 +239,7 @@ LEGS = {  # name: runner; "hf_scale" is the quickstart itself, the targets are a
     "hf_scale": hf_scale_leg,
     "Trainer": trainer_leg,
     "hf_scale ddp": functools.partial(hf_scale_leg, extra=("--parallel.strategy", "ddp")),
+    "hf_scale auto": functools.partial(hf_scale_leg, extra=("--parallel.strategy", "auto")),
 }
 
 
@@ -269,6 +277,11 @@ def report(legs: dict) -> list[str]:
                      f"({med(h['tok_s']):.1f} vs {med(a['tok_s']):.1f} = {ratio:.3f}x)")
     else:
         lines.append(f"n/a: tokens/s ratio (hf_scale {h['status']}, Trainer {a['status']})")
+    auto = legs.get("hf_scale auto", none)
+    if auto["status"] == "ok" and a["status"] == "ok":  # issue 14's target for strategy: auto
+        ratio = med(auto["tok_s"]) / med(a["tok_s"])
+        lines.append(f"{'PASS' if ratio >= 1.0 else 'FAIL'}: hf_scale with strategy auto tokens/s >= 1.0x "
+                     f"Trainer ({med(auto['tok_s']):.1f} vs {med(a['tok_s']):.1f} = {ratio:.3f}x)")
     for name, leg in legs.items():
         if leg["status"] == "ok":
             lines.append(f"loss per step, {name}: {', '.join(f'{x:.4f}' for x in leg['loss'])}")

@@ -98,6 +98,22 @@ def hf_scale_run(config: dict):
     return model, optimizer, f"hf_scale {config}", load_s, parallelize_s
 
 
+def hf_scale_auto():
+    """``strategy: auto`` planned for this benchmark's workload (2 x 256 tokens per rank): the
+    planner's choice, then ``parallelize`` with it (the planning time counts as parallelize's)."""
+    import hf_scale
+    from hf_scale.planner.auto import resolve_auto
+    from hf_scale.zoo import load_smollm2
+
+    (model, _), load_s = _timed(load_smollm2)
+    per_rank, seq = SHORT
+    config, plan_s = _timed(resolve_auto, model, "auto", seq=seq, batch=per_rank)
+    model, parallelize_s = _timed(hf_scale.parallelize, model, config)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    chosen = {k: v for k, v in vars(config).items() if v != getattr(hf_scale.ParallelConfig, k, None)}
+    return model, optimizer, f"hf_scale auto chose {chosen}", load_s, plan_s + parallelize_s
+
+
 def torch_fsdp(checkpoint: bool = False):
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ckpt
@@ -181,6 +197,7 @@ CONTENDERS = {  # name: (row label, builder returning (model, optimizer, note, l
     "hf_fsdp_ac_2k": ("10a hf_scale fsdp + full AC, 1x2048/rank", _hf(**FULL_AC), LONG),
     "hf_fsdp_ac_chunk_2k": ("10b hf_scale fsdp + full AC + chunked loss (256), 1x2048/rank",
                             _hf(**FULL_AC, loss_chunk_tokens=256), LONG),
+    "hf_auto": ("11 hf_scale strategy auto", hf_scale_auto, SHORT),
 }
 
 
@@ -332,8 +349,17 @@ def checks(rows: dict) -> list[str]:
     if _ok(rows, "hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k"):
         out.append(_chunk_check(rows, "(d)", "hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k",
                                 "fsdp + full AC at 1x2048/rank"))
+    if _ok(rows, "hf_auto", "torch_fsdp"):  # issue 14: auto >= 1.1x plain fully_shard, within its budget
+        import psutil
+
+        a, t = rows["hf_auto"], rows["torch_fsdp"]
+        budget = psutil.virtual_memory().total / WORLD  # what strategy auto plans with on CPU
+        out.append(f"(e) {verdict(a['tok_s'] / t['tok_s'] >= 1.1 and a['peak'] * 1e9 <= budget)}: hf_scale strategy "
+                   f"auto tok/s {a['tok_s'] / t['tok_s']:.3f}x torch fully_shard per block (need >= 1.1x), peak RSS "
+                   f"{a['peak']:.2f} GB per rank (its budget: {budget / 1e9:.2f} GB, the RAM over {WORLD} ranks)")
     needs = {"(a)": ("hf_fsdp", *ANCHORS[SHORT]), "(b)": ("hf_fsdp_ac", "torch_fsdp_ac"),
-             "(c)": ("hf_fsdp_ac_chunk", "hf_fsdp"), "(d)": ("hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k")}
+             "(c)": ("hf_fsdp_ac_chunk", "hf_fsdp"), "(d)": ("hf_fsdp_ac_chunk_2k", "hf_fsdp_ac_2k"),
+             "(e)": ("hf_auto", "torch_fsdp")}
     for check, names in needs.items():
         if any(n in rows for n in names) and not any(line.startswith(check) for line in out):
             missing = [f"{n}: {rows.get(n, {}).get('status', 'not run')}"

@@ -126,7 +126,28 @@ class Pipeline:
                 f"of {self.microbatches}, or set pp_microbatches to a divisor of {size}."
             )
         mask = batch.get("attention_mask")
-        return ids, None if mask is None else mask.to(self.device), batch["labels"].to(self.device)
+        mask = None if mask is None else mask.to(self.device)
+        labels = batch["labels"].to(self.device)
+        self._check_same_batch(ids, mask, labels)
+        return ids, mask, labels
+
+    def _check_same_batch(self, ids, mask, labels) -> None:
+        """Every rank of a pipeline must pass the same batch (the first stage reads its input ids,
+        the last its labels): a script that splits data by global rank, as for DDP, would train
+        on mismatched labels, or hang in shape inference. One small all-gather per step compares
+        shapes and sums, so every rank raises the same error instead."""
+        mine = torch.tensor([ids.shape[0], ids.shape[-1], ids.dim(), int(ids.sum()), int(labels.sum()),
+                             -1 if mask is None else int(mask.sum())], dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pp_group))]
+        dist.all_gather(every, mine, group=self.pp_group)
+        if any(not torch.equal(e, every[0]) for e in every):
+            shapes = ", ".join(f"{int(e[0])}x{int(e[1])}" for e in every)
+            raise HfScaleConfigError(
+                "the ranks of one pipeline passed different batches to train_step/eval_step (shapes "
+                f"{shapes}, or different token ids / labels / masks): every pp rank of a data-parallel "
+                "replica must pass the same batch. Split data by the data-parallel rank "
+                "(hf_scale.get_state(model).dp_rank / dp_degree), not by the global rank."
+            )
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         self._losses.append(output.detach())

@@ -174,13 +174,15 @@ def run_cases(cases: list[dict]) -> list[dict]:
 def bad_input(arch: str, head: str, config: dict, layers: int = LAYERS, step: dict | None = None) -> str:
     """The HfScale error ``parallelize`` (or, with ``step``, the first ``train_step``) raises
     on this rank; it must raise on every rank before any collective (else the spawn hangs).
-    ``step``: {"drop": [keys]} removes batch keys, {"batch": n} sets the per-rank batch size."""
+    ``step``: {"drop": [keys]} removes batch keys, {"batch": n} sets the per-rank batch size,
+    {"by_rank": True} gives each rank its own batch (data split by global rank, as for DDP)."""
     model = pp_model(arch, head, layers)
     try:
         model = hf_scale.parallelize(model, config)
         if step is None:
             return "no error from parallelize"
-        batch = padded_batch(7, batch=step.get("batch", GLOBAL_BATCH))
+        seed = 7 + (int(os.environ["RANK"]) if step.get("by_rank") else 0)
+        batch = padded_batch(seed, batch=step.get("batch", GLOBAL_BATCH))
         batch = {k: v for k, v in batch.items() if k not in step.get("drop", ())}
         model.train_step(batch)
     except hf_scale.HfScaleError as e:

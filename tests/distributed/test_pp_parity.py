@@ -86,6 +86,7 @@ BAD2 = {
     "seq2seq": ("bad_input", ("t5", "seq2seq", PP2), {}),
     "classifier": ("bad_input", ("llama", "seqcls", PP2), {}),
     "no_labels": ("bad_input", ("llama", "causal", PP2), {"step": {"drop": ["labels"]}}),
+    "batch_by_global_rank": ("bad_input", ("llama", "causal", PP2), {"step": {"by_rank": True}}),
     "forward": ("forward_refused", ("llama", PP2), {}),
 }
 BAD4 = {
@@ -232,6 +233,7 @@ EXPECTED2 = {  # error -> words its message must hold
     "seq2seq": ("HfScaleConfigError", "T5ForConditionalGeneration", "not supported yet"),
     "classifier": ("HfScaleConfigError", "LlamaForSequenceClassification", "not supported yet"),
     "no_labels": ("HfScaleConfigError", "labels"),
+    "batch_by_global_rank": ("HfScaleConfigError", "different batches", "dp_rank"),
     "forward": ("HfScaleConfigError", "train_step", "eval_step"),
 }
 EXPECTED4 = {
