@@ -192,6 +192,13 @@ def plan(args: list[str]) -> int:
     parser.add_argument("--batch", type=int, default=None,
                         help="auto-planner: sequences per data-parallel rank per step (default: the recipe's "
                              "train.batch_size x grad_accum, else 1)")
+    parser.add_argument("--intra-gbps", type=float, default=None,
+                        help="auto-planner: bus bandwidth per rank within a node, GB/s (default: NVLink 200 for "
+                             "--gpus, this machine's measured gloo on CPU)")
+    parser.add_argument("--inter-gbps", type=float, default=None,
+                        help="auto-planner: bus bandwidth per rank between nodes, GB/s (default: InfiniBand 40)")
+    parser.add_argument("--latency-us", type=float, default=None,
+                        help="auto-planner: latency of one collective, microseconds (default: 10 NVLink, 20 IB)")
     parser.add_argument("--candidates", action="store_true",
                         help="auto-planner for this machine: the recipe's CPU processes, the RAM divided among them")
     args, overrides = take_overrides(args)
@@ -217,12 +224,15 @@ def plan(args: list[str]) -> int:
         parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
         nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp
         given_nodes = ns.nnodes
-    if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or parallel.auto:
+    links = {k: v for k, v in (("intra_gbps", ns.intra_gbps), ("inter_gbps", ns.inter_gbps),
+                               ("latency_us", ns.latency_us)) if v is not None}
+    if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .planner.report import plan_text
 
         job = job if ns.source.endswith((".yaml", ".yml")) else None
         print(plan_text(read_model_config(model_cfg), job, gpus=ns.gpus, gpu_memory=ns.gpu_memory, seq=ns.seq,
-                        batch=ns.batch, nodes=given_nodes, world_size=ns.world_size, task=ns.task or model_cfg.task))
+                        batch=ns.batch, nodes=given_nodes, world_size=ns.world_size, task=ns.task or model_cfg.task,
+                        links=links))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))

@@ -10,7 +10,7 @@ Usage::
 from __future__ import annotations
 
 from .choose import Candidate, choose, parse_memory
-from .cost import H100, INFINIBAND, NVLINK, Device, cpu_device
+from .cost import H100, Device, Link, cpu_device
 from .estimate import GiB, Workload
 from .profile import ModelFacts, model_facts
 
@@ -70,19 +70,22 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
     return "\n".join(lines)
 
 
-def device_for(name: str | None) -> Device | None:
-    """A device by name: ``h100`` (NVLink within a node, InfiniBand between), ``cpu`` (this
-    machine, calibrated), or None (the default)."""
-    if name in (None, "h100"):
-        return None
-    if name == "cpu":
-        return cpu_device()
-    links = {"nvlink": NVLINK, "infiniband": INFINIBAND}
-    raise ValueError(f"unknown device {name!r}: h100 or cpu (links: {', '.join(links)})")
+def with_links(device: Device, intra_gbps: float | None = None, inter_gbps: float | None = None,
+               latency_us: float | None = None) -> Device:
+    """``device`` with the bus bandwidth per rank (GB/s) within a node and between nodes, and the
+    latency per collective (microseconds), replaced where given (``hf-scale plan --intra-gbps``)."""
+    from dataclasses import replace
+
+    def link(old: Link, gbps: float | None) -> Link:
+        return replace(old, bandwidth=gbps * 1e9 if gbps else old.bandwidth,
+                       latency=latency_us * 1e-6 if latency_us is not None else old.latency)
+
+    return replace(device, intra=link(device.intra, intra_gbps), inter=link(device.inter, inter_gbps))
 
 
 def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | None = None, seq: int | None = None,
-              batch: int | None = None, nodes: int | None = None, world_size: int | None = None, task: str = "causal_lm") -> str:
+              batch: int | None = None, nodes: int | None = None, world_size: int | None = None, task: str = "causal_lm",
+              links: dict | None = None) -> str:
     """``hf-scale plan``'s candidate table. With ``gpus``: that many GPUs of ``gpu_memory`` (80GB by
     default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
     ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
@@ -93,8 +96,11 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
     batch = batch or (job.train.batch_size * job.train.grad_accum if job else 1)
     if gpus:  # nodes of 8 GPUs unless told (64 GPUs are not one NVLink domain)
         nodes = nodes or max(1, -(-gpus // GPUS_PER_NODE))
-        return format_candidates(*plan_candidates(config, gpus, gpu_memory or "80GB", seq, batch, nodes, task=task))
+        device = with_links(H100, **(links or {}))
+        return format_candidates(*plan_candidates(config, gpus, gpu_memory or "80GB", seq, batch, nodes, device,
+                                                  task=task))
     nodes = nodes or 1
     world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
     memory = gpu_memory or psutil.virtual_memory().total // world
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device=cpu_device(), task=task))
+    device = with_links(cpu_device(), **(links or {}))
+    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device=device, task=task))

@@ -99,3 +99,19 @@ def test_plan_command_ranks_layouts_for_gpus(tmp_path, capsys):
     assert "4 rank(s) of 74.5 GiB (cuda); seq 16 x batch 2" in out and "recommended:" in out
     assert main(["plan", str(tmp_path), "--gpus", "4", "--gpu-memory", "eighty"]) == 2
     assert "memory 'eighty' is not a size" in capsys.readouterr().err
+
+
+def test_plan_for_64_gpus_uses_nodes_of_8_and_the_links_given(capsys):
+    """``--gpus 64`` is 8 nodes of 8 (not one NVLink domain): tp stays within a node; a slower
+    inter-node link given with --inter-gbps changes the step time of the layouts that cross it."""
+    from hf_scale.planner.report import plan_candidates, with_links
+    from hf_scale.planner.cost import H100
+
+    config = tiny_config("llama")
+    _, best, ranked, *_ = plan_candidates(config, 64, "80GB", 64, 8, nodes=8)
+    assert all(c.layout.tp <= 8 for c in ranked)
+    slow = with_links(H100, inter_gbps=0.1, latency_us=50)
+    assert slow.inter.bandwidth == 1e8 and slow.intra.latency == pytest.approx(50e-6) and slow.intra.bandwidth == H100.intra.bandwidth
+    _, _, slow_ranked, *_ = plan_candidates(config, 64, "80GB", 64, 8, nodes=8, device=slow)
+    fast = {c.layout: c.cost.total for c in ranked if c.cost}
+    assert any(c.cost and c.cost.total > 2 * fast[c.layout] for c in slow_ranked if c.layout in fast)
