@@ -52,13 +52,7 @@ def parallelize(
         model = AutoModelForCausalLM.from_pretrained(name)
         model = hf_scale.parallelize(model, {"strategy": "fsdp", "mixed_precision": "bf16"})
     """
-    if is_auto_request(config):
-        # The one way into the application's planner (DESIGN): the fastest layout that fits,
-        # decided on rank 0 for every rank, logged.
-        from .planner.auto import auto_parallel
-
-        config = auto_parallel(model, config)
-    config = as_parallel_config(config)
+    config = resolve_parallel_config(model, config)
     if get_state(model) is not None:
         raise HfScaleConfigError(
             f"parallelize() was already applied to this {type(model).__name__} "
@@ -176,6 +170,17 @@ def parallelize(
     model.train_step = functools.partial(train_step, model)
     model.eval_step = functools.partial(eval_step, model)
     return model
+
+
+def resolve_parallel_config(model: nn.Module, config) -> ParallelConfig:
+    """``config`` as a ParallelConfig; ``"auto"`` (or ``strategy: auto``) becomes the planner's
+    choice for ``model`` (a real or meta model), decided on rank 0 for every rank, logged. The one
+    way from the library into the application's planner (DESIGN)."""
+    if is_auto_request(config):
+        from .planner.auto import auto_parallel
+
+        return auto_parallel(model, config)
+    return as_parallel_config(config)
 
 
 def is_auto_request(config) -> bool:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..api import get_state, parallelize
-from ..config import ParallelConfig, as_parallel_config
+from ..api import get_state, parallelize, resolve_parallel_config
+from ..config import ParallelConfig
 from ..errors import HfScaleCheckpointError
 from ..ranks import rank0_first
 from .boxes import Box, local_boxes
@@ -35,7 +35,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
 
 def from_pretrained(
     name_or_path: str | os.PathLike,
-    parallel: ParallelConfig | Mapping[str, Any] | None = None,
+    parallel: ParallelConfig | Mapping[str, Any] | str | None = None,
     *,
     auto_class=None,
     dtype: torch.dtype = torch.float32,
@@ -79,7 +79,7 @@ def from_pretrained(
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
     weight_map = weight_map_of(folder)
-    parallel = as_parallel_config(parallel)
+    parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
     if sharded:

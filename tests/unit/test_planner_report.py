@@ -115,3 +115,24 @@ def test_plan_for_64_gpus_uses_nodes_of_8_and_the_links_given(capsys):
     _, _, slow_ranked, *_ = plan_candidates(config, 64, "80GB", 64, 8, nodes=8, device=slow)
     fast = {c.layout: c.cost.total for c in ranked if c.cost}
     assert any(c.cost and c.cost.total > 2 * fast[c.layout] for c in slow_ranked if c.layout in fast)
+
+
+def test_from_pretrained_with_auto_plans_on_the_meta_model(tmp_path, monkeypatch):
+    """``from_pretrained(path, parallel="auto")``: the planner sees the model built on meta (no
+    weights read for it) and the weights then load into the chosen layout."""
+    import torch
+
+    import hf_scale
+    from tests.harness import stand_in_calibration
+    from tests.tiny_models import save_tiny_checkpoint
+
+    monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path / "cache")["XDG_CACHE_HOME"])
+    folder = save_tiny_checkpoint(tmp_path / "tiny", "llama", CAUSAL)
+    model = hf_scale.from_pretrained(folder, parallel="auto")
+    assert not hf_scale.get_state(model).config.auto
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(folder)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
