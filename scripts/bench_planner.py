@@ -10,12 +10,15 @@ Each leg trains a randomly initialised Llama-shaped model (tiny, small, or SmolL
 from its config: the same memory and FLOPs as the real weights) with AdamW on fixed random token
 ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per rank:
 
-* peak tracked tensor bytes in one step after warm-up (``torch.distributed._tools.MemTracker``'s
-  device peak, its per-module statistics off:
-  parameters, gradients, optimizer state, activations, temporaries; every tensor the dispatcher
-  sees, FSDP's buffers included);
-* peak RSS over the timed steps (``bench_common.RssSampler``, every 5 ms);
-* step time (the slowest rank's, mean of the timed steps).
+* with allocations of 64 KiB or more served by their own mappings (``MALLOC_MMAP_THRESHOLD_``:
+  glibc's default keeps freed memory resident, so RSS would follow the allocator, not what is in
+  use): peak tracked tensor bytes in one step (``torch.distributed._tools.MemTracker``'s device
+  peak, its per-module statistics off: parameters, gradients, optimizer state
+  (ZeroRedundancyOptimizer's inner one included), activations, temporaries; FSDP's buffers
+  included), then peak RSS over ``--steps`` steps (``bench_common.RssSampler``, every 5 ms);
+* then, allocations up to 32 MiB served from the heap again (``mallopt``: the mappings slow small
+  models' steps by a third here), one untimed step and ``--steps`` timed ones: the step time (the
+  slowest rank's, mean).
 
 The prediction for the same layout comes from the config alone: ``estimate_memory`` (device total
 less the process overhead against tracked bytes; device total plus host bytes against RSS) and
@@ -117,7 +120,7 @@ def worker(args) -> None:
     optimizer = hf_scale.build_optimizer(model, lr=1e-5)
     dp_rank, dp = _dp(model)
     g = torch.Generator().manual_seed(1234)
-    data = torch.randint(model.config.vocab_size, (args.warmup + args.steps + 1, batch * dp, seq), generator=g)
+    data = torch.randint(model.config.vocab_size, (args.warmup + 2 * args.steps + 2, batch * dp, seq), generator=g)
     data = data[:, dp_rank * batch : (dp_rank + 1) * batch]
 
     def step(ids):
@@ -128,26 +131,48 @@ def worker(args) -> None:
     model.train()
     for ids in data[: args.warmup]:
         step(ids)
+    # memory first, while big allocations are their own mappings (MALLOC_MMAP_THRESHOLD_ from the
+    # launcher: RSS then follows what is in use; glibc's default keeps freed memory resident)
     tracker = device_tracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
     with tracker:
         step(data[args.warmup])
     peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     parts = {str(getattr(k, "value", k)): v for k, v in peak.items()}
     sampler = RssSampler()
     sampler.start()
+    for ids in data[args.warmup + 1 : args.warmup + 1 + args.steps]:
+        step(ids)
+    rss = sampler.stop()
+    # then time on heap allocations, as a real run allocates (the mappings slow small models' steps
+    # by a third here): one more untimed step, then the timed ones
+    _heap_allocations()
     times = []
-    for ids in data[args.warmup + 1 :]:
+    for ids in data[args.warmup + 1 + args.steps :]:
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
         step(ids)
         times.append(time.perf_counter() - start)
-    out.write_text(json.dumps({"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": sampler.stop(),
-                               "step_times": times}))
+    out.write_text(json.dumps({"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": rss,
+                               "step_times": times[1:]}))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _heap_allocations() -> None:
+    """glibc: serve allocations up to 32 MiB from the heap (``mallopt(M_MMAP_THRESHOLD)``: the
+    largest threshold glibc's default grows to by itself)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
+
+
+def _inner_optimizers(optimizer) -> list:
+    """ZeroRedundancyOptimizer keeps its state in an inner optimizer the tracker must be told of."""
+    inner = getattr(optimizer, "optim", None)
+    return [inner] if inner is not None and inner is not optimizer else []
 
 
 def _device_tracker_class():

@@ -1,7 +1,9 @@
 """Measure this machine once for the cost model: the fixed cost of a block's ops (a tiny llama),
 achieved training FLOP/s of small llamas' forward + backward (hidden 576, SmolLM2's width, in
-fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and gloo all-reduce bus
-bandwidth and latency between 2 local processes. Seconds, not minutes; noisy on a busy machine
+fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and
+between 2 local gloo processes: all-reduce, all-gather and reduce-scatter bus bandwidth (gloo's
+all-gather and reduce-scatter run at a fraction of its all-reduce's), latency, and what FSDP2
+costs per unit and DDP per step beyond their model's compute (hooks, copies, small collectives). Seconds, not minutes; noisy on a busy machine
 (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
 """
 
@@ -14,33 +16,38 @@ import time
 import torch
 
 
-def _best(fn, reps: int) -> float:
+def _best(fn, reps: int, pick=min) -> float:
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return pick(times)
 
 
-def _llama(hidden: int, layers: int, vocab: int = 8192):
+def _median(times: list[float]) -> float:
+    return sorted(times)[len(times) // 2]
+
+
+def _llama(hidden: int, layers: int, vocab: int = 8192, kv_groups: int = 1):
     import transformers as tf
 
     heads = max(1, hidden // 64)
     return tf.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 32 * 32 or 64,
-                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                          vocab_size=vocab, tie_word_embeddings=True)
+                          num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=max(1, heads // kv_groups), vocab_size=vocab, tie_word_embeddings=True)
 
 
-def training_seconds(config, dtype: torch.dtype, seq: int, batch: int) -> float:
-    """Best-of-3 time of one training forward + backward of ``config``'s model (random weights)."""
+def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min) -> float:
+    """One training forward + backward of ``config``'s model (random weights): the best of 3
+    (``pick=_median``: their median, for rates a long run sustains)."""
     import transformers as tf
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    return _best(lambda: model(input_ids=ids, labels=ids).loss.backward(), 3)
+    return _best(lambda: model(input_ids=ids, labels=ids).loss.backward(), 3, pick)
 
 
 def block_overhead() -> float:
@@ -51,14 +58,14 @@ def block_overhead() -> float:
 
 
 def training_flops(dtype: torch.dtype, hidden: int = 576, seq: int = 256, batch: int = 2,
-                   overhead: float = 0.0) -> float:
+                   overhead: float = 0.0, layers: int = 2, vocab: int = 8192, kv_groups: int = 1) -> float:
     """FLOP/s of a small llama's training forward + backward at width ``hidden`` (the planner's
-    FLOPs per token), less the fixed per-block ``overhead``."""
+    FLOPs per token), less the fixed per-block ``overhead``; the median of 3 runs."""
     from .cost import flops_per_token
     from .profile import model_facts
 
-    config = _llama(hidden, 2)
-    seconds = training_seconds(config, dtype, seq, batch) - overhead * (config.num_hidden_layers + 1)
+    config = _llama(hidden, layers, vocab, kv_groups)
+    seconds = training_seconds(config, dtype, seq, batch, _median) - overhead * (config.num_hidden_layers + 1)
     return batch * seq * flops_per_token(model_facts(config), seq) / max(seconds, 1e-9)
 
 
@@ -67,19 +74,70 @@ def memory_bandwidth() -> float:
     return 2 * a.nbytes / _best(lambda: a.copy_(b), 5)
 
 
-def _allreduce_rank(rank: int, port: int, queue) -> None:
+def _tiny_blocks(layers: int = 8, width: int = 16):
+    """Blocks of about a transformer block's tensor count (9-10: 4 Linear + a norm), tiny."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    def block():
+        return nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width),
+                             nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+
+    return nn.Sequential(*[block() for _ in range(layers)])
+
+
+def _wrapper_overheads(x) -> tuple[float, float]:
+    """Seconds per FSDP unit per step and per DDP step beyond the model's own compute: the
+    wrappers' hooks, copies and the latency of their collectives on tensors too small to cost
+    bandwidth (a stack of tiny Linear blocks, as hf_scale wraps blocks)."""
+    import copy
+
+    from torch.distributed._composable.replicate import replicate
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _tiny_blocks()
+    mesh = init_device_mesh("cpu", (2,))
+    local = copy.deepcopy(model)
+    sharded = copy.deepcopy(model)
+    for block in sharded:
+        fully_shard(block, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    ddp = replicate(copy.deepcopy(model), device_mesh=mesh)
+
+    def step(m):
+        return lambda: m(x).sum().backward()
+
+    base = _best(step(local), 20)
+    units = len(model) + 1
+    return (_best(step(sharded), 20) - base) / units, _best(step(ddp), 20) - base
+
+
+def _collectives_rank(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
 
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    big, small = torch.ones(4 * 2**20), torch.ones(1)
+    n = 4 * 2**20  # floats: 16 MB, about one SmolLM2 block in fp32
+    big, small = torch.ones(n), torch.ones(1)
+    half, whole = torch.ones(n // 2), torch.empty(n)
     bw = _best(lambda: dist.all_reduce(big), 3)
+    gather = _best(lambda: dist.all_gather_into_tensor(whole, half), 3)
+    scatter = _best(lambda: dist.reduce_scatter_tensor(half, big), 3)
     lat = _best(lambda: [dist.all_reduce(small) for _ in range(20)], 2) / 20
-    if rank == 0:
-        queue.put((big.nbytes * 2 * (2 - 1) / 2 / bw, lat))  # ring bus bytes: 2(n-1)/n
+    fsdp_unit, ddp = _wrapper_overheads(torch.ones(4, 16))
+    if rank == 0:  # ring bus bytes per rank: 2(n-1)/n of the tensor for all-reduce, (n-1)/n for the others
+        nbytes = big.nbytes
+        queue.put({"allreduce_bus_bytes_per_s": nbytes * 2 * (2 - 1) / 2 / bw, "allreduce_latency_s": lat,
+                   "allgather_bus_bytes_per_s": nbytes * (2 - 1) / 2 / gather,
+                   "reducescatter_bus_bytes_per_s": nbytes * (2 - 1) / 2 / scatter,
+                   "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp)})
     dist.destroy_process_group()
 
 
-def allreduce_link() -> tuple[float, float]:
+def collectives() -> dict:
+    """gloo between 2 local processes: all-reduce, all-gather and reduce-scatter bus bandwidth,
+    the latency of a tiny all-reduce, and FSDP's / DDP's own cost per unit / step."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -87,7 +145,7 @@ def allreduce_link() -> tuple[float, float]:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_collectives_rank, args=(r, port, queue)) for r in range(2)]
     for p in procs:
         p.start()
     result = queue.get(timeout=300)
@@ -99,18 +157,20 @@ def allreduce_link() -> tuple[float, float]:
 def calibrate() -> dict:
     """The numbers :func:`hf_scale.planner.cost.cpu_device` reads; compute with one thread, as each
     torchrun rank runs (``OMP_NUM_THREADS=1``)."""
-    bus, latency = allreduce_link()
+    links = collectives()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     overhead = block_overhead()
     result = {
         "block_overhead_s": overhead,
-        "flops_fp32": training_flops(torch.float32, overhead=overhead),
+        # SmolLM2's block shape (grouped key/value heads) and vocabulary, 4 blocks, 256 tokens: the
+        # rate a real model's step sustains (a 2-block, 8k-vocabulary model ran ~20% faster per FLOP)
+        "flops_fp32": training_flops(torch.float32, overhead=overhead, seq=256, batch=1, layers=4, vocab=49152,
+                                     kv_groups=3),
         "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead),
         "flops_bf16": training_flops(torch.bfloat16, overhead=overhead),
         "mem_bandwidth": memory_bandwidth(),
-        "allreduce_bus_bytes_per_s": bus,
-        "allreduce_latency_s": latency,
+        **links,
         "threads": 1,
         "cpus": os.cpu_count(),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

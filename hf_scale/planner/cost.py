@@ -45,6 +45,16 @@ class Link:
     bandwidth: float
     latency: float
     overlap: float
+    gather_bandwidth: float | None = None  # all-gather bus bandwidth, when it differs (gloo: measured)
+    scatter_bandwidth: float | None = None  # reduce-scatter's (gloo has no native one: an all-reduce inside)
+
+    @property
+    def gather(self) -> float:
+        return self.gather_bandwidth or self.bandwidth
+
+    @property
+    def scatter(self) -> float:
+        return self.scatter_bandwidth or self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class Device:
     threads: int = 1
     block_overhead: float = 0.0  # seconds of fixed cost per block per micro-batch (CPU: measured)
     narrow: tuple[int, float] | None = None  # (hidden, fp32 FLOP/s) measured at a narrower width
+    fsdp_unit_overhead: float = 0.0  # seconds per FSDP unit per micro-batch (hooks, copies; CPU: measured)
+    ddp_overhead: float = 0.0  # seconds per DDP step beyond its all-reduce (CPU: measured)
 
     def flops(self, precision: str | None, world: int = 1, hidden: int | None = None) -> float:
         """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores, and a model
@@ -148,6 +160,11 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     dp_link = device.intra if within else device.inter
     comm_dp = _dp_seconds(layout, params, d, micro, facts.layers, dp_link, device)
     comm_dp *= 1 - dp_link.overlap
+    if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
+        if layout.strategy in ("fsdp", "zero2", "hsdp"):
+            compute += micro * (blocks_here + 1) * device.fsdp_unit_overhead
+        else:
+            compute += micro * device.ddp_overhead
     comm_tp = 0.0
     if layout.tp > 1:
         size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
@@ -204,7 +221,7 @@ def _dp_seconds(layout: Layout, params: int, d: int, micro: int, layers: int, li
         if n > 1:
             ag = gathers * micro * params * d * (n - 1) / n
             rs = params * 4 * (n - 1) / n
-            seconds = (ag + rs) / link.bandwidth + (gathers * micro + 1) * (layers + 1) * link.latency
+            seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * (layers + 1) * link.latency
         if r > 1:
             inter = device.inter if layout.strategy == "hsdp" and n > 1 else link
             seconds += params / n * 4 * 2 * (r - 1) / r / inter.bandwidth + (layers + 1) * inter.latency
@@ -236,8 +253,11 @@ def cpu_device(refresh: bool = False) -> Device:
         data = calibrate()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))
-    link = Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0)
+    link = Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0,
+                gather_bandwidth=data.get("allgather_bus_bytes_per_s"),
+                scatter_bandwidth=data.get("reducescatter_bus_bytes_per_s"))
     return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
                   mem_bandwidth=data["mem_bandwidth"], intra=link, inter=link, host_bandwidth=data["mem_bandwidth"],
                   cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
-                  narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None)
+                  narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
+                  fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0), ddp_overhead=data.get("ddp_overhead_s", 0.0))

@@ -121,12 +121,13 @@ class MemoryEstimate:
     overhead: int
     host: int = 0
     accumulating: bool = False  # gradient accumulation: gradients live through every backward
+    grad_buffers: int = 0  # at backward's end: a tied weight's second gradient; FSDP's unsharded root gradient
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         backward = self.activations + max(self.logits_loss, self.recompute) + (self.grads if self.accumulating else 0)
-        late = 0 if self.accumulating else self.grads
+        late = 0 if self.accumulating else self.grads + self.grad_buffers
         return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
                 + max(backward, late))
 
@@ -201,13 +202,18 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward
         compute = int(facts.matmul_params * frac * d)
     acts, recompute, logits = activation_bytes(facts, layout, work)
+    # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
+    # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
+    # its reduce-scatter. (Under pp the tied ends sit on two stages.)
+    tied = 4 * facts.tied_params * frac if layout.pp == 1 else 0
+    buffers = int(tied + (4 * root if sharded and layout.dp > 1 else 0))
     host = 0
     if layout.cpu_offload:
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
                           logits_loss=logits, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
-                          accumulating=work.batch > layout.micro_batch)
+                          accumulating=work.batch > layout.micro_batch, grad_buffers=buffers)
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple[int, int]:

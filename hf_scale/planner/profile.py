@@ -71,6 +71,7 @@ class ModelFacts:
     hidden: int
     vocab: int
     layers: int
+    tied_params: int = 0  # a head tied to the input embedding: the one weight's size
     _profiles: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -132,6 +133,7 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
         head_params=head.weight.numel() if head is not None else 0,
         embedding_params=emb.weight.numel() if emb is not None else 0,
         hidden=hidden, vocab=getattr(config, "vocab_size", 0) or 0, layers=len(units),
+        tied_params=head.weight.numel() if head is not None and emb is not None and head.weight is emb.weight else 0,
     )
 
 

@@ -76,3 +76,20 @@ def test_block_overhead_and_narrow_width(tiny):
     assert narrow.flops(None, hidden=576) == 1e9 and narrow.flops(None, hidden=256) == pytest.approx(0.25e9)
     assert narrow.flops(None, hidden=384) == pytest.approx(1e9 * 0.25 ** (math.log(576 / 384) / math.log(576 / 256)))
     assert narrow.flops(None, hidden=64) == pytest.approx(0.25e9)  # clamped at the narrow measurement
+
+
+def test_gather_and_scatter_bandwidth_and_wrapper_overheads(tiny):
+    """gloo's all-gather and reduce-scatter run slower than its all-reduce (measured apart), and
+    FSDP's per-unit / DDP's per-step work adds to the compute."""
+    p = tiny.params
+    slow = Link(bandwidth=1e6, latency=0.0, overlap=0.0, gather_bandwidth=0.5e6, scatter_bandwidth=0.25e6)
+    dev = Device("t", 1e9, 2e9, 1e9, slow, slow, fsdp_unit_overhead=0.01, ddp_overhead=0.02)
+    fsdp = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=2), WORK, dev)
+    assert fsdp.comm_dp == pytest.approx(2 * 2 * p * 4 / 2 / 0.5e6 + p * 4 / 2 / 0.25e6)  # 2 micro-batches
+    plain = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=2), WORK, DEV)
+    assert fsdp.compute - plain.compute == pytest.approx(2 * (2 + 1) * 0.01)  # micro-batches x (blocks + root)
+    ddp = step_cost(tiny, Layout("ddp", 2, 1, micro_batch=2), WORK, dev)
+    assert ddp.comm_dp == pytest.approx(p * 4 * 2 / 2 / 1e6)  # all-reduce at its own bandwidth
+    assert ddp.compute - step_cost(tiny, Layout("ddp", 2, 1, micro_batch=2), WORK, DEV).compute == pytest.approx(0.04)
+    one = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, dev)
+    assert one.compute == pytest.approx(step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, DEV).compute)

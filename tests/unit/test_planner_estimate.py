@@ -41,9 +41,13 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     assert (mem.params, mem.grads, mem.optimizer) == (params * n, grads * n, optimizer * n)
     if strategy in ("ddp", "zero1"):
         assert mem.comm_buffers == 4 * n  # DDP's gradient buckets
-    # the peak: at backward's start (no gradients yet) or at its end (no activations left)
+    # the peak: at backward's start (no gradients yet) or at its end (no activations left; the
+    # tied weight's second gradient and, under FSDP, the root unit's unsharded fp32 gradient)
     fixed = mem.overhead + mem.params + mem.optimizer + mem.comm_buffers + mem.compute_copies
-    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute), mem.grads)
+    root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
+    assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
+    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute),
+                                           mem.grads + mem.grad_buffers)
 
 
 def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
