@@ -127,7 +127,8 @@ def stage_module(model: nn.Module, layout: PipelineLayout, stage: int) -> StageM
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``(tokens or hidden states, attention_mask, labels) -> hidden states``,
+    """One pipeline stage: ``(tokens or hidden states, attention_mask, position_ids, labels) ->
+    hidden states``,
     or the loss on the last stage. The model view is its only child, so under FSDP this module
     is the stage's root unit (the blocks are units of their own)."""
 
@@ -138,10 +139,12 @@ class StageModule(nn.Module):
         self.label_tokens: int = 1  # set by the pipeline before each batch
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         inputs = {"input_ids" if self.first else "inputs_embeds": x, "use_cache": False}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
+        if position_ids is not None:  # every stage: rotary blocks read them, GPT-2 / OPT embed them
+            inputs["position_ids"] = position_ids
         if not self.last:
             out = getattr(self.view, self.base)(**inputs)
             hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state

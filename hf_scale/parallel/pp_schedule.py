@@ -2,8 +2,8 @@
 
 :class:`Pipeline` is what ``model.train_step`` / ``model.eval_step`` call under pipeline
 parallel. Per batch it splits the batch into microbatches (every rank of a pipeline holds the
-same batch: the input ids go to the first stage; the attention mask and the labels, as keyword
-arguments, to every stage, which the last one uses for the loss), runs the schedule, sums the gradients of a weight tied across stages (the input
+same batch: the input ids go to the first stage; the attention mask, position ids and the
+labels, as keyword arguments, to every stage, which the last one uses for the loss), runs the schedule, sums the gradients of a weight tied across stages (the input
 embedding of the first stage and the head of the last: Megatron's embedding group), and hands
 every rank the batch's loss.
 
@@ -81,6 +81,7 @@ class Pipeline:
     # ------------------------------------------------------------------ internals
     def _run(self, batch: dict, loss_scale: float, train: bool) -> torch.Tensor:
         ids, mask, labels = self._check(batch)
+        extra = {} if batch.get("position_ids") is None else {"position_ids": batch["position_ids"].to(self.device)}
         for module in self.stage_modules:  # the views copy a few modules: follow model.train()/eval()
             if module.training != self.model.training:
                 module.train(self.model.training)
@@ -88,7 +89,7 @@ class Pipeline:
         for module in self.stage_modules:
             module.label_tokens = max(count, 1)
         self._losses, self._scale = [], loss_scale
-        kwargs = {"labels": labels} if mask is None else {"attention_mask": mask, "labels": labels}
+        kwargs = {"labels": labels, **extra} if mask is None else {"attention_mask": mask, "labels": labels, **extra}
         schedule = self._schedule(tuple(ids.shape), train)
         if train:
             before = self._tied_grads_before()
@@ -111,11 +112,11 @@ class Pipeline:
                 "train_step/eval_step under pipeline parallel need 'labels' in the batch: the last "
                 "stage computes the loss. For causal LM training, labels = input_ids (pads -100)."
             )
-        unknown = sorted(set(batch) - {"input_ids", "attention_mask", "labels"})
+        unknown = sorted(set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"})
         if unknown:
             raise HfScaleConfigError(
                 f"batch keys {unknown} are not supported under pipeline parallel (the stages "
-                "receive input_ids, attention_mask and labels): drop them."
+                "receive input_ids, attention_mask, position_ids and labels): drop them."
             )
         ids = batch["input_ids"].to(self.device)
         size = ids.shape[0]
@@ -128,16 +129,17 @@ class Pipeline:
         mask = batch.get("attention_mask")
         mask = None if mask is None else mask.to(self.device)
         labels = batch["labels"].to(self.device)
-        self._check_same_batch(ids, mask, labels)
+        self._check_same_batch(ids, mask, labels, batch.get("position_ids"))
         return ids, mask, labels
 
-    def _check_same_batch(self, ids, mask, labels) -> None:
+    def _check_same_batch(self, ids, mask, labels, positions=None) -> None:
         """Every rank of a pipeline must pass the same batch (the first stage reads its input ids,
         the last its labels): a script that splits data by global rank, as for DDP, would train
         on mismatched labels, or hang in shape inference. One small all-gather per step compares
         shapes and sums, so every rank raises the same error instead."""
         mine = torch.tensor([ids.shape[0], ids.shape[-1], ids.dim(), int(ids.sum()), int(labels.sum()),
-                             -1 if mask is None else int(mask.sum())], dtype=torch.float64, device=self.device)
+                             -1 if mask is None else int(mask.sum()), -1 if positions is None else int(positions.sum())],
+                            dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pp_group))]
         dist.all_gather(every, mine, group=self.pp_group)
         if any(not torch.equal(e, every[0]) for e in every):

@@ -12,7 +12,10 @@
   the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
   residual stream twice per block in forward and twice in backward; pp sends each microbatch's
-  activations and receives their gradients. Each collective pays a latency. The data-parallel
+  activations and receives their gradients. Each collective pays a latency; all-gather and
+  reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
+  here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
+  DDP's per step are measured on CPU and add to the compute. The data-parallel
   traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
   competes with compute for the same cores); tp's is on the critical path.
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per

@@ -14,6 +14,7 @@ parameters by their unchanged names, gathered over fsdp / tp only (never across 
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -188,6 +189,21 @@ def bad_input(arch: str, head: str, config: dict, layers: int = LAYERS, step: di
     except hf_scale.HfScaleError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def position_ids_check(arch: str, config: dict) -> dict:
+    """``eval_step`` with arbitrary ``position_ids`` (the same on every rank) against one process
+    with and without them: they must reach the stages that use them (GPT-2 embeds positions)."""
+    model = pp_model(arch)
+    reference = copy.deepcopy(model).eval()
+    batch = padded_batch(11)
+    batch["position_ids"] = torch.randint(0, SEQ, batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))
+    model = hf_scale.parallelize(model, config)
+    model.eval()
+    with torch.no_grad():
+        plain = {k: v for k, v in batch.items() if k != "position_ids"}
+        return {"pp": float(model.eval_step(batch)), "reference": float(reference(**batch).loss),
+                "reference_without": float(reference(**plain).loss)}
 
 
 def forward_refused(arch: str, config: dict) -> str:
