@@ -107,10 +107,10 @@ def hf_scale_auto():
 
     (model, _), load_s = _timed(load_smollm2)
     per_rank, seq = SHORT
-    config, plan_s = _timed(resolve_auto, model, "auto", seq=seq, batch=per_rank)
+    config, plan_s = _timed(resolve_auto, model, "auto", seq=seq, batch=per_rank, micro_batch=per_rank)
     model, parallelize_s = _timed(hf_scale.parallelize, model, config)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
-    chosen = {k: v for k, v in vars(config).items() if v != getattr(hf_scale.ParallelConfig, k, None)}
+    chosen = {"strategy": config.strategy, **config.fixed_fields()}
     return model, optimizer, f"hf_scale auto chose {chosen}", load_s, plan_s + parallelize_s
 
 

@@ -91,11 +91,12 @@ AUTO_SHARD_FLOOR = 100 * 10**6  # below this a file hashes in ~0.1 s: not worth 
 def auto_shard_size(tensors: list[TensorSpec], ranks: int) -> int:
     """``max_shard_size="auto"``: the smallest limit that packs the tensors into as many files as
     there are ranks (each rank then hashes its own files in parallel after writing: the sha256 of
-    one file cannot be split), files of at least ~100 MB and at most 5 GB.
+    one file cannot be split), files of at least ~100 MB and at most 5 GB (a larger tensor
+    alone in its file).
 
     SmolLM2-135M (538 MB fp32) saved from 2 ranks: two files of ~270 MB, not one of 538 MB."""
     total = sum(t.nbytes for t in tensors)
-    want = max(1, min(ranks, total // AUTO_SHARD_FLOOR), -(-total // AUTO_SHARD_CAP))
+    want = max(1, min(ranks, total // AUTO_SHARD_FLOOR), len(_pack(tensors, AUTO_SHARD_CAP)))
     low, high = max((t.nbytes for t in tensors), default=1), max(total, 1)
     while low < high:  # greedy packing needs fewer files as the limit grows: bisect the limit
         mid = (low + high) // 2

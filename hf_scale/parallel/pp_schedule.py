@@ -3,7 +3,8 @@
 :class:`Pipeline` is what ``model.train_step`` / ``model.eval_step`` call under pipeline
 parallel. Per batch it splits the batch into microbatches (every rank of a pipeline holds the
 same batch: the input ids go to the first stage; the attention mask, position ids and the
-labels, as keyword arguments, to every stage, which the last one uses for the loss), runs the schedule, sums the gradients of a weight tied across stages (the input
+labels, as keyword arguments, to every stage, which the last one uses for the loss), runs the
+schedule, sums the gradients of a weight tied across stages (the input
 embedding of the first stage and the head of the last: Megatron's embedding group), and hands
 every rank the batch's loss.
 
@@ -105,49 +106,62 @@ class Pipeline:
         return loss
 
     def _check(self, batch: dict):
-        if not isinstance(batch, dict) or batch.get("input_ids") is None:
-            raise HfScaleConfigError("train_step/eval_step need a batch dict with 'input_ids' (and 'labels').")
-        if batch.get("labels") is None:
-            raise HfScaleConfigError(
-                "train_step/eval_step under pipeline parallel need 'labels' in the batch: the last "
-                "stage computes the loss. For causal LM training, labels = input_ids (pads -100)."
-            )
-        unknown = sorted(set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"})
-        if unknown:
-            raise HfScaleConfigError(
-                f"batch keys {unknown} are not supported under pipeline parallel (the stages "
-                "receive input_ids, attention_mask, position_ids and labels): drop them."
-            )
-        ids = batch["input_ids"].to(self.device)
-        size = ids.shape[0]
-        if size % self.microbatches:
-            raise HfScaleConfigError(
-                f"a batch of {size} sequences does not split into pp_microbatches="
-                f"{self.microbatches} equal microbatches: make the per-rank batch size a multiple "
-                f"of {self.microbatches}, or set pp_microbatches to a divisor of {size}."
-            )
-        mask = batch.get("attention_mask")
-        mask = None if mask is None else mask.to(self.device)
-        labels = batch["labels"].to(self.device)
-        self._check_same_batch(ids, mask, labels, batch.get("position_ids"))
+        """The batch's tensors on this device, after every rank of the pipeline has compared its
+        batch with the others' (one all-gather): a bad batch on any rank raises on every rank."""
+        problem = self._problem(batch)
+        ids = labels = mask = positions = None
+        if problem is None:
+            ids = batch["input_ids"].to(self.device)
+            labels = batch["labels"].to(self.device)
+            mask = None if batch.get("attention_mask") is None else batch["attention_mask"].to(self.device)
+            positions = batch.get("position_ids")
+        self._check_same_batch(ids, mask, labels, positions, problem)
         return ids, mask, labels
 
-    def _check_same_batch(self, ids, mask, labels, positions=None) -> None:
+    def _problem(self, batch) -> str | None:
+        if not isinstance(batch, dict) or batch.get("input_ids") is None:
+            return "train_step/eval_step need a batch dict with 'input_ids' (and 'labels')."
+        if batch.get("labels") is None:
+            return ("train_step/eval_step under pipeline parallel need 'labels' in the batch: the last "
+                    "stage computes the loss. For causal LM training, labels = input_ids (pads -100).")
+        unknown = sorted(set(batch) - {"input_ids", "attention_mask", "position_ids", "labels"})
+        if unknown:
+            return (f"batch keys {unknown} are not supported under pipeline parallel (the stages "
+                    "receive input_ids, attention_mask, position_ids and labels): drop them.")
+        size = batch["input_ids"].shape[0]
+        if size % self.microbatches:
+            return (f"a batch of {size} sequences does not split into pp_microbatches="
+                    f"{self.microbatches} equal microbatches: make the per-rank batch size a multiple "
+                    f"of {self.microbatches}, or set pp_microbatches to a divisor of {size}.")
+        return None
+
+    def _check_same_batch(self, ids, mask, labels, positions, problem) -> None:
         """Every rank of a pipeline must pass the same batch (the first stage reads its input ids,
         the last its labels): a script that splits data by global rank, as for DDP, would train
         on mismatched labels, or hang in shape inference. One small all-gather per step compares
-        shapes and sums, so every rank raises the same error instead."""
-        mine = torch.tensor([ids.shape[0], ids.shape[-1], ids.dim(), int(ids.sum()), int(labels.sum()),
-                             -1 if mask is None else int(mask.sum()), -1 if positions is None else int(positions.sum())],
-                            dtype=torch.float64, device=self.device)
+        shapes and sums (and carries any rank's bad-batch flag), so every rank raises the same
+        error instead of some waiting for the others."""
+        if problem is not None:
+            mine = torch.zeros(8, dtype=torch.float64, device=self.device)
+            mine[0] = 1
+        else:
+            mine = torch.tensor([0, ids.shape[0], ids.shape[-1], ids.dim(), int(ids.sum()), int(labels.sum()),
+                                 -1 if mask is None else int(mask.sum()),
+                                 -1 if positions is None else int(positions.sum())],
+                                dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.pp_group))]
         dist.all_gather(every, mine, group=self.pp_group)
+        if any(e[0] for e in every):  # some rank's batch is bad: every rank says what
+            said = [None] * len(every)
+            dist.all_gather_object(said, problem, group=self.pp_group)
+            first = next((p, r) for r, p in enumerate(said) if p is not None)
+            raise HfScaleConfigError(problem if problem is not None else f"pipeline rank {first[1]}: {first[0]}")
         if any(not torch.equal(e, every[0]) for e in every):
-            shapes = ", ".join(f"{int(e[0])}x{int(e[1])}" for e in every)
+            shapes = ", ".join(f"{int(e[1])}x{int(e[2])}" for e in every)
             raise HfScaleConfigError(
                 "the ranks of one pipeline passed different batches to train_step/eval_step (shapes "
-                f"{shapes}, or different token ids / labels / masks): every pp rank of a data-parallel "
-                "replica must pass the same batch. Split data by the data-parallel rank "
+                f"{shapes}, or different token ids / labels / masks / positions): every pp rank of a "
+                "data-parallel replica must pass the same batch. Split data by the data-parallel rank "
                 "(hf_scale.get_state(model).dp_rank / dp_degree), not by the global rank."
             )
 

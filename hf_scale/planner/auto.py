@@ -6,8 +6,10 @@ from :data:`hf_scale.planner.cost.H100` on a GPU (a stand-in: the ranking, not t
 matters) or this machine's calibration on CPU. ``parallelize`` does not see a batch, so its
 workload is one sequence of ``min(max_position_embeddings, 1024)`` tokens per rank; the
 fine-tuning loop passes the recipe's ``max_seq_len``, ``batch_size`` and ``grad_accum``.
-Fields given beside ``strategy: "auto"`` (those not at their defaults) are kept fixed; degrees
-that contradict the world size are refused. Under torchrun rank 0 decides and every rank gets
+Fields given beside ``strategy: "auto"`` are kept fixed (a mapping's keys; a ParallelConfig's
+fields away from their defaults: use a mapping to pin a field to its default, e.g. ``tp: 1``),
+and only layouts that run with them are ranked; degrees that contradict the world size are
+refused. Under torchrun rank 0 decides and every rank gets
 its answer (:func:`hf_scale.ranks.share_from_rank0`): a calibration or a tie can never make
 two ranks choose differently.
 
@@ -21,13 +23,15 @@ Usage::
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 
-from ..api import is_auto_request as is_auto
-from ..config import ParallelConfig, as_parallel_config, from_dict
+import torch
+
+from ..api import is_auto_request as is_auto  # noqa: F401 - re-exported
+from ..config import ParallelConfig, from_dict
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
+from ..mesh import ParallelDims
 from .choose import Candidate, choose
 from .cost import H100, cpu_device
 from .estimate import GiB, Workload
@@ -48,10 +52,13 @@ def fixed_fields(config) -> dict:
     return {k: v for k, v in config.items() if k != "strategy"}
 
 
-def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1,
-                 micro_batch: int | None = None) -> ParallelConfig:
+def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1, micro_batch: int | None = None,
+                 keep=None) -> ParallelConfig:
     """Collective under torchrun: the ``ParallelConfig`` the planner chooses for ``source`` (a
-    model or its config) with ``requested``'s fixed fields, decided on rank 0, logged once.
+    model, its config, or a function returning one: called on rank 0 only) with ``requested``'s
+    fixed fields, for this run's world size, nodes, device and memory (read by
+    :func:`hf_scale.distributed.init_distributed`, mpirun's and SLURM's variables included),
+    decided on rank 0 and logged once. ``keep(layout, config)`` may refuse candidates.
 
     Usage::
 
@@ -62,15 +69,19 @@ def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1,
     from ..ranks import share_from_rank0
 
     fixed = fixed_fields(requested)
-    init_distributed(int(fixed.get("timeout_seconds", ParallelConfig.timeout_seconds)))
-    config, describe = share_from_rank0(_decide, source, fixed, seq, batch, micro_batch)
+    env = init_distributed(int(fixed.get("timeout_seconds", ParallelConfig.timeout_seconds)))
+    run = {"world_size": env.world_size, "nodes": env.num_nodes, "device_type": env.device.type,
+           "budget": _device_memory(env.device.type, env.local_world_size)}
+    config, describe = share_from_rank0(_decide, source, fixed, seq, batch, micro_batch, keep, run)
     log_rank0(f"strategy 'auto' chose {describe}")
     return config
 
 
-def _decide(source, fixed, seq, batch, micro_batch) -> tuple[ParallelConfig, str]:
+def _decide(source, fixed, seq, batch, micro_batch, keep, run) -> tuple[ParallelConfig, str]:
+    if callable(source) and not isinstance(source, torch.nn.Module):
+        source = source()
     seq = _seq(source, seq)
-    config, best = auto_config(source, fixed=fixed, seq=seq, batch=batch, micro_batch=micro_batch)
+    config, best = auto_config(source, fixed=fixed, seq=seq, batch=batch, micro_batch=micro_batch, keep=keep, **run)
     mem, cost = best.memory, best.cost
     return config, (f"{best.layout.describe()}: {mem.device_total / GiB:.2f} GiB per rank estimated, "
                     f"{cost.tokens_per_second:,.0f} tokens/s estimated (seq {seq} x batch {batch} per "
@@ -82,38 +93,63 @@ def _seq(source, seq: int | None) -> int:
     return seq or min(getattr(config, "max_position_embeddings", 1024) or 1024, 1024)
 
 
+def search_space(fixed: Mapping, world_size: int, nodes: int = 1, micro_batch: int | None = None,
+                 keep=None) -> tuple[dict, dict]:
+    """``(space, rest)``: the chooser's search narrowed by the fixed fields (precision only when
+    asked for: it changes the numerics), and the fields merged into the choice afterwards.
+    Candidates whose ParallelConfig with those fields would be refused are left out, so the
+    ranking only holds layouts that run as configured."""
+    rest = {k: v for k, v in dict(fixed).items() if k != "strategy"}
+    _check_degrees(rest, world_size)
+    space = {key: (rest.pop(field),) for field, key in _SPACE.items() if field in rest}
+    space.setdefault("precisions", (None,))
+    if micro_batch is not None:
+        space["micro_batches"] = (micro_batch,)
+    for field in ("pp_schedule", "pp_microbatches"):
+        if field in rest:
+            space[field] = rest.pop(field)
+    degrees = {k: rest.pop(k) for k in ("dp_replicate", "dp_shard") if k in rest}
+
+    def accepted(lay) -> bool:
+        if any(getattr(lay, k) != v for k, v in degrees.items()):
+            return False
+        try:
+            config = _as_config(lay, world_size, rest)
+            if world_size > 1:
+                ParallelDims.resolve(config, world_size, nodes)
+        except HfScaleConfigError:
+            return False
+        return keep is None or keep(lay, config)
+
+    space["keep"] = accepted
+    return space, rest
+
+
+def _as_config(lay, world_size: int, rest: Mapping) -> ParallelConfig:
+    """The ParallelConfig that runs ``lay`` with the fields merged in (raises when refused)."""
+    chosen = lay.parallel_config() if world_size > 1 else ParallelConfig(
+        activation_checkpointing=lay.ac, mixed_precision=lay.precision, loss_chunk_tokens=lay.loss_chunk_tokens)
+    return from_dict(ParallelConfig, dict(vars(chosen)) | dict(rest))
+
+
 def auto_config(source, *, world_size: int | None = None, budget: int | None = None, device_type: str | None = None,
                 seq: int | None = None, batch: int = 1, fixed: Mapping | None = None,
-                nodes: int | None = None, micro_batch: int | None = None) -> tuple[ParallelConfig, Candidate]:
+                nodes: int | None = None, micro_batch: int | None = None,
+                keep=None) -> tuple[ParallelConfig, Candidate]:
     """The ``ParallelConfig`` of the fastest layout that fits, and the chosen candidate (one
-    process's computation: :func:`resolve_auto` is the collective entry point)."""
-    import torch
-
-    fixed = {k: v for k, v in dict(fixed or {}).items() if k != "strategy"}
-    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
-    nodes = nodes or max(1, world_size // int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    process's computation with the sizes given, or one process's: :func:`resolve_auto` is the
+    collective entry point that reads the run's)."""
+    world_size = world_size or 1
+    nodes = nodes or 1
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if budget is None:
-        budget = _device_memory(device_type)
-    seq = _seq(source, seq)
-    _check_degrees(fixed, world_size)
-    space = {key: (fixed.pop(field),) for field, key in _SPACE.items() if field in fixed}
-    if "precisions" not in space:
-        space["precisions"] = (None,)  # precision changes the numerics: only when asked for
-    if micro_batch is not None:
-        space["micro_batches"] = (micro_batch,)
-    degrees = {k: fixed.pop(k) for k in ("dp_replicate", "dp_shard") if k in fixed}
-    if degrees:
-        space["keep"] = lambda lay: all(getattr(lay, k) == v for k, v in degrees.items())
+        budget = _device_memory(device_type, world_size // nodes)
+    space, rest = search_space(fixed or {}, world_size, nodes, micro_batch, keep)
     device = cpu_device() if device_type == "cpu" else H100
-    work = Workload(seq=seq, batch=batch, device=device_type)
+    work = Workload(seq=_seq(source, seq), batch=batch, device=device_type)
     best, _ = choose(model_facts(source), work, world_size, budget, device, nodes, **space)
-    lay = best.layout
-    chosen = lay.parallel_config() if world_size > 1 else ParallelConfig(
-        activation_checkpointing=lay.ac, mixed_precision=lay.precision, loss_chunk_tokens=lay.loss_chunk_tokens)
-    values = dict(vars(chosen)) | fixed
-    return from_dict(ParallelConfig, values), best
+    return _as_config(best.layout, world_size, rest), best
 
 
 def _check_degrees(fixed: Mapping, world_size: int) -> None:
@@ -132,17 +168,13 @@ def _check_degrees(fixed: Mapping, world_size: int) -> None:
 def auto_parallel(model, requested) -> ParallelConfig:
     """``parallelize``'s entry: ``requested`` ("auto" or a config with ``strategy: auto``) as a
     concrete ParallelConfig for this run (one sequence per rank as the workload)."""
-    if not is_auto(requested):
-        return as_parallel_config(requested)
     return resolve_auto(model, requested)
 
 
-def _device_memory(device_type: str) -> int:
-    import torch
-
+def _device_memory(device_type: str, local_processes: int = 1) -> int:
+    """A GPU's total memory, or this machine's RAM shared by its ``local_processes``."""
     if device_type == "cuda":
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     import psutil
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return psutil.virtual_memory().total // local
+    return psutil.virtual_memory().total // max(1, local_processes)

@@ -3,8 +3,8 @@ achieved training FLOP/s of small llamas' forward + backward (hidden 576, SmolLM
 fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and
 between 2 local gloo processes: all-reduce, all-gather and reduce-scatter bus bandwidth (gloo's
 all-gather and reduce-scatter run at a fraction of its all-reduce's), latency, and what FSDP2
-costs per unit and DDP per step beyond their model's compute (hooks, copies, small collectives). Seconds, not minutes; noisy on a busy machine
-(the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
+costs per unit and DDP per step beyond their model's compute (hooks, copies, small collectives).
+About two minutes (bf16 on a CPU is slow); noisy on a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
 """
 
 from __future__ import annotations
@@ -126,6 +126,9 @@ def _collectives_rank(rank: int, port: int, queue) -> None:
     scatter = _best(lambda: dist.reduce_scatter_tensor(half, big), 3)
     lat = _best(lambda: [dist.all_reduce(small) for _ in range(20)], 2) / 20
     fsdp_unit, ddp = _wrapper_overheads(torch.ones(4, 16))
+    # the cost model charges each collective's latency itself: 2 all-gathers + 1 reduce-scatter
+    # per FSDP unit, one all-reduce per DDP bucket
+    fsdp_unit, ddp = fsdp_unit - 3 * lat, ddp - lat
     if rank == 0:  # ring bus bytes per rank: 2(n-1)/n of the tensor for all-reduce, (n-1)/n for the others
         nbytes = big.nbytes
         queue.put({"allreduce_bus_bytes_per_s": nbytes * 2 * (2 - 1) / 2 / bw, "allreduce_latency_s": lat,
@@ -167,7 +170,8 @@ def calibrate() -> dict:
         # rate a real model's step sustains (a 2-block, 8k-vocabulary model ran ~20% faster per FLOP)
         "flops_fp32": training_flops(torch.float32, overhead=overhead, seq=256, batch=1, layers=4, vocab=49152,
                                      kv_groups=3),
-        "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead),
+        "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead, seq=256, batch=1, layers=4,
+                                          kv_groups=3),
         "flops_bf16": training_flops(torch.bfloat16, overhead=overhead),
         "mem_bandwidth": memory_bandwidth(),
         **links,

@@ -64,9 +64,11 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "zero2", "zero1", "ddp", "hsdp"),
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
-                      ranks_per_node: int | None = None, keep=None) -> list[Layout]:
+                      ranks_per_node: int | None = None, keep=None, pp_schedule: str = "1f1b",
+                      pp_microbatches: int | None = None) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
-    ``keep(layout)``, when given, filters them (e.g. degrees a user fixed)."""
+    ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines run
+    ``pp_schedule`` with ``pp_microbatches`` (not searched)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -92,7 +94,8 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     continue  # offload is FSDP's (a single process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
-                layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk)
+                pipe = {"pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches} if pp > 1 else {}
+                layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe)
                 if keep is None or keep(layout):
                     layouts.append(layout)
     return list(dict.fromkeys(layouts))
@@ -140,7 +143,8 @@ def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, devi
     layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
     ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
     if not ranked:
-        fixed = ", ".join(f"{k}={v[0] if len(v) == 1 else v}" for k, v in space.items() if k != "keep")
+        fixed = ", ".join(f"{k}={v[0] if isinstance(v, tuple) and len(v) == 1 else v}"
+                          for k, v in space.items() if not callable(v))
         raise HfScaleConfigError(
             f"no layout of {world_size} rank(s) for seq {work.seq} x batch {work.batch} matches what was fixed "
             f"({fixed or 'the degrees given'}): e.g. loss_chunk_tokens must be below the tokens of a micro-batch "

@@ -263,4 +263,5 @@ def cpu_device(refresh: bool = False) -> Device:
                   mem_bandwidth=data["mem_bandwidth"], intra=link, inter=link, host_bandwidth=data["mem_bandwidth"],
                   cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
                   narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
-                  fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0), ddp_overhead=data.get("ddp_overhead_s", 0.0))
+                  fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0),
+                  ddp_overhead=data.get("ddp_overhead_s", 0.0))

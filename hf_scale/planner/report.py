@@ -70,6 +70,11 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
     return "\n".join(lines)
 
 
+def default_nodes(gpus: int, nodes: int | None) -> int:
+    """Nodes of 8 GPUs unless told: 64 GPUs are 8 NVLink domains joined by InfiniBand, not one."""
+    return nodes or max(1, -(-gpus // GPUS_PER_NODE))
+
+
 def with_links(device: Device, intra_gbps: float | None = None, inter_gbps: float | None = None,
                latency_us: float | None = None) -> Device:
     """``device`` with the bus bandwidth per rank (GB/s) within a node and between nodes, and the
@@ -77,8 +82,9 @@ def with_links(device: Device, intra_gbps: float | None = None, inter_gbps: floa
     from dataclasses import replace
 
     def link(old: Link, gbps: float | None) -> Link:
-        return replace(old, bandwidth=gbps * 1e9 if gbps else old.bandwidth,
-                       latency=latency_us * 1e-6 if latency_us is not None else old.latency)
+        if gbps:  # one bandwidth for every collective (a measured all-gather / reduce-scatter is dropped)
+            old = replace(old, bandwidth=gbps * 1e9, gather_bandwidth=None, scatter_bandwidth=None)
+        return replace(old, latency=latency_us * 1e-6 if latency_us is not None else old.latency)
 
     return replace(device, intra=link(device.intra, intra_gbps), inter=link(device.inter, inter_gbps))
 
@@ -94,13 +100,16 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
 
     seq = seq or (job.data.max_seq_len if job else 1024)
     batch = batch or (job.train.batch_size * job.train.grad_accum if job else 1)
-    if gpus:  # nodes of 8 GPUs unless told (64 GPUs are not one NVLink domain)
-        nodes = nodes or max(1, -(-gpus // GPUS_PER_NODE))
-        device = with_links(H100, **(links or {}))
-        return format_candidates(*plan_candidates(config, gpus, gpu_memory or "80GB", seq, batch, nodes, device,
-                                                  task=task))
-    nodes = nodes or 1
-    world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
-    memory = gpu_memory or psutil.virtual_memory().total // world
-    device = with_links(cpu_device(), **(links or {}))
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device=device, task=task))
+    if gpus:
+        world, nodes, device = gpus, default_nodes(gpus, nodes), with_links(H100, **(links or {}))
+        memory = gpu_memory or "80GB"
+    else:
+        world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
+        nodes, device = nodes or 1, with_links(cpu_device(), **(links or {}))
+        memory = gpu_memory or psutil.virtual_memory().total // max(1, world // nodes)
+    space = {}
+    if job is not None and job.parallel.auto:  # the search hf-scale finetune runs: fixed fields, micro-batch
+        from .auto import search_space
+
+        space, _ = search_space(job.parallel.fixed_fields(), world, nodes, job.train.batch_size)
+    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space))

@@ -193,7 +193,7 @@ def bad_input(arch: str, head: str, config: dict, layers: int = LAYERS, step: di
 
 def position_ids_check(arch: str, config: dict) -> dict:
     """``eval_step`` with arbitrary ``position_ids`` (the same on every rank) against one process
-    with and without them: they must reach the stages that use them (GPT-2 embeds positions)."""
+    with and without them: they must reach every stage (each block of a rotary model uses them)."""
     model = pp_model(arch)
     reference = copy.deepcopy(model).eval()
     batch = padded_batch(11)

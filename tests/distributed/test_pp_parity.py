@@ -88,7 +88,7 @@ BAD2 = {
     "no_labels": ("bad_input", ("llama", "causal", PP2), {"step": {"drop": ["labels"]}}),
     "batch_by_global_rank": ("bad_input", ("llama", "causal", PP2), {"step": {"by_rank": True}}),
     "forward": ("forward_refused", ("llama", PP2), {}),
-    "position_ids": ("position_ids_check", ("gpt2", PP2), {}),
+    "position_ids": ("position_ids_check", ("llama", PP2), {}),
 }
 BAD4 = {
     "ddp_dp2": ("bad_input", ("llama", "causal", {"pp": 2, "strategy": "ddp"}), {}),
@@ -245,8 +245,9 @@ EXPECTED4 = {
 
 
 def test_position_ids_reach_every_stage(world2):
-    """GPT-2 at pp=2 with arbitrary position ids: the pipeline's loss is one process's with them,
-    which differs from one process's without them (so the check can tell)."""
+    """Llama at pp=2 with arbitrary position ids: the pipeline's loss is one process's with them,
+    which differs from one process's without them (so the check can tell). Every stage's blocks
+    apply rotary embeddings at those positions: a stage that dropped them would use 0..S-1."""
     for result in world2:
         losses = result["position_ids"]
         assert losses["pp"] == pytest.approx(losses["reference"], rel=FP32_RTOL), losses

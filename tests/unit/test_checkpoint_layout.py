@@ -210,3 +210,5 @@ def test_auto_shard_size_gives_each_rank_a_file_to_hash():
     assert [f.name for f in plan_files(tiny, "auto", 4)] == ["model.safetensors"]
     big = [TensorSpec(f"w{i}", (50_000, 10_000), torch.float32) for i in range(8)]  # 8 x 2 GB
     assert all(sum(t.nbytes for t in f.tensors) <= 5 * 10**9 for f in plan_files(big, "auto", 2))
+    odd = [TensorSpec(f"w{i}", (75_000, 10_000), torch.float32) for i in range(3)]  # 3 x 3 GB: no two fit 5 GB
+    assert [sum(t.nbytes for t in f.tensors) for f in plan_files(odd, "auto", 2)] == [3e9] * 3

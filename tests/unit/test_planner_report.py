@@ -56,7 +56,7 @@ def test_parallelize_auto_in_one_process_applies_what_the_budget_forces(tmp_path
     plain = estimate_memory(facts, Layout(), work).device_total
     full = estimate_memory(facts, Layout(ac="full"), work).device_total
     assert full < plain
-    monkeypatch.setattr(auto_module, "_device_memory", lambda device_type: int((plain + full) / 2 / (1 - MARGIN)))
+    monkeypatch.setattr(auto_module, "_device_memory", lambda *args: int((plain + full) / 2 / (1 - MARGIN)))
     model = hf_scale.parallelize(model, "auto")
     state = hf_scale.get_state(model)
     assert state.config.activation_checkpointing is not None and state.config.strategy == "fsdp"
@@ -69,6 +69,12 @@ def test_auto_keeps_fixed_degrees_and_refuses_contradictions():
     kw = dict(world_size=2, budget=2**30, device_type="cuda", seq=16)
     config, best = auto_config(model, fixed=ParallelConfig(strategy="auto", dp_shard=2).fixed_fields(), **kw)
     assert config.dp_shard == 2 and best.layout.dp_shard == 2 and config.strategy in ("fsdp", "zero2")
+    # a field only some strategies take: only those are ranked (ddp would refuse it)
+    kept, best = auto_config(model, fixed={"reshard_after_forward": False}, **kw)
+    assert kept.reshard_after_forward is False and best.layout.strategy in ("fsdp", "zero2", "hsdp")
+    piped, best = auto_config(model, fixed={"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
+                              **{**kw, "batch": 2})
+    assert (piped.pp, piped.pp_schedule, best.layout.pp_schedule, best.layout.pp_microbatches) == (2, "gpipe", "gpipe", 2)
     for fixed, message in [({"dp_replicate": 3}, "dp_replicate=3 = 3 does not divide the world size 2"),
                            ({"dp_replicate": 1, "dp_shard": 1}, "= 1 does not equal the world size 2"),
                            ({"loss_chunk_tokens": 1024}, "matches what was fixed \\(chunks=1024")]:
@@ -104,12 +110,16 @@ def test_plan_command_ranks_layouts_for_gpus(tmp_path, capsys):
 def test_plan_for_64_gpus_uses_nodes_of_8_and_the_links_given(capsys):
     """``--gpus 64`` is 8 nodes of 8 (not one NVLink domain): tp stays within a node; a slower
     inter-node link given with --inter-gbps changes the step time of the layouts that cross it."""
-    from hf_scale.planner.report import plan_candidates, with_links
     from hf_scale.planner.cost import H100
+    from hf_scale.planner.report import default_nodes, plan_candidates, with_links
 
+    assert (default_nodes(64, None), default_nodes(8, None), default_nodes(12, None), default_nodes(64, 2)) == (8, 1, 2, 2)
     config = tiny_config("llama")
     _, best, ranked, *_ = plan_candidates(config, 64, "80GB", 64, 8, nodes=8)
     assert all(c.layout.tp <= 8 for c in ranked)
+    measured = H100.intra.__class__(1e9, 1e-4, 0.0, gather_bandwidth=5e8, scatter_bandwidth=3e8)
+    given = with_links(H100.__class__("cpu", 1e9, 1e9, 1e9, measured, measured), intra_gbps=2)
+    assert given.intra.gather == given.intra.scatter == given.intra.bandwidth == 2e9  # one bandwidth for all
     slow = with_links(H100, inter_gbps=0.1, latency_us=50)
     assert slow.inter.bandwidth == 1e8 and slow.intra.latency == pytest.approx(50e-6) and slow.intra.bandwidth == H100.intra.bandwidth
     _, _, slow_ranked, *_ = plan_candidates(config, 64, "80GB", 64, 8, nodes=8, device=slow)
