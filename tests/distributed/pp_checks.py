@@ -195,6 +195,10 @@ def position_ids_check(arch: str, config: dict) -> dict:
     """``eval_step`` with arbitrary ``position_ids`` (the same on every rank) against one process
     with and without them: they must reach every stage (each block of a rotary model uses them)."""
     model = pp_model(arch)
+    with torch.no_grad():  # sharp attention: at random init the scores are near uniform, so positions
+        for name, param in model.named_parameters():  # would hardly move the loss
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(30)
     reference = copy.deepcopy(model).eval()
     batch = padded_batch(11)
     batch["position_ids"] = torch.randint(0, SEQ, batch["input_ids"].shape, generator=torch.Generator().manual_seed(5))

@@ -251,7 +251,9 @@ def test_position_ids_reach_every_stage(world2):
     for result in world2:
         losses = result["position_ids"]
         assert losses["pp"] == pytest.approx(losses["reference"], rel=FP32_RTOL), losses
-        assert abs(losses["reference"] - losses["reference_without"]) > 100 * FP32_RTOL * losses["reference"]
+        # measured 6.7e-4 relative (q/k sharpened 30x): a stage that dropped the positions would
+        # shift the loss by a share of that, far above the 1e-5 the pipeline is held to
+        assert abs(losses["reference"] - losses["reference_without"]) > 20 * FP32_RTOL * losses["reference"]
 
 
 @pytest.mark.parametrize("key", sorted(EXPECTED2))
