@@ -18,8 +18,9 @@ master weights, seq 4096, one sequence per rank), it prints per rank:
   per layer for a GPT block in 16 bits. That formula is for a GPT-3 block (4h MLP, GELU, dropout
   after attention and MLP, attention scores stored); a Llama block has no dropout, a SwiGLU MLP
   of width ``intermediate_size``, grouped key/value heads and flash attention (no ``a s^2``
-  scores), so the planner's count (saved tensors of the block's own forward on the meta device)
-  is expected to differ, and the table shows by how much;
+  scores: the ``5as/h`` term drops, leaving ``34 s b h``), so the planner's count (saved tensors of
+  the block's own forward on the meta device) is expected to differ, and the table shows by how
+  much against both;
 * with full checkpointing, what a block keeps: its input, ``2 s b h`` bytes in bf16 (the same
   paper, section 4.1);
 * the layout the planner recommends for that shape (H100 numbers: a stand-in, not a measurement).
@@ -64,11 +65,13 @@ def rows() -> tuple[list[list[str]], list[str]]:
         h, a = config.hidden_size, config.num_attention_heads
         profile = facts.profile(SEQ, torch.bfloat16, "sdpa")
         korthikanti = SEQ * BATCH * h * (34 + 5 * a * SEQ / h)
+        no_scores = SEQ * BATCH * h * 34  # flash attention keeps no a x s x s scores, softmax or dropout mask
         kept = 2 * SEQ * BATCH * h
         nodes = max(1, gpus // 8)
         best, _ = choose(facts, work, gpus, parse_memory("80GB"), H100, nodes, precisions=("bf16",))
         cells.append([
             f"{name}, {gpus} GPUs", f"{states / zero3:.3f}", f"{profile.block_bytes / korthikanti:.2f}",
+            f"{profile.block_bytes / no_scores:.2f}",
             f"{profile.block_input / kept:.2f}", f"{facts.params / 1e9:.2f}B", f"{states / GB:.2f}",
             f"{zero3 / GB:.2f}",
             f"{profile.block_bytes / GB:.3f}", f"{korthikanti / GB:.3f}", f"{profile.block_input / GB:.4f}",
@@ -87,6 +90,7 @@ def main() -> None:
     check_doc(args)
     cells, notes = rows()
     header = ["shape", "model states / ZeRO-3's 16P/N", "block activations / Korthikanti eq. 1",
+              "block activations / eq. 1 without the scores (34sbh)",
               "full-AC block input / 2sbh", "parameters", "model states (GB/rank)", "16P/N (GB)",
               "block activations (GB)", "Korthikanti eq. 1 (GB)", "full-AC kept (GB)", "2sbh (GB)",
               "fsdp bf16 full AC peak (GB/rank)", "recommended (80 GB H100s)"]
