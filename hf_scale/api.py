@@ -177,9 +177,9 @@ def resolve_parallel_config(model: nn.Module, config) -> ParallelConfig:
     choice for ``model`` (a real or meta model), decided on rank 0 for every rank, logged. The one
     way from the library into the application's planner (DESIGN)."""
     if is_auto_request(config):
-        from .planner.auto import auto_parallel
+        from .planner.auto import resolve_auto
 
-        return auto_parallel(model, config)
+        return resolve_auto(model, config)  # parallelize's workload: one sequence per rank
     return as_parallel_config(config)
 
 

@@ -165,12 +165,6 @@ def _check_degrees(fixed: Mapping, world_size: int) -> None:
         )
 
 
-def auto_parallel(model, requested) -> ParallelConfig:
-    """``parallelize``'s entry: ``requested`` ("auto" or a config with ``strategy: auto``) as a
-    concrete ParallelConfig for this run (one sequence per rank as the workload)."""
-    return resolve_auto(model, requested)
-
-
 def _device_memory(device_type: str, local_processes: int = 1) -> int:
     """A GPU's total memory, or this machine's RAM shared by its ``local_processes``."""
     if device_type == "cuda":
