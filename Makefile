@@ -55,6 +55,10 @@ bench: $(STAMP)
 	$(PY) scripts/bench_finetune.py
 	$(PY) scripts/bench_step_parts.py
 	$(PY) scripts/bench_tensor_parallel.py
+	$(PY) scripts/bench_pipeline.py
+	$(PY) scripts/bench_planner.py
+	$(PY) scripts/plan_published.py
+	$(PY) scripts/bench_import.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
