@@ -153,6 +153,7 @@ def parallelize(
                     reshard_after_forward=reshard,
                     cpu_offload=config.cpu_offload,
                     fp32_modules=[m for m in keep_fp32 if id(m) in inside],
+                    blocks_per_unit=config.blocks_per_unit or 1,
                 )
             else:
                 apply_ddp(root, dp_mesh)
@@ -162,7 +163,9 @@ def parallelize(
             pipeline = _pipeline(model, stages_layout, stages, roots, mesh, dims, env, config, resolved)
         log_rank0(
             f"{config.strategy} over {dims.describe()} on {env.device.type} "
-            f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}; "
+            f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}"
+            + (f" ({config.blocks_per_unit} per FSDP unit)" if (config.blocks_per_unit or 1) > 1 and config.sharded else "")
+            + "; "
             f"precision {config.mixed_precision or 'fp32'}"
             + (f"; pipeline {config.pp_schedule}, stages {_describe(stages_layout)}" if pipeline else "")
         )

@@ -58,6 +58,10 @@ class ParallelConfig:
         ac_every: with ``"full"``, checkpoint one block in every ``ac_every`` (1 = all blocks).
         reshard_after_forward: free gathered parameters after forward (fsdp/hsdp). ``None``
             means True for fsdp/hsdp; zero2 is exactly this set to False.
+        blocks_per_unit: consecutive blocks grouped into one FSDP unit (fsdp, zero2, hsdp): one
+            all-gather and one reduce-scatter per group, so fewer collectives and less per-unit
+            work, for a larger gathered unit in memory. ``None``: one block per unit (``"auto"``
+            lets the planner choose).
         tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
             innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
             strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.
@@ -85,6 +89,7 @@ class ParallelConfig:
     activation_checkpointing: str | None = None
     ac_every: int = 1
     reshard_after_forward: bool | None = None
+    blocks_per_unit: int | None = None
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
@@ -143,6 +148,20 @@ class ParallelConfig:
             raise HfScaleConfigError(
                 f"reshard_after_forward only applies to fsdp/zero2/hsdp, not "
                 f"strategy={self.strategy!r}."
+            )
+        if self.blocks_per_unit is not None and (
+            not isinstance(self.blocks_per_unit, int) or isinstance(self.blocks_per_unit, bool)
+            or self.blocks_per_unit < 1
+        ):
+            raise HfScaleConfigError(
+                f"blocks_per_unit={self.blocks_per_unit!r}: must be a positive integer (blocks per "
+                "FSDP unit) or None (one)."
+            )
+        if (self.blocks_per_unit or 1) > 1 and not sharded:
+            raise HfScaleConfigError(
+                f"blocks_per_unit={self.blocks_per_unit} groups FSDP units; strategy="
+                f"{self.strategy!r} has none (DDP buckets gradients itself). Use fsdp, zero2 or "
+                "hsdp, or drop blocks_per_unit."
             )
         if self.strategy in ("ddp", "zero1") and self.dp_shard not in (None, 1):
             raise HfScaleConfigError(

@@ -24,8 +24,10 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
     fp32_modules: list[nn.Module] = (),
+    blocks_per_unit: int = 1,
 ) -> None:
-    """Shard ``model`` with one FSDP unit per module of ``units`` plus the root.
+    """Shard ``model`` with one FSDP unit per ``blocks_per_unit`` consecutive modules of
+    ``units``, plus the root.
 
     Layout: parameters are ``DTensor`` s sharded on dim 0 over a 1-D mesh (FSDP), or
     ``(Replicate, Shard(0))`` over a 2-D ``(dp_replicate, dp_shard)`` mesh (HSDP). Everything
@@ -41,6 +43,9 @@ def apply_fsdp(
         cpu_offload: sharded parameters, gradients and optimizer state live on the CPU.
         fp32_modules: submodules that must compute in fp32 under mixed precision; each gets
             its own unit that casts its inputs to fp32.
+        blocks_per_unit: consecutive blocks sharded as one unit (``fully_shard`` of a list):
+            one all-gather / reduce-scatter per group instead of per block. The last group may
+            be shorter.
 
     Usage::
 
@@ -57,11 +62,12 @@ def apply_fsdp(
         keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in fp32_modules:
             fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
-    for index, unit in enumerate(units):
-        # The last block's parameters are needed first in backward: keep them gathered.
-        last = index == len(units) - 1
+    groups = [list(units[i : i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
+    for index, group in enumerate(groups):
+        # The last unit's parameters are needed first in backward: keep them gathered.
+        last = index == len(groups) - 1
         fully_shard(
-            unit,
+            group[0] if len(group) == 1 else group,
             mp_policy=mp_policy,
             reshard_after_forward=reshard_after_forward and not last,
             **common,

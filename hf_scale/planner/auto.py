@@ -102,6 +102,8 @@ def search_space(fixed: Mapping, world_size: int, nodes: int = 1, micro_batch: i
     rest = {k: v for k, v in dict(fixed).items() if k != "strategy"}
     _check_degrees(rest, world_size)
     space = {key: (rest.pop(field),) for field, key in _SPACE.items() if field in rest}
+    if "blocks_per_unit" in rest:
+        space["units"] = (rest.pop("blocks_per_unit") or 1,)
     space.setdefault("precisions", (None,))
     if micro_batch is not None:
         space["micro_batches"] = (micro_batch,)

@@ -22,7 +22,7 @@ from itertools import product
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
-from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory
+from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, pipeline_shape
 from .profile import ModelFacts
 
 MARGIN = 0.10
@@ -65,10 +65,11 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
                       ranks_per_node: int | None = None, keep=None, pp_schedule: str = "1f1b",
-                      pp_microbatches: int | None = None) -> list[Layout]:
+                      pp_microbatches: int | None = None, units=(1,)) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
     ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines run
-    ``pp_schedule`` with ``pp_microbatches`` (not searched)."""
+    ``pp_schedule`` with ``pp_microbatches`` (not searched). ``units``: blocks per FSDP unit to
+    try (sharded strategies over more than one rank only)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -88,17 +89,23 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     meshes += [(strategy, r, rest // r) for r in _divisors(rest) if 1 < r < rest]
                 else:
                     meshes.append((strategy, 1, rest))
-            for (strategy, rep, shard), ac, prec, off, chunk, mb in product(
-                    meshes, acs, precisions, offloads, chunks, micro_batches):
-                if off and (strategy not in ("fsdp", "zero2", "hsdp") or rep * shard == 1):
-                    continue  # offload is FSDP's (a single process has nothing to offload to)
+            for (strategy, rep, shard), ac, prec, off, chunk, mb, k in product(
+                    meshes, acs, precisions, offloads, chunks, micro_batches, units):
+                fsdp = strategy in ("fsdp", "zero2", "hsdp") and rep * shard > 1
+                if (off or k > 1) and not fsdp:
+                    continue  # offload and unit size are FSDP's (one process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
                 pipe = {"pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches} if pp > 1 else {}
-                layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe)
+                layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k)
                 if keep is None or keep(layout):
                     layouts.append(layout)
     return list(dict.fromkeys(layouts))
+
+
+def unit_sizes(layers: int) -> tuple[int, ...]:
+    """Blocks per FSDP unit worth trying: 1, 2, 4, ... up to the number of blocks."""
+    return tuple(2**i for i in range(layers.bit_length()) if 2**i <= layers)
 
 
 def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, device: Device, nodes: int = 1,
@@ -109,6 +116,9 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
         ParallelDims.resolve(config, layout.world_size, nodes)
         if layout.cpu_offload and work.device == "cpu":
             return Candidate(layout, reason="cpu_offload on a CPU device moves nothing: state already lives in RAM")
+        blocks = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
+        if layout.blocks_per_unit > blocks:
+            return Candidate(layout, reason=f"blocks_per_unit {layout.blocks_per_unit} > the {blocks} blocks on a rank")
         if layout.pp > 1 and layout.micro_batch % (layout.pp_microbatches or layout.pp * config.stages_per_rank):
             return Candidate(layout, reason=f"micro-batch {layout.micro_batch} does not split into the pipeline's "
                                             f"{layout.pp * config.stages_per_rank} microbatches")
@@ -140,6 +150,7 @@ def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, devi
            margin: float = MARGIN, **space) -> tuple[Candidate, list[Candidate]]:
     """The recommended candidate and every candidate, ranked; an error when none fits."""
     per_node = max(1, world_size // nodes)
+    space.setdefault("units", unit_sizes(facts.layers))
     layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
     ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
     if not ranked:

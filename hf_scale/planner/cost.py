@@ -12,7 +12,8 @@
   the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
   residual stream twice per block in forward and twice in backward; pp sends each microbatch's
-  activations and receives their gradients. Each collective pays a latency; all-gather and
+  activations and receives their gradients. FSDP's collectives run per unit (``blocks_per_unit``
+  blocks, and the root). Each collective pays a latency; all-gather and
   reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
   here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
   DDP's per step are measured on CPU and add to the compute. The data-parallel
@@ -32,7 +33,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .estimate import DTYPE_BYTES, Layout, Workload, pipeline_shape, rank_params
+from .estimate import DTYPE_BYTES, Layout, Workload, fsdp_units, pipeline_shape, rank_params
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -161,11 +162,12 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     per_node = max(1, layout.world_size // nodes)
     within = nodes == 1 or (layout.strategy == "hsdp" and layout.dp_shard * layout.tp <= per_node)
     dp_link = device.intra if within else device.inter
-    comm_dp = _dp_seconds(layout, params, d, micro, facts.layers, dp_link, device)
+    units = fsdp_units(facts, layout)
+    comm_dp = _dp_seconds(layout, params, d, micro, units, dp_link, device)
     comm_dp *= 1 - dp_link.overlap
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):
-            compute += micro * (blocks_here + 1) * device.fsdp_unit_overhead
+            compute += micro * units * device.fsdp_unit_overhead
         else:
             compute += micro * device.ddp_overhead
     comm_tp = 0.0
@@ -213,8 +215,9 @@ def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     return max(per_rank)
 
 
-def _dp_seconds(layout: Layout, params: int, d: int, micro: int, layers: int, link: Link, device: Device) -> float:
-    """Seconds of data-parallel traffic per step (before overlap)."""
+def _dp_seconds(layout: Layout, params: int, d: int, micro: int, units: int, link: Link, device: Device) -> float:
+    """Seconds of data-parallel traffic per step (before overlap); FSDP issues its collectives per
+    unit (``units``, the root included), each paying the link's latency."""
     n, r = layout.dp_shard, layout.dp_replicate
     if layout.dp == 1:
         return 0.0
@@ -224,10 +227,10 @@ def _dp_seconds(layout: Layout, params: int, d: int, micro: int, layers: int, li
         if n > 1:
             ag = gathers * micro * params * d * (n - 1) / n
             rs = params * 4 * (n - 1) / n
-            seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * (layers + 1) * link.latency
+            seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * units * link.latency
         if r > 1:
             inter = device.inter if layout.strategy == "hsdp" and n > 1 else link
-            seconds += params / n * 4 * 2 * (r - 1) / r / inter.bandwidth + (layers + 1) * inter.latency
+            seconds += params / n * 4 * 2 * (r - 1) / r / inter.bandwidth + units * inter.latency
         return seconds
     buckets = max(1, params * 4 // DDP_BUCKET_BYTES)
     seconds = params * 4 * 2 * (layout.dp - 1) / layout.dp / link.bandwidth + buckets * link.latency

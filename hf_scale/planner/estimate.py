@@ -6,8 +6,8 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   precision: ``MixedPrecisionPolicy`` casts at all-gather time), fp32 sharded gradients
   (``reduce_dtype`` fp32), AdamW's two fp32 moments on the shard. Communication buffers at
   the peak (the start of backward): the gathered root unit (embeddings, head: never resharded
-  after forward) and the last block (kept gathered for backward) in the compute dtype; zero2
-  keeps every block gathered between forward and backward.
+  after forward) and the last unit (``blocks_per_unit`` blocks, kept gathered for backward) in
+  the compute dtype; zero2 keeps every block gathered between forward and backward.
 - ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, plus
   DDP's gradient buckets (``gradient_as_bucket_view`` off: a second copy of the gradients);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
@@ -73,6 +73,7 @@ class Layout:
     loss_chunk_tokens: int | None = None
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None
+    blocks_per_unit: int = 1  # consecutive blocks per FSDP unit (fsdp, zero2, hsdp)
 
     @property
     def world_size(self) -> int:
@@ -87,6 +88,8 @@ class Layout:
         extra = {}
         if self.strategy in ("fsdp", "zero2", "hsdp"):
             extra = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard}
+            if self.blocks_per_unit > 1:
+                extra["blocks_per_unit"] = self.blocks_per_unit
         return ParallelConfig(
             strategy=self.strategy, mixed_precision=self.precision, cpu_offload=self.cpu_offload,
             activation_checkpointing=self.ac, tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
@@ -100,6 +103,8 @@ class Layout:
             bits.append("offload")
         if self.loss_chunk_tokens:
             bits.append(f"chunk={self.loss_chunk_tokens}")
+        if self.blocks_per_unit > 1:
+            bits.append(f"{self.blocks_per_unit}blk/unit")
         if self.pp > 1:
             bits.append(self.pp_schedule)
         return " ".join(bits)
@@ -153,6 +158,17 @@ def _rank_params(facts: ModelFacts, layout: Layout) -> int:
     return params
 
 
+def unit_blocks(facts: ModelFacts, layout: Layout) -> int:
+    """Blocks in the largest FSDP unit: ``blocks_per_unit``, at most the blocks on this rank."""
+    return min(layout.blocks_per_unit, pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers)
+
+
+def fsdp_units(facts: ModelFacts, layout: Layout) -> int:
+    """FSDP units on the busiest rank: its blocks in groups of ``blocks_per_unit``, plus the root."""
+    blocks = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
+    return -(-blocks // layout.blocks_per_unit) + 1
+
+
 def _pp_config(layout: Layout) -> ParallelConfig:
     return ParallelConfig(strategy="fsdp", pp=layout.pp, pp_schedule=layout.pp_schedule,
                           pp_microbatches=layout.pp_microbatches)
@@ -194,7 +210,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     root = facts.root_params * frac if layout.pp == 1 else facts.root_params / layout.tp
     comm = compute = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
-        comm = int(params * d if layout.strategy == "zero2" else (root + block) * d)
+        # the root and the largest unit (blocks_per_unit blocks) gathered at once
+        comm = int(params * d if layout.strategy == "zero2" else (root + unit_blocks(facts, layout) * block) * d)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += 4 * params
     elif replicated and layout.dp > 1:

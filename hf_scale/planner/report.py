@@ -65,7 +65,9 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
     lines.append(f"recommended: {lay.describe()} -> parallel: strategy={lay.strategy}, dp_replicate={lay.dp_replicate}, "
                  f"dp_shard={lay.dp_shard}, tp={lay.tp}, pp={lay.pp}, activation_checkpointing={lay.ac}, "
                  f"mixed_precision={lay.precision}, cpu_offload={lay.cpu_offload}, loss_chunk_tokens="
-                 f"{lay.loss_chunk_tokens}; micro-batch {lay.micro_batch} (grad_accum "
+                 f"{lay.loss_chunk_tokens}"
+                 + (f", blocks_per_unit={lay.blocks_per_unit}" if lay.strategy in ("fsdp", "zero2", "hsdp") else "")
+                 + f"; micro-batch {lay.micro_batch} (grad_accum "
                  f"{max(1, work.batch // lay.micro_batch)})")
     return "\n".join(lines)
 

@@ -58,7 +58,7 @@ SHARDED_ONLY = {
     "cpu_offload": {"cpu_offload": True},
     "bf16_cpu_offload_full_ac": {"mixed_precision": "bf16", "cpu_offload": True, "activation_checkpointing": "full"},
 }
-FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}}
+FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}, "blocks_per_unit2": {"blocks_per_unit": 2}}
 CAUSAL_ONLY = {  # chunked loss applies to causal LMs (T5 is refused, see the unit tests)
     "chunked_loss": {"loss_chunk_tokens": 24},
     "bf16_full_ac_chunked_loss": {"mixed_precision": "bf16", "activation_checkpointing": "full", "loss_chunk_tokens": 24},
@@ -96,6 +96,8 @@ def _world2_cases():
 def _world4_cases():
     options = {k: OPTIONS[k] for k in ("fp32", "bf16", "full_ac", "selective_ac", "accum2")}
     options.update(SHARDED_ONLY)
+    options["bf16_full_ac_blocks_per_unit3"] = {"mixed_precision": "bf16", "activation_checkpointing": "full",
+                                                "blocks_per_unit": 3}
     return [
         _case(a, h, "hsdp", name, opt, dp_replicate=2, dp_shard=2)
         for a, h in TWO_ARCHS
@@ -178,6 +180,15 @@ def test_parity_check_fails_when_parameters_never_move(arch, head):
 @pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
 def test_parity_world2(case, world2_results):
     check_parity(case, world2_results[case["id"]])
+
+
+@pytest.mark.parametrize("arch, blocks, grouped", [("llama", 2, 1), ("t5", 4, 2)])
+def test_blocks_per_unit_groups_fsdp_units(arch, blocks, grouped, world2_results):
+    """blocks_per_unit=2 shards pairs of blocks as one unit (plus the root unit): the parity
+    above holds with fewer units, not the same units under another name."""
+    head = "causal" if arch == "llama" else "seq2seq"
+    assert world2_results[f"{arch}-{head}-fsdp-fp32"]["fsdp_units"] == blocks + 1
+    assert world2_results[f"{arch}-{head}-fsdp-blocks_per_unit2"]["fsdp_units"] == grouped + 1
 
 
 @pytest.mark.parametrize("case", WORLD4, ids=[c["id"] for c in WORLD4])

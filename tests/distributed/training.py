@@ -86,7 +86,15 @@ def parallel_run(case: dict) -> dict:
         dist.all_reduce(step_loss)
         losses.append(float(step_loss) / world)
     params = full_params(model)
-    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
+    return {"losses": losses, "norms": norms, "params": params if rank == 0 else None,
+            "fsdp_units": fsdp_unit_count(model)}
+
+
+def fsdp_unit_count(model) -> int:
+    """FSDP units (communication groups) in ``model``: modules sharded together share one state."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
 
 
 def run_cases(cases: list[dict]) -> list[dict]:

@@ -26,6 +26,8 @@ def test_defaults_are_fsdp_fp32():
         (dict(strategy="zero2", reshard_after_forward=True), "use strategy='fsdp'"),
         (dict(strategy="zero1", dp_shard=2), "dp_shard=2 needs strategy"),
         (dict(loss_chunk_tokens=0), "loss_chunk_tokens=0"),
+        (dict(blocks_per_unit=0), "blocks_per_unit=0: must be a positive integer"),
+        (dict(strategy="ddp", blocks_per_unit=2), "strategy='ddp' has none"),
     ],
 )
 def test_invalid_values_name_value_and_fix(kwargs, message):

@@ -11,6 +11,7 @@ from hf_scale.planner.choose import (
     evaluate,
     parse_memory,
     rank,
+    unit_sizes,
 )
 from hf_scale.planner.cost import Device, Link
 from hf_scale.planner.estimate import GiB, Layout, Workload, estimate_memory
@@ -47,6 +48,10 @@ def test_enumeration_covers_the_mesh_space():
     assert ("hsdp", 2, 2, 1, 1) in meshes and ("ddp", 4, 1, 1, 1) in meshes and ("fsdp", 1, 1, 2, 2) in meshes
     assert all(x.world_size == 4 for x in layouts)
     assert {x.micro_batch for x in layouts} == {1, 2}
+    grouped = enumerate_layouts(4, Workload(seq=16, batch=2), acs=(None,), precisions=(None,), offloads=(False,),
+                                chunks=(None,), units=(1, 2))
+    assert {x.strategy for x in grouped if x.blocks_per_unit == 2} == {"fsdp", "zero2", "hsdp"}
+    assert unit_sizes(30) == (1, 2, 4, 8, 16) and unit_sizes(2) == (1, 2)
 
 
 def test_rejections_name_the_engine_reason(tiny):

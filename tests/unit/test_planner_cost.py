@@ -93,3 +93,14 @@ def test_gather_and_scatter_bandwidth_and_wrapper_overheads(tiny):
     assert ddp.compute - step_cost(tiny, Layout("ddp", 2, 1, micro_batch=2), WORK, DEV).compute == pytest.approx(0.04)
     one = step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, dev)
     assert one.compute == pytest.approx(step_cost(tiny, Layout("fsdp", 1, 1, micro_batch=2), WORK, DEV).compute)
+
+
+def test_blocks_per_unit_pays_fewer_unit_overheads_and_latencies(tiny):
+    """FSDP's per-unit work and each collective's latency are paid once per unit: 2 blocks in one
+    unit are 1 + root = 2 units, against 3."""
+    link = Link(bandwidth=1e6, latency=0.001, overlap=0.0)
+    dev = Device("t", 1e9, 2e9, 1e9, link, link, fsdp_unit_overhead=0.01)
+    one = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, dev)
+    two = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4, blocks_per_unit=2), WORK, dev)
+    assert one.compute - two.compute == pytest.approx(0.01)  # one micro-batch x one unit fewer
+    assert one.comm_dp - two.comm_dp == pytest.approx((2 + 1) * 0.001)  # 2 all-gathers + 1 reduce-scatter

@@ -75,6 +75,15 @@ def test_zero2_keeps_the_gathered_model(tiny):
     assert zero2.comm_buffers == 2 * tiny.params
 
 
+def test_blocks_per_unit_gathers_a_larger_unit(tiny):
+    """Two blocks per FSDP unit: the root and both blocks are gathered at backward's start."""
+    one = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16"), WORK)
+    two = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", blocks_per_unit=2), WORK)
+    assert two.comm_buffers - one.comm_buffers == 2 * max(tiny.block_params)
+    assert Layout("fsdp", 1, 2, blocks_per_unit=2).parallel_config().blocks_per_unit == 2
+    assert Layout("ddp", 2, 1).parallel_config().blocks_per_unit is None
+
+
 def test_activations_order(tiny):
     get = lambda **kw: estimate_memory(tiny, Layout("fsdp", 1, 2, **kw), WORK)
     none, sel, full = get(), get(ac="selective"), get(ac="full")

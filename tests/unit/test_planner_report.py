@@ -75,6 +75,8 @@ def test_auto_keeps_fixed_degrees_and_refuses_contradictions():
     piped, best = auto_config(model, fixed={"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
                               **{**kw, "batch": 2})
     assert (piped.pp, piped.pp_schedule, best.layout.pp_schedule, best.layout.pp_microbatches) == (2, "gpipe", "gpipe", 2)
+    grouped, best = auto_config(model, fixed={"blocks_per_unit": 2}, **kw)
+    assert grouped.blocks_per_unit == best.layout.blocks_per_unit == 2 and grouped.sharded
     for fixed, message in [({"dp_replicate": 3}, "dp_replicate=3 = 3 does not divide the world size 2"),
                            ({"dp_replicate": 1, "dp_shard": 1}, "= 1 does not equal the world size 2"),
                            ({"loss_chunk_tokens": 1024}, "matches what was fixed \\(chunks=1024")]:
