@@ -1,7 +1,7 @@
 """Measure this machine once for the cost model: the fixed cost of a block's ops (a tiny llama),
 achieved training FLOP/s of small llamas' forward + backward (hidden 576, SmolLM2's width, in
 fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and
-between 2 local gloo processes: all-reduce, all-gather and reduce-scatter bus bandwidth (gloo's
+between 2 local gloo processes, and again between 4: all-reduce, all-gather and reduce-scatter bus bandwidth (gloo's
 all-gather and reduce-scatter run at a fraction of its all-reduce's), latency, and what FSDP2
 costs per unit and DDP per step beyond their model's compute (hooks, copies, small collectives).
 About two minutes (bf16 on a CPU is slow); noisy on a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
@@ -86,7 +86,7 @@ def _tiny_blocks(layers: int = 8, width: int = 16):
     return nn.Sequential(*[block() for _ in range(layers)])
 
 
-def _wrapper_overheads(x) -> tuple[float, float]:
+def _wrapper_overheads(x, world: int = 2) -> tuple[float, float]:
     """Seconds per FSDP unit per step and per DDP step beyond the model's own compute: the
     wrappers' hooks, copies and the latency of their collectives on tensors too small to cost
     bandwidth (a stack of tiny Linear blocks, as hf_scale wraps blocks)."""
@@ -97,7 +97,7 @@ def _wrapper_overheads(x) -> tuple[float, float]:
     from torch.distributed.fsdp import fully_shard
 
     model = _tiny_blocks()
-    mesh = init_device_mesh("cpu", (2,))
+    mesh = init_device_mesh("cpu", (world,))
     local = copy.deepcopy(model)
     sharded = copy.deepcopy(model)
     for block in sharded:
@@ -113,34 +113,33 @@ def _wrapper_overheads(x) -> tuple[float, float]:
     return (_best(step(sharded), 20) - base) / units, _best(step(ddp), 20) - base
 
 
-def _collectives_rank(rank: int, port: int, queue) -> None:
+def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = 4 * 2**20  # floats: 16 MB, about one SmolLM2 block in fp32
     big, small = torch.ones(n), torch.ones(1)
-    half, whole = torch.ones(n // 2), torch.empty(n)
+    part, whole = torch.ones(n // world), torch.empty(n)
     bw = _best(lambda: dist.all_reduce(big), 3)
-    gather = _best(lambda: dist.all_gather_into_tensor(whole, half), 3)
-    scatter = _best(lambda: dist.reduce_scatter_tensor(half, big), 3)
+    gather = _best(lambda: dist.all_gather_into_tensor(whole, part), 3)
+    scatter = _best(lambda: dist.reduce_scatter_tensor(part, big), 3)
     lat = _best(lambda: [dist.all_reduce(small) for _ in range(20)], 2) / 20
-    fsdp_unit, ddp = _wrapper_overheads(torch.ones(4, 16))
+    fsdp_unit, ddp = _wrapper_overheads(torch.ones(4, 16), world)
     # the cost model charges each collective's latency itself: 2 all-gathers + 1 reduce-scatter
     # per FSDP unit, one all-reduce per DDP bucket
     fsdp_unit, ddp = fsdp_unit - 3 * lat, ddp - lat
     if rank == 0:  # ring bus bytes per rank: 2(n-1)/n of the tensor for all-reduce, (n-1)/n for the others
-        nbytes = big.nbytes
-        queue.put({"allreduce_bus_bytes_per_s": nbytes * 2 * (2 - 1) / 2 / bw, "allreduce_latency_s": lat,
-                   "allgather_bus_bytes_per_s": nbytes * (2 - 1) / 2 / gather,
-                   "reducescatter_bus_bytes_per_s": nbytes * (2 - 1) / 2 / scatter,
+        ring = big.nbytes * (world - 1) / world
+        queue.put({"allreduce_bus_bytes_per_s": 2 * ring / bw, "allreduce_latency_s": lat,
+                   "allgather_bus_bytes_per_s": ring / gather, "reducescatter_bus_bytes_per_s": ring / scatter,
                    "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp)})
     dist.destroy_process_group()
 
 
-def collectives() -> dict:
-    """gloo between 2 local processes: all-reduce, all-gather and reduce-scatter bus bandwidth,
-    the latency of a tiny all-reduce, and FSDP's / DDP's own cost per unit / step."""
+def collectives(world: int = 2) -> dict:
+    """gloo between ``world`` local processes: all-reduce, all-gather and reduce-scatter bus
+    bandwidth, the latency of a tiny all-reduce, and FSDP's / DDP's own cost per unit / step."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -148,7 +147,7 @@ def collectives() -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_collectives_rank, args=(r, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_collectives_rank, args=(r, port, queue, world)) for r in range(world)]
     for p in procs:
         p.start()
     result = queue.get(timeout=300)
@@ -161,6 +160,9 @@ def calibrate() -> dict:
     """The numbers :func:`hf_scale.planner.cost.cpu_device` reads; compute with one thread, as each
     torchrun rank runs (``OMP_NUM_THREADS=1``)."""
     links = collectives()
+    # again at 4 processes: more ranks per collective and, on a machine of 2 or 3 cores, more ranks
+    # than cores (per-unit costs and latencies grow faster than the compute's share shrinks)
+    links["world4"] = collectives(4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     overhead = block_overhead()

@@ -16,7 +16,10 @@
   blocks, and the root). Each collective pays a latency; all-gather and
   reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
   here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
-  DDP's per step are measured on CPU and add to the compute. The data-parallel
+  DDP's per step are measured on CPU and add to the compute. On CPU the links and these
+  overheads are measured at 2 and at 4 processes (on 2 cores the second is oversubscribed: per-unit
+  costs grow 3-5x, latency ~3x, bandwidth ~0.8x); more ranks than that are scaled by the cores'
+  oversubscription, as the compute (:meth:`Device.at_world`). The data-parallel
   traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
   competes with compute for the same cores); tp's is on the critical path.
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
@@ -30,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .estimate import DTYPE_BYTES, Layout, Workload, fsdp_units, pipeline_shape, rank_params
@@ -78,6 +81,8 @@ class Device:
     narrow: tuple[int, float] | None = None  # (hidden, fp32 FLOP/s) measured at a narrower width
     fsdp_unit_overhead: float = 0.0  # seconds per FSDP unit per micro-batch (hooks, copies; CPU: measured)
     ddp_overhead: float = 0.0  # seconds per DDP step beyond its all-reduce (CPU: measured)
+    # CPU: (world, link, fsdp_unit_overhead, ddp_overhead) measured at more processes (:meth:`at_world`)
+    wider: tuple = ()
 
     def flops(self, precision: str | None, world: int = 1, hidden: int | None = None) -> float:
         """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores, and a model
@@ -91,6 +96,37 @@ class Device:
         if self.cores:
             rate *= min(1.0, self.cores / world / self.threads)
         return rate
+
+    def at_world(self, world: int) -> Device:
+        """This device as each of ``world`` ranks sees it. On a CPU: the links and the wrappers'
+        overheads measured at the largest calibrated world size not above ``world`` (2 processes,
+        then 4: ``wider``); beyond it, and for the per-block overhead and the optimizer's memory
+        traffic (measured in one process), slowed by how much more the ranks oversubscribe the
+        cores (``world x threads / cores``, as the compute's share in :meth:`flops`). A GPU:
+        unchanged."""
+        if not self.cores:
+            return self
+        dev, measured = self, 2
+        for w, link, unit, ddp in sorted(self.wider, key=lambda entry: entry[0]):
+            if w <= world:
+                dev, measured = replace(dev, intra=link, inter=link, fsdp_unit_overhead=unit, ddp_overhead=ddp), w
+
+        def crowding(n: int) -> float:
+            return max(1.0, n * self.threads / self.cores)
+
+        beyond, alone = crowding(world) / crowding(measured), crowding(world)
+        if beyond == alone == 1:
+            return dev
+
+        def slow(link: Link) -> Link:
+            if beyond == 1:
+                return link
+            return replace(link, bandwidth=link.bandwidth / beyond, latency=link.latency * beyond,
+                           gather_bandwidth=link.gather / beyond, scatter_bandwidth=link.scatter / beyond)
+
+        return replace(dev, intra=slow(dev.intra), inter=slow(dev.inter), mem_bandwidth=dev.mem_bandwidth / alone,
+                       host_bandwidth=dev.host_bandwidth / alone, block_overhead=dev.block_overhead * alone,
+                       fsdp_unit_overhead=dev.fsdp_unit_overhead * beyond, ddp_overhead=dev.ddp_overhead * beyond)
 
 
 NVLINK = Link(bandwidth=200e9, latency=10e-6, overlap=0.9)  # H100 NVLink 4: 450 GB/s per direction peak
@@ -144,6 +180,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     """The estimated step time of ``work`` under ``layout`` on ``device`` ranks."""
     from ..plan_report import bubble_fraction
 
+    device = device.at_world(layout.world_size)  # CPU: measured at this many ranks, or more crowded
     d = DTYPE_BYTES[layout.precision]
     micro = max(1, work.batch // layout.micro_batch)  # micro-batches (gradient accumulation)
     tokens = work.batch * work.seq  # per data-parallel rank
@@ -259,12 +296,17 @@ def cpu_device(refresh: bool = False) -> Device:
         data = calibrate()
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=1))
-    link = Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0,
-                gather_bandwidth=data.get("allgather_bus_bytes_per_s"),
-                scatter_bandwidth=data.get("reducescatter_bus_bytes_per_s"))
+    def link(data: dict) -> Link:
+        return Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0,
+                    gather_bandwidth=data.get("allgather_bus_bytes_per_s"),
+                    scatter_bandwidth=data.get("reducescatter_bus_bytes_per_s"))
+
+    wider = tuple((4, link(w4), w4.get("fsdp_unit_overhead_s", 0.0), w4.get("ddp_overhead_s", 0.0))
+                  for w4 in ([data["world4"]] if "world4" in data else []))
+    intra = link(data)
     return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
-                  mem_bandwidth=data["mem_bandwidth"], intra=link, inter=link, host_bandwidth=data["mem_bandwidth"],
+                  mem_bandwidth=data["mem_bandwidth"], intra=intra, inter=intra, host_bandwidth=data["mem_bandwidth"],
                   cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
                   narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
                   fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0),
-                  ddp_overhead=data.get("ddp_overhead_s", 0.0))
+                  ddp_overhead=data.get("ddp_overhead_s", 0.0), wider=wider)

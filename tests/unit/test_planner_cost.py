@@ -1,6 +1,7 @@
 """The planner's step-time arithmetic on a device with round numbers (no calibration run)."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -104,3 +105,27 @@ def test_blocks_per_unit_pays_fewer_unit_overheads_and_latencies(tiny):
     two = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4, blocks_per_unit=2), WORK, dev)
     assert one.compute - two.compute == pytest.approx(0.01)  # one micro-batch x one unit fewer
     assert one.comm_dp - two.comm_dp == pytest.approx((2 + 1) * 0.001)  # 2 all-gathers + 1 reduce-scatter
+
+
+def test_links_and_overheads_measured_at_the_world_size_then_scaled_by_crowding(tiny):
+    """On a 2-core CPU: world 2 uses the 2-process measurement, world 4 the 4-process one, world 8
+    the 4-process one slowed by the extra oversubscription (8 ranks on 2 cores is 2x 4's); the
+    per-block overhead and the optimizer (measured in one process) slow with the cores' share."""
+    two = Link(bandwidth=1e6, latency=0.001, overlap=0.0, gather_bandwidth=0.5e6)
+    four = Link(bandwidth=0.8e6, latency=0.003, overlap=0.0)
+    cpu = Device("cpu", 1e9, 2e9, 1e9, two, two, cores=2, fsdp_unit_overhead=0.01, block_overhead=0.002,
+                 wider=((4, four, 0.05, 0.02),))
+    assert cpu.at_world(2) is cpu and cpu.at_world(1) is cpu
+    at4 = cpu.at_world(4)
+    assert at4.intra == four and at4.fsdp_unit_overhead == 0.05 and at4.ddp_overhead == 0.02
+    assert at4.block_overhead == 0.004 and at4.mem_bandwidth == 0.5e9
+    at8 = cpu.at_world(8)
+    assert at8.intra.bandwidth == 0.4e6 and at8.intra.latency == 0.006 and at8.fsdp_unit_overhead == 0.1
+    assert at8.block_overhead == 0.008
+    assert at4.flops(None, 4) == cpu.flops(None, 4) == 0.5e9  # the compute's share is flops' own
+    gpu = Device("gpu", 1e9, 2e9, 1e9, two, two)
+    assert gpu.at_world(64) is gpu
+    lay = Layout("fsdp", 1, 4, micro_batch=4)
+    assert step_cost(tiny, lay, WORK, cpu).comm_dp == pytest.approx(step_cost(tiny, lay, WORK, at4).comm_dp)
+    # no 4-process measurement (an older calibration): the 2-process one, slowed by the crowding
+    assert replace(cpu, wider=()).at_world(4).intra.bandwidth == 0.5e6
