@@ -1,10 +1,13 @@
 """Measure this machine once for the cost model: the fixed cost of a block's ops (a tiny llama),
 achieved training FLOP/s of small llamas' forward + backward (hidden 576, SmolLM2's width, in
-fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower), memory bandwidth (a large copy), and
-between 2 local gloo processes, and again between 4: all-reduce, all-gather and reduce-scatter bus bandwidth (gloo's
-all-gather and reduce-scatter run at a fraction of its all-reduce's), latency, and what FSDP2
-costs per unit and DDP per step beyond their model's compute (hooks, copies, small collectives).
-About two minutes (bf16 on a CPU is slow); noisy on a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True`` to redo it).
+fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower) alone and with every core running
+one (cores share caches, memory bandwidth and clock), memory bandwidth (a large copy), and,
+between 2 local gloo processes and again between 4: all-reduce, all-gather and
+reduce-scatter bus bandwidth (gloo's all-gather and reduce-scatter run at a fraction of its
+all-reduce's), latency, and what FSDP2 costs per unit and DDP per step beyond their model's
+compute (hooks, copies, small collectives). About two minutes (bf16 on a CPU is slow); noisy on
+a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True``
+to redo it).
 """
 
 from __future__ import annotations
@@ -39,15 +42,23 @@ def _llama(hidden: int, layers: int, vocab: int = 8192, kv_groups: int = 1):
                           num_key_value_heads=max(1, heads // kv_groups), vocab_size=vocab, tie_word_embeddings=True)
 
 
-def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min) -> float:
+def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min, barrier=None) -> float:
     """One training forward + backward of ``config``'s model (random weights): the best of 3
-    (``pick=_median``: their median, for rates a long run sustains)."""
+    (``pick=_median``: their median, for rates a long run sustains). ``barrier``: processes
+    measuring side by side start timing together (after one untimed step each)."""
     import transformers as tf
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
-    return _best(lambda: model(input_ids=ids, labels=ids).loss.backward(), 3, pick)
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    if barrier is not None:
+        step()
+        barrier.wait()
+    return _best(step, 3, pick)
 
 
 def block_overhead() -> float:
@@ -58,14 +69,15 @@ def block_overhead() -> float:
 
 
 def training_flops(dtype: torch.dtype, hidden: int = 576, seq: int = 256, batch: int = 2,
-                   overhead: float = 0.0, layers: int = 2, vocab: int = 8192, kv_groups: int = 1) -> float:
+                   overhead: float = 0.0, layers: int = 2, vocab: int = 8192, kv_groups: int = 1,
+                   barrier=None) -> float:
     """FLOP/s of a small llama's training forward + backward at width ``hidden`` (the planner's
     FLOPs per token), less the fixed per-block ``overhead``; the median of 3 runs."""
     from .cost import flops_per_token
     from .profile import model_facts
 
     config = _llama(hidden, layers, vocab, kv_groups)
-    seconds = training_seconds(config, dtype, seq, batch, _median) - overhead * (config.num_hidden_layers + 1)
+    seconds = training_seconds(config, dtype, seq, batch, _median, barrier) - overhead * (config.num_hidden_layers + 1)
     return batch * seq * flops_per_token(model_facts(config), seq) / max(seconds, 1e-9)
 
 
@@ -156,6 +168,33 @@ def collectives(world: int = 2) -> dict:
     return result
 
 
+# SmolLM2's block shape (grouped key/value heads) and vocabulary, 4 blocks, 256 tokens: the rate a
+# real model's step sustains (a 2-block, 8k-vocabulary model ran ~20% faster per FLOP)
+_SMOLLM2_SHAPE = dict(seq=256, batch=1, layers=4, vocab=49152, kv_groups=3)
+
+
+def _busy_rank(queue, barrier, overhead: float) -> None:
+    torch.set_num_threads(1)
+    queue.put(training_flops(torch.float32, overhead=overhead, barrier=barrier, **_SMOLLM2_SHAPE))
+
+
+def busy_flops(overhead: float, processes: int) -> float:
+    """fp32 FLOP/s of one process while ``processes`` run the same training step side by side,
+    one thread each (every core busy, as under torchrun with a rank per core): shared caches,
+    memory bandwidth and clock make it lower than one process alone. The median process's rate."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, barrier = ctx.Queue(), ctx.Barrier(processes)
+    procs = [ctx.Process(target=_busy_rank, args=(queue, barrier, overhead)) for _ in range(processes)]
+    for p in procs:
+        p.start()
+    rates = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return _median(rates)
+
+
 def calibrate() -> dict:
     """The numbers :func:`hf_scale.planner.cost.cpu_device` reads; compute with one thread, as each
     torchrun rank runs (``OMP_NUM_THREADS=1``)."""
@@ -168,12 +207,8 @@ def calibrate() -> dict:
     overhead = block_overhead()
     result = {
         "block_overhead_s": overhead,
-        # SmolLM2's block shape (grouped key/value heads) and vocabulary, 4 blocks, 256 tokens: the
-        # rate a real model's step sustains (a 2-block, 8k-vocabulary model ran ~20% faster per FLOP)
-        "flops_fp32": training_flops(torch.float32, overhead=overhead, seq=256, batch=1, layers=4, vocab=49152,
-                                     kv_groups=3),
-        "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead, seq=256, batch=1, layers=4,
-                                          kv_groups=3),
+        "flops_fp32": training_flops(torch.float32, overhead=overhead, **_SMOLLM2_SHAPE),
+        "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead, **_SMOLLM2_SHAPE),
         "flops_bf16": training_flops(torch.bfloat16, overhead=overhead),
         "mem_bandwidth": memory_bandwidth(),
         **links,
@@ -182,5 +217,8 @@ def calibrate() -> dict:
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average": os.getloadavg()[0],
     }
+    cores = os.cpu_count() or 1
+    if cores > 1:  # per core with every core computing (8 at most), against one process alone (just measured)
+        result["flops_busy_ratio"] = busy_flops(overhead, min(cores, 8)) / result["flops_fp32"]
     torch.set_num_threads(threads)
     return result

@@ -17,8 +17,9 @@
   reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
   here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
   DDP's per step are measured on CPU and add to the compute. On CPU the links and these
-  overheads are measured at 2 and at 4 processes (on 2 cores the second is oversubscribed: per-unit
-  costs grow 3-5x, latency ~3x, bandwidth ~0.8x); more ranks than that are scaled by the cores'
+  overheads are measured at 2 and at 4 processes (on 2 cores the second is oversubscribed: its
+  per-unit cost came out ~3x, latency 2-3x and bandwidth 0.8-0.9x of 2 processes' in two
+  calibrations); more ranks than that are scaled by the cores'
   oversubscription, as the compute (:meth:`Device.at_world`). The data-parallel
   traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
   competes with compute for the same cores); tp's is on the critical path.
@@ -83,27 +84,33 @@ class Device:
     ddp_overhead: float = 0.0  # seconds per DDP step beyond its all-reduce (CPU: measured)
     # CPU: (world, link, fsdp_unit_overhead, ddp_overhead) measured at more processes (:meth:`at_world`)
     wider: tuple = ()
+    busy: float = 1.0  # CPU: a core's speed while every core computes, against one process alone (measured)
 
     def flops(self, precision: str | None, world: int = 1, hidden: int | None = None) -> float:
-        """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores, and a model
-        narrower than the calibration's 576 runs at a rate interpolated (log-width) towards the
-        narrow measurement."""
+        """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores (each at the
+        ``busy`` speed once every core computes), and a model narrower than the calibration's 576
+        runs at a rate interpolated (log-width) towards the narrow measurement."""
         rate = self.flops_low if precision else self.flops_fp32
         if self.narrow and hidden and hidden < WIDE:
             width, slow = self.narrow
             x = min(1.0, max(0.0, math.log(WIDE / hidden) / math.log(WIDE / width)))
             rate *= (slow / self.flops_fp32) ** x
         if self.cores:
+            if self._all_busy(world):
+                rate *= self.busy
             rate *= min(1.0, self.cores / world / self.threads)
         return rate
+
+    def _all_busy(self, world: int) -> bool:
+        return world > 1 and world * self.threads >= self.cores
 
     def at_world(self, world: int) -> Device:
         """This device as each of ``world`` ranks sees it. On a CPU: the links and the wrappers'
         overheads measured at the largest calibrated world size not above ``world`` (2 processes,
         then 4: ``wider``); beyond it, and for the per-block overhead and the optimizer's memory
         traffic (measured in one process), slowed by how much more the ranks oversubscribe the
-        cores (``world x threads / cores``, as the compute's share in :meth:`flops`). A GPU:
-        unchanged."""
+        cores (``world x threads / cores``, as the compute's share in :meth:`flops`) and, once every
+        core computes, by ``busy``. A GPU: unchanged."""
         if not self.cores:
             return self
         dev, measured = self, 2
@@ -115,6 +122,8 @@ class Device:
             return max(1.0, n * self.threads / self.cores)
 
         beyond, alone = crowding(world) / crowding(measured), crowding(world)
+        if self._all_busy(world):  # measured in one process: slower with every core computing
+            alone /= self.busy
         if beyond == alone == 1:
             return dev
 
@@ -309,4 +318,5 @@ def cpu_device(refresh: bool = False) -> Device:
                   cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
                   narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
                   fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0),
-                  ddp_overhead=data.get("ddp_overhead_s", 0.0), wider=wider)
+                  ddp_overhead=data.get("ddp_overhead_s", 0.0), wider=wider,
+                  busy=data.get("flops_busy_ratio", 1.0))

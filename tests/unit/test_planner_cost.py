@@ -129,3 +129,18 @@ def test_links_and_overheads_measured_at_the_world_size_then_scaled_by_crowding(
     assert step_cost(tiny, lay, WORK, cpu).comm_dp == pytest.approx(step_cost(tiny, lay, WORK, at4).comm_dp)
     # no 4-process measurement (an older calibration): the 2-process one, slowed by the crowding
     assert replace(cpu, wider=()).at_world(4).intra.bandwidth == 0.5e6
+
+
+def test_every_core_busy_computes_at_the_measured_busy_speed():
+    """A core computes slower while the others do too (shared caches, memory bandwidth, clock):
+    from the world size that fills the cores, each rank runs at ``busy`` times its speed alone,
+    the per-block overhead (measured alone) likewise."""
+    link = Link(bandwidth=1e6, latency=0.001, overlap=0.0)
+    cpu = Device("cpu", 1e9, 2e9, 1e9, link, link, cores=2, block_overhead=0.002, busy=0.8)
+    assert cpu.flops(None, 1) == 1e9
+    assert cpu.flops(None, 2) == pytest.approx(0.8e9)
+    assert cpu.flops(None, 4) == pytest.approx(0.4e9)  # half a core each, at the busy speed
+    assert cpu.at_world(1) is cpu
+    assert cpu.at_world(2).block_overhead == pytest.approx(0.002 / 0.8)
+    assert cpu.at_world(4).block_overhead == pytest.approx(0.002 * 2 / 0.8)
+    assert cpu.at_world(2).intra == link  # the links were measured with every core busy already
