@@ -181,7 +181,8 @@ def _busy_rank(queue, barrier, overhead: float) -> None:
 def busy_flops(overhead: float, processes: int) -> float:
     """fp32 FLOP/s of one process while ``processes`` run the same training step side by side,
     one thread each (every core busy, as under torchrun with a rank per core): shared caches,
-    memory bandwidth and clock make it lower than one process alone. The median process's rate."""
+    memory bandwidth and clock can make it lower than one process alone's. The median process's
+    rate."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
