@@ -164,7 +164,7 @@ def parallelize(
         log_rank0(
             f"{config.strategy} over {dims.describe()} on {env.device.type} "
             f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}"
-            + (f" ({config.blocks_per_unit} per FSDP unit)" if (config.blocks_per_unit or 1) > 1 and config.sharded else "")
+            + (f" ({config.blocks_per_unit} per FSDP unit)" if (config.blocks_per_unit or 1) > 1 else "")
             + "; "
             f"precision {config.mixed_precision or 'fp32'}"
             + (f"; pipeline {config.pp_schedule}, stages {_describe(stages_layout)}" if pipeline else "")

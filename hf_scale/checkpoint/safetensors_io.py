@@ -49,8 +49,8 @@ def save_pretrained(
     share of the files after writing; ``checksums=False`` skips that read-back).
     ``max_shard_size="auto"`` (the default) makes as many files as ranks, of 100 MB to 5 GB
     each, so the ranks hash in parallel; give a size (``"5GB"``, bytes) for transformers'
-    packing. Tied weights are written once, under the name transformers keeps; names follow the checkpoint format
-    transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
+    packing. Tied weights are written once, under the name transformers keeps; names follow the
+    checkpoint format transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
     ``AutoModel*.from_pretrained``.
 
     The free space is checked first; a save that does not fit (or fails) raises

@@ -22,7 +22,7 @@ from itertools import product
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
-from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, pipeline_shape
+from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, rank_blocks
 from .profile import ModelFacts
 
 MARGIN = 0.10
@@ -116,7 +116,7 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
         ParallelDims.resolve(config, layout.world_size, nodes)
         if layout.cpu_offload and work.device == "cpu":
             return Candidate(layout, reason="cpu_offload on a CPU device moves nothing: state already lives in RAM")
-        blocks = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
+        blocks = rank_blocks(facts, layout)
         if layout.blocks_per_unit > blocks:
             return Candidate(layout, reason=f"blocks_per_unit {layout.blocks_per_unit} > the {blocks} blocks on a rank")
         if layout.pp > 1 and layout.micro_batch % (layout.pp_microbatches or layout.pp * config.stages_per_rank):

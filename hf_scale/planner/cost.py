@@ -18,8 +18,8 @@
   here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
   DDP's per step are measured on CPU and add to the compute. On CPU the links and these
   overheads are measured at 2 and at 4 processes (on 2 cores the second is oversubscribed: its
-  per-unit cost came out ~3x, latency 2-3x and bandwidth 0.8-0.9x of 2 processes' in two
-  calibrations); more ranks than that are scaled by the cores'
+  per-unit cost came out 2.9-3.5x, latency 2.1-3.0x and all-reduce bandwidth 0.73-0.89x of 2
+  processes' in two calibrations); more ranks than that are scaled by the cores'
   oversubscription, as the compute (:meth:`Device.at_world`). The data-parallel
   traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
   competes with compute for the same cores); tp's is on the critical path.
@@ -37,7 +37,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .estimate import DTYPE_BYTES, Layout, Workload, fsdp_units, pipeline_shape, rank_params
+from .estimate import DTYPE_BYTES, Layout, Workload, fsdp_units, pipeline_shape, rank_blocks, rank_params
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -196,7 +196,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     share = _stage_share(facts, layout)
     chunked = bool(layout.loss_chunk_tokens)
     compute = tokens * flops_per_token(facts, work.seq, layout.ac, chunked) * share / layout.tp / device.flops(layout.precision, layout.world_size, facts.hidden)
-    blocks_here = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
+    blocks_here = rank_blocks(facts, layout)
     passes = 4 / 3 if layout.ac == "full" else 1.0  # a recomputed forward is a third of a step's ops
     compute += micro * (blocks_here + 1) * passes * device.block_overhead
     bubble = 0.0
@@ -219,7 +219,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     comm_tp = 0.0
     if layout.tp > 1:
         size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
-        blocks = pipeline_shape(facts, layout)[0][0]
+        blocks = rank_blocks(facts, layout)
         per_pass = 6 if layout.ac == "full" else 4
         calls = per_pass * blocks * micro
         comm_tp = per_pass * blocks * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \

@@ -158,15 +158,19 @@ def _rank_params(facts: ModelFacts, layout: Layout) -> int:
     return params
 
 
+def rank_blocks(facts: ModelFacts, layout: Layout) -> int:
+    """Blocks on the first pp rank (every block without pp)."""
+    return pipeline_shape(facts, layout)[0][0]
+
+
 def unit_blocks(facts: ModelFacts, layout: Layout) -> int:
-    """Blocks in the largest FSDP unit: ``blocks_per_unit``, at most the blocks on this rank."""
-    return min(layout.blocks_per_unit, pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers)
+    """Blocks in the largest FSDP unit: ``blocks_per_unit``, at most the blocks on the rank."""
+    return min(layout.blocks_per_unit, rank_blocks(facts, layout))
 
 
 def fsdp_units(facts: ModelFacts, layout: Layout) -> int:
-    """FSDP units on the busiest rank: its blocks in groups of ``blocks_per_unit``, plus the root."""
-    blocks = pipeline_shape(facts, layout)[0][0] if layout.pp > 1 else facts.layers
-    return -(-blocks // layout.blocks_per_unit) + 1
+    """FSDP units on the rank: its blocks in groups of ``blocks_per_unit``, plus the root."""
+    return -(-rank_blocks(facts, layout) // layout.blocks_per_unit) + 1
 
 
 def _pp_config(layout: Layout) -> ParallelConfig:
