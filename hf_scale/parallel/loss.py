@@ -8,9 +8,10 @@ each chunk under activation checkpointing, so only one chunk's logits exist at o
 and in backward.
 
 Under tensor parallel the head's weight is a ``DTensor`` sharded on the vocabulary: each rank
-computes the logits of its vocabulary slice, and the cross-entropy runs on those slices with
-PyTorch's ``loss_parallel`` (a max, a sum of exponentials and the target logits are all-reduced),
-so no rank ever holds the full logits; with ``chunk_tokens=None`` there is one chunk.
+computes the logits of its vocabulary slice, and the cross-entropy runs on those slices
+(Megatron-LM's vocabulary-parallel cross-entropy: a max, a sum of exponentials and the target
+logits are all-reduced), so no rank ever holds the full logits; with ``chunk_tokens=None``
+there is one chunk.
 """
 
 from __future__ import annotations
@@ -87,35 +88,64 @@ def _chunk_loss(hidden, weight, bias, labels, ignore_index):
         if not isinstance(hidden, DTensor):
             hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
         logits = F.linear(hidden, weight, bias).float()
-        return _VocabParallelCrossEntropy.apply(logits, labels, ignore_index).to_local()
+        return _VocabParallelCrossEntropy.apply(logits.to_local(), labels, ignore_index, *_vocab_slice(weight))
     logits = F.linear(hidden, weight, bias).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of logits sharded on the vocabulary (a ``Shard(-1)`` DTensor).
+def _vocab_slice(weight) -> tuple:
+    """(process group, first vocabulary row) of this rank's slice of a vocabulary-sharded head."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    ``loss_parallel`` computes it, and its gradient, on the shards; its rules apply only while
-    the context is active, so the gradient is computed here in forward (inside the context) and
-    kept for backward. Memory: one gradient the size of the local logits, which is what
-    ``cross_entropy`` itself keeps (its log-softmax).
+    mesh, placements = weight.device_mesh, weight.placements
+    dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    if mesh.ndim != 1 or len(dims) != 1:
+        raise ValueError(f"a vocabulary-parallel head needs a 1-D mesh sharding rows; got {placements} on {mesh}")
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, placements)
+    return mesh.get_group(), offset[0]
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of logits sharded on the vocabulary (each rank its ``[N, V/tp]``).
+
+    Megatron-LM's vocabulary-parallel cross-entropy: the row maxima, then the sums of
+    exponentials and the target logits together, are all-reduced over the tp group (two
+    all-reduces of ``[N]`` and ``[2, N]`` values),
+    and the gradient (softmax less the one-hot target) is computed in forward, in place in the
+    one ``[N, V/tp]`` buffer the exponentials were taken in, and kept for backward. Memory at
+    its peak: the logits and that buffer, two ``[N, V/tp]`` fp32 tensors (PyTorch's
+    ``loss_parallel`` rules, which this replaces, held five: logits, log-softmax and three of
+    its backward's).
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index):
-        from torch.distributed.tensor.parallel import loss_parallel
+    def forward(ctx, logits, labels, ignore_index, group, vocab_start):
+        import torch.distributed as dist
 
-        with torch.enable_grad(), loss_parallel():
-            leaf = logits.detach().requires_grad_()
-            loss = F.cross_entropy(leaf, labels, ignore_index=ignore_index, reduction="sum")
-            (grad,) = torch.autograd.grad(loss, leaf)
-        ctx.save_for_backward(grad)
-        return loss.detach()
+        local_vocab = logits.shape[-1]
+        row_max = logits.detach().amax(dim=-1)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        buf = logits.detach() - row_max.unsqueeze(-1)  # shifted logits, then exp, then the gradient
+        local = labels - vocab_start
+        here = (local >= 0) & (local < local_vocab)
+        index = local.clamp(0, local_vocab - 1).unsqueeze(-1)
+        target = buf.gather(-1, index).squeeze(-1) * here  # the shifted target logit, on its rank
+        stats = torch.stack([target, buf.exp_().sum(dim=-1)])
+        dist.all_reduce(stats, group=group)  # [shifted target logit, sum of exponentials] per row
+        target, sum_exp = stats
+        valid = labels != ignore_index
+        loss = ((sum_exp.log() - target) * valid).sum()
+        buf.div_(sum_exp.unsqueeze(-1))
+        buf.scatter_add_(-1, index, -here.to(buf.dtype).unsqueeze(-1))
+        buf.mul_(valid.unsqueeze(-1))
+        ctx.save_for_backward(buf)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output, None, None
+        return grad * grad_output, None, None, None, None
 
 
 # Config attributes of models that transform the head's output before the loss (soft-capping,
