@@ -73,7 +73,31 @@ def build_optimizer(
             process_group=state.dp_mesh.get_group(),
             **defaults,
         )
-    return torch.optim.AdamW(groups, **defaults)
+    from torch.distributed.tensor import DTensor
+
+    kinds = {p.device_mesh if isinstance(p, DTensor) else None for g in groups for p in g["params"]}
+    return (_KindsApartAdamW if len(kinds) > 1 else torch.optim.AdamW)(groups, **defaults)
+
+
+class _KindsApartAdamW(torch.optim.AdamW):
+    """AdamW over groups of different kinds (DTensors of one mesh, plain tensors), whose
+    ``zero_grad(set_to_none=False)`` zeroes each group on its own: torch's batches every group's
+    gradients by device and dtype into one foreach call, which refuses DTensors beside plain
+    tensors (tensor parallel alone leaves norms plain beside sharded weights)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if set_to_none:
+            return super().zero_grad(set_to_none=True)
+        for group in self.param_groups:  # one kind each (_split_by_kind)
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            for g in grads:  # as torch's zero_grad: the gradient leaves any graph
+                if g.grad_fn is not None:
+                    g.detach_()
+                else:
+                    g.requires_grad_(False)
+            if grads:
+                torch._foreach_zero_(grads)
+        return None
 
 
 def _split_by_kind(groups: list[dict]) -> list[dict]:

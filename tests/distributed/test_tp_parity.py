@@ -66,6 +66,7 @@ EXTRA2 = {
     "opt_layout": ("layout_facts", ("opt", "causal", TP2), {}),
     "llama_comm": ("comm_facts", ("llama", TP2), {}),
     "gpt2_comm": ("comm_facts", ("gpt2", TP2), {}),
+    "zero_grad": ("zero_grad_keeps_zeros", ("llama", TP2), {}),
     "bad_heads": ("bad_input_error", ("llama", TP2), {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}),
     "bad_pattern": ("bad_input_error", ("llama", TP2), {"plan": {"tp_plan": {"model.layers.*.self_attn.q_projj": "colwise"}}}),
 }
@@ -191,6 +192,13 @@ def test_collectives_per_forward(world2, arch):
     assert facts["train_logits"] is None
     assert "all_gather_into_tensor" not in facts["train"], facts["train"]
     assert facts["train"]["all_reduce"] >= 1 + 2 * layers
+
+
+def test_zero_grad_keeping_gradients_under_tp_alone(world2):
+    """tp alone leaves norms plain beside DTensor weights: ``zero_grad(set_to_none=False)``
+    zeroes both kinds (torch's own zero_grad batches them into one foreach call and raises)."""
+    for result in world2:
+        assert result["zero_grad"] == {"kinds": ["DTensor", "Parameter"], "zeros": True, "none": True}
 
 
 def test_bad_input_fails_on_every_rank_before_any_collective(world2):

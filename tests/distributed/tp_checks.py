@@ -96,6 +96,24 @@ def comm_facts(arch: str, config: dict) -> dict:
     return facts
 
 
+def zero_grad_keeps_zeros(arch: str, config: dict) -> dict:
+    """``build_optimizer``'s AdamW under tp alone (sharded weights beside plain norms): one step,
+    then ``zero_grad(set_to_none=False)`` (torch's own raises on the mix), then ``zero_grad()``."""
+    model = hf_scale.parallelize(tiny_model(arch, "causal"), config)
+    optimizer = hf_scale.build_optimizer(model, lr=1e-3)
+    model.train_step(tiny_batch("causal", 2))
+    optimizer.step()
+    kinds = sorted({type(p).__name__ for p in model.parameters()})
+    try:
+        optimizer.zero_grad(set_to_none=False)
+    except RuntimeError as e:  # one failed check, not a failed process group
+        return {"kinds": kinds, "error": str(e)[:300]}
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    zeros = all(g is not None and not g.abs().sum().item() for g in local)
+    optimizer.zero_grad()
+    return {"kinds": kinds, "zeros": zeros, "none": all(p.grad is None for p in model.parameters())}
+
+
 def bad_input_error(arch: str, config: dict, plan: dict | None = None, **config_changes) -> str:
     """The message of the error ``parallelize`` raises on this rank (it must raise on every
     rank before any collective: a rank that went on would hang the spawn)."""
