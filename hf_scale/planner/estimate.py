@@ -14,13 +14,16 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   the low-precision weight casts are saved for backward (``compute_copies``).
 - tp: each rank's parameters from :func:`hf_scale.plan_report.tp_report` (``tp_layout``); pp: the
   busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
-- cpu_offload: parameters, gradients and optimizer state live in host memory (``host``).
+- cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
+  CPU device that is the device's own memory, where they stay counted.
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
-  checkpointing none / selective (matmul outputs kept, one block recomputed at a time) / full
+  checkpointing none / selective (every matmul and attention output kept, whether backward
+  needs it or not; the rest recomputed one block at a time) / full
   (block inputs kept, one block recomputed); a pipeline's in-flight microbatches (1F1B: p on
   stage 0, p - r on rank r; gpipe: all m).
 - logits and loss: the saved log-softmax (fp32), the logits the forward returns, and one fp32
-  gradient at the start of backward; with ``loss_chunk_tokens`` only one chunk's.
+  gradient at the start of backward; with ``loss_chunk_tokens`` only one chunk's; under tp
+  (a vocabulary-parallel loss) the local fp32 logits and one buffer of their size.
 - the peak: gradients do not exist yet when backward starts (``zero_grad(set_to_none=True)``)
   and activations are freed as they appear, so the peak is parameters + optimizer state + the
   larger of (activations + the larger of logits and one block's recomputation) and gradients; with gradient
@@ -229,7 +232,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     tied = 4 * facts.tied_params * frac if layout.pp == 1 else 0
     buffers = int(tied + (4 * root if sharded and layout.dp > 1 else 0))
     host = 0
-    if layout.cpu_offload:
+    if layout.cpu_offload and work.device != "cpu":  # on a CPU the host memory is the device's
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
                           logits_loss=logits, comm_buffers=comm, compute_copies=compute,
@@ -254,9 +257,9 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
     if layout.ac is None:
         kept = full_block
         recompute = 0.0
-    elif layout.ac == "selective":
-        kept = prof.block_input + prof.block_kept / t
-        recompute = full_block - kept
+    elif layout.ac == "selective":  # every matmul / attention output kept, saved for backward or not
+        kept = prof.block_input + tp_split(prof.block_kept, prof.block_kept_residual)
+        recompute = full_block - prof.block_input - prof.block_saved_kept / t
     else:
         kept = prof.block_input
         recompute = full_block
@@ -268,8 +271,10 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
         chunk = min(layout.loss_chunk_tokens, work.seq * seqs) * facts.vocab / t
         # a chunk's logits and log-softmax (fp32), recomputed in backward, with their two gradients
         logits = chunk * (2 * d + 16) + prof.outside * seqs
+    elif t > 1:  # vocabulary-parallel loss: the local fp32 logits and one buffer (exp, then the gradient)
+        logits = vocab_tokens * 8 + prof.outside * seqs
     else:  # saved log-softmax + the returned logits + one fp32 gradient at backward's start
-        logits = prof.logits / t * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
+        logits = prof.logits * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
     if layout.pp > 1 and layout.pp_schedule == "gpipe":
         logits += prof.logits / t * seqs * (inflight[-1] - 1)
     # under pp the logits live on the last rank only: the busiest rank is the larger of the two

@@ -50,7 +50,9 @@ class ActivationProfile:
 
     seq: int
     block_bytes: int
-    block_kept: int  # matmul / attention outputs (kept under selective checkpointing)
+    block_kept: int  # matmul / attention outputs, saved or not (selective checkpointing keeps them all)
+    block_kept_residual: int  # of which full width under tp (a row-parallel Linear's partial sums)
+    block_saved_kept: int  # of ``block_bytes``, what is also in ``block_kept`` (not recomputed)
     block_residual: int  # b*s*h or b*s sized: the same on every tp rank
     block_input: int  # one block's input (what full checkpointing keeps)
     logits: int
@@ -72,6 +74,7 @@ class ModelFacts:
     vocab: int
     layers: int
     tied_params: int = 0  # a head tied to the input embedding: the one weight's size
+    tensors: int = 0  # parameter tensors (a tied weight once): the optimizer's per-tensor work
     _profiles: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -84,6 +87,11 @@ class ModelFacts:
         if key not in self._profiles:
             self._profiles[key] = compute()
         return self._profiles[key]
+
+    def tp_modules(self) -> tuple[int, int, int]:
+        """Tensor-parallel modules: (column-parallel, row-parallel) in the largest block, and the
+        rest (embedding, head); zeros without a tp plan."""
+        return self.cached("tp_modules", lambda: _tp_modules(self))
 
     def profile(self, seq: int, dtype: torch.dtype, attn: str) -> ActivationProfile:
         key = (seq, dtype, attn)
@@ -134,23 +142,37 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
         embedding_params=emb.weight.numel() if emb is not None else 0,
         hidden=hidden, vocab=getattr(config, "vocab_size", 0) or 0, layers=len(units),
         tied_params=head.weight.numel() if head is not None and emb is not None and head.weight is emb.weight else 0,
+        tensors=len(list(model.parameters())),
     )
 
 
 class _KeptOutputs(TorchDispatchMode):
-    """Records the storages of the outputs of the ops selective checkpointing keeps."""
+    """Records the outputs of the ops selective checkpointing keeps (storage -> block, bytes,
+    full width under tp), and which outputs a column-parallel Linear made (split under tp).
 
-    def __init__(self):
+    ``where`` holds the block running (None outside), ``tp`` the tensor-parallel style of the
+    Linear running ("col", "row" or None); ``width`` says whether a tensor is residual-width."""
+
+    def __init__(self, where: list, tp: list, width):
         super().__init__()
-        self.kept: set[int] = set()
+        self.kept: dict[int, tuple] = {}
+        self.by_col: set[int] = set()
+        self.held: list[torch.Tensor] = []  # meta tensors (no memory): their storages' ids stay unique
+        self.where, self.tp, self.width = where, tp, width
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         if func.__name__.split(".")[0] in _KEPT_OPS:
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.kept.add(t.untyped_storage()._cdata)
+            if self.tp[0] == "col":  # the matmul's output (not the views of its input)
+                self.by_col.update(t.untyped_storage()._cdata for t in outs)
+            for t in outs:
+                self.keep(t, self.tp[0] == "row" or (self.tp[0] is None and self.width(t)))
         return out
+
+    def keep(self, t: torch.Tensor, full_width: bool) -> None:
+        self.held.append(t)
+        self.kept.setdefault(t.untyped_storage()._cdata, (self.where[0], t.untyped_storage().nbytes(), full_width))
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -171,7 +193,7 @@ class _FusedAttention(torch.autograd.Function):
         return grad, k.new_zeros(k.shape), v.new_zeros(v.shape)
 
 
-def _flash_sdpa(original, kept: set[int]):
+def _flash_sdpa(original, kept: _KeptOutputs):
     """``F.scaled_dot_product_attention`` as a fused kernel on meta tensors (the meta device
     would decompose it into the math path and save the ``T x T`` scores no GPU or CPU keeps)."""
 
@@ -181,14 +203,15 @@ def _flash_sdpa(original, kept: set[int]):
             return original(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                             scale=scale, enable_gqa=enable_gqa)
         out, lse = _FusedAttention.apply(q, k, v)
-        kept.update(t.untyped_storage()._cdata for t in (out, lse))  # selective checkpointing keeps them
+        for t in (out, lse):  # selective checkpointing keeps them; heads: split under tp
+            kept.keep(t, False)
         return out
 
     return sdpa
 
 
 @contextlib.contextmanager
-def _attention(model: nn.Module, attn: str, kept: set[int]):
+def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
     configs = [m.config for m in model.modules() if hasattr(m, "config")]
     before = [c._attn_implementation for c in configs]
     original = torch.nn.functional.scaled_dot_product_attention
@@ -204,13 +227,51 @@ def _attention(model: nn.Module, attn: str, kept: set[int]):
             c._attn_implementation = b
 
 
+def _tp_styles(model: nn.Module, plan) -> dict[str, str]:
+    """Module name -> tensor-parallel style (none without a tp plan)."""
+    from ..plans.tp import tp_layout
+
+    if not plan.tp_plan:
+        return {}
+    try:
+        return {n: s for n, s in tp_layout(model, plan, 1).styles.items() if s != "replicate"}
+    except HfScalePlanError:
+        return {}
+
+
+def _tp_kinds(model: nn.Module, plan) -> dict[str, str]:
+    """Module name -> "col" / "row" for the plan's column- and row-parallel Linears: what tp
+    splits of a block's activations depends on them."""
+    return {name: "row" if style.startswith("rowwise") else "col" for name, style in _tp_styles(model, plan).items()
+            if style.startswith(("rowwise", "colwise", "packed_colwise"))}
+
+
+def _tp_modules(facts: ModelFacts) -> tuple[int, int, int]:
+    styles = _tp_styles(facts.model, facts.plan)
+    if not styles:
+        return 0, 0, 0
+    names = {id(m): n for n, m in facts.model.named_modules()}
+    per_block = []
+    for unit in wrap_units(facts.model, facts.plan):
+        prefix = names[id(unit)] + "."
+        kinds = [s.startswith("rowwise") for n, s in styles.items() if n.startswith(prefix)]
+        per_block.append((len(kinds) - sum(kinds), sum(kinds)))
+    col, row = max(per_block, key=sum)
+    return col, row, len(styles) - sum(sum(b) for b in per_block)
+
+
 def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: str) -> ActivationProfile:
-    """Run one training forward of one sequence on the meta device and count saved tensors."""
+    """Run one training forward of one sequence on the meta device and count saved tensors.
+
+    Residual-width (the same on every tp rank): a ``seq x hidden`` tensor (or one value per
+    token) that no column-parallel Linear made and no row-parallel Linear saved (its input is
+    split); a row-parallel Linear's output (partial sums, full width) when kept."""
     model = facts.model.to(dtype)
     model.train()
     units = wrap_units(model, facts.plan)
     params = {p.untyped_storage()._cdata for p in model.parameters()}
     where: list = [None]
+    tp: list = [None]
     saved: dict[int, tuple] = {}
     inputs: dict[int, int] = {}
     hooks = []
@@ -222,38 +283,50 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
 
         hooks.append(unit.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(unit.register_forward_hook(lambda mod, a, o: where.__setitem__(0, None)))
+    modules = dict(model.named_modules())
+    for name, kind in _tp_kinds(model, facts.plan).items():
+        hooks.append(modules[name].register_forward_pre_hook(lambda mod, a, kind=kind: tp.__setitem__(0, kind)))
+        hooks.append(modules[name].register_forward_hook(lambda mod, a, o: tp.__setitem__(0, None)))
+
+    def width(t: torch.Tensor) -> bool:
+        return (t.numel() == seq * facts.hidden and t.shape[-1] == facts.hidden) or t.numel() == seq
+
+    mode = _KeptOutputs(where, tp, width)
 
     def pack(t):
         key = t.untyped_storage()._cdata
         if key not in params and key not in saved:
-            saved[key] = (where[0], t.untyped_storage().nbytes(), t.numel(), t.shape[-1] if t.dim() else 1)
+            residual = tp[0] != "row" and key not in mode.by_col and width(t)
+            saved[key] = (where[0], t.untyped_storage().nbytes(), residual, t.shape[-1] if t.dim() else 1)
         return t
 
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
-    mode = _KeptOutputs()
     try:
-        with _attention(model, attn, mode.kept), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with _attention(model, attn, mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             model(input_ids=ids, labels=ids)
     finally:
         for h in hooks:
             h.remove()
     per_block: dict[int, list] = {}
     logits = outside = 0
-    for key, (blk, nbytes, numel, last) in saved.items():
+    for key, (blk, nbytes, residual, last) in saved.items():
         if blk is None:
             if facts.vocab and last == facts.vocab:
                 logits += nbytes
             else:
                 outside += nbytes
         else:
-            per_block.setdefault(blk, []).append((key, nbytes, numel))
+            per_block.setdefault(blk, []).append((key, nbytes, residual))
     biggest = max(per_block, key=lambda b: sum(n for _, n, _ in per_block[b]))
     rows = per_block[biggest]
+    kept = [(n, full) for blk, n, full in mode.kept.values() if blk == biggest]
     return ActivationProfile(
         seq=seq,
         block_bytes=sum(n for _, n, _ in rows),
-        block_kept=sum(n for k, n, _ in rows if k in mode.kept),
-        block_residual=sum(n for _, n, numel in rows if numel in (seq * facts.hidden, seq)),
+        block_kept=sum(n for n, _ in kept),
+        block_kept_residual=sum(n for n, full in kept if full),
+        block_saved_kept=sum(n for k, n, _ in rows if k in mode.kept),
+        block_residual=sum(n for _, n, residual in rows if residual),
         block_input=inputs[biggest],
         logits=logits,
         outside=outside,

@@ -61,10 +61,42 @@ def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
 
 
 def test_offload_moves_state_to_the_host(tiny):
-    on, off = (estimate_memory(tiny, Layout("fsdp", 1, 2, cpu_offload=c), WORK) for c in (True, False))
+    gpu = Workload(seq=16, batch=1, device="cuda")
+    on, off = (estimate_memory(tiny, Layout("fsdp", 1, 2, cpu_offload=c), gpu) for c in (True, False))
     assert on.params == on.grads == on.optimizer == 0
     assert on.host == off.params + off.grads + off.optimizer
     assert on.device_total < off.device_total
+    # on a CPU device the host memory is the device's: nothing moves, nothing is counted twice
+    cpu_on, cpu_off = (estimate_memory(tiny, Layout("fsdp", 1, 2, cpu_offload=c), WORK) for c in (True, False))
+    assert cpu_on == cpu_off
+
+
+def test_tensor_parallel_loss_holds_the_local_logits_and_one_buffer(tiny):
+    """The vocabulary-parallel loss keeps, at its peak, this rank's fp32 logits and the one
+    buffer its exponentials and then its gradient are computed in: 8 bytes per local logit."""
+    prof = tiny.profile(16, torch.float32, "sdpa")
+    tp = estimate_memory(tiny, Layout("fsdp", 1, 1, tp=2), WORK)
+    assert tp.logits_loss == 16 * 128 // 2 * 8 + prof.outside
+    one = estimate_memory(tiny, Layout("fsdp", 1, 1), WORK)  # log-softmax + logits + their gradient
+    assert one.logits_loss == 16 * 128 * 12 + prof.outside
+
+
+def test_selective_checkpointing_keeps_every_matmul_output(tiny):
+    """Selective checkpointing stores every matmul and attention output, also those backward
+    does not need (q, k and o's and down's outputs): tiny llama, 16 tokens, fp32, by hand."""
+    prof = tiny.profile(16, torch.float32, "sdpa")
+    q = o = down = out = 16 * 32 * 4
+    k = v = 16 * 16 * 4  # 2 key/value heads x 8
+    gate = up = 16 * 64 * 4
+    lse = 4 * 16 * 4
+    assert prof.block_kept == q + k + v + o + gate + up + down + out + lse
+    assert prof.block_kept_residual == o + down  # row-parallel outputs: partial sums, full width under tp
+    assert prof.block_saved_kept < prof.block_kept
+    # residual width, the same on every tp rank: the block's input, the two norms' inputs scaled
+    # and outputs, the attention's residual sum, and the norms' per-token rsqrt
+    assert prof.block_residual == 6 * 16 * 32 * 4 + 2 * 16 * 4
+    sel = estimate_memory(tiny, Layout("fsdp", 1, 2, ac="selective"), WORK)
+    assert sel.activations == tiny.layers * (prof.block_input + prof.block_kept)
 
 
 def test_zero2_keeps_the_gathered_model(tiny):
