@@ -4,14 +4,16 @@ fp32 and bf16; hidden 256 in fp32: narrow matmuls run slower) alone and with eve
 one (cores share caches, memory bandwidth and clock), memory bandwidth (a large copy), and,
 between 2 local gloo processes and again between 4: all-reduce, all-gather and
 reduce-scatter bus bandwidth (gloo's all-gather and reduce-scatter run at a fraction of its
-all-reduce's), latency, and what FSDP2 costs per unit and DDP per step beyond their model's
-compute (hooks, copies, small collectives). About two minutes (bf16 on a CPU is slow); noisy on
+all-reduce's), latency, and what FSDP2 costs per unit, DDP per step and tensor parallel per
+sharded module beyond their model's compute (hooks, copies, DTensor's dispatch, small
+collectives). About two minutes (bf16 on a CPU is slow); noisy on
 a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True``
 to redo it).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -42,14 +44,22 @@ def _llama(hidden: int, layers: int, vocab: int = 8192, kv_groups: int = 1):
                           num_key_value_heads=max(1, heads // kv_groups), vocab_size=vocab, tie_word_embeddings=True)
 
 
-def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min, barrier=None) -> float:
+def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min, barrier=None,
+                     ac: str | None = None) -> float:
     """One training forward + backward of ``config``'s model (random weights): the best of 3
     (``pick=_median``: their median, for rates a long run sustains). ``barrier``: processes
-    measuring side by side start timing together (after one untimed step each)."""
+    measuring side by side start timing together (after one untimed step each). ``ac``: the
+    blocks checkpointed as hf_scale does ("full" or "selective")."""
     import transformers as tf
 
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
+    if ac:
+        from ..parallel import apply_ac
+        from ..plans import resolve_plan, wrap_units
+
+        model.config.use_cache = False  # as parallelize sets it: a recomputed block would grow the cache
+        apply_ac(wrap_units(model, resolve_plan(model)), ac)
     ids = torch.randint(0, config.vocab_size, (batch, seq))
 
     def step():
@@ -61,11 +71,21 @@ def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min,
     return _best(step, 3, pick)
 
 
-def block_overhead() -> float:
+def block_overhead() -> dict:
     """Seconds per block (embedding + head + loss counted as one more) of a step whose FLOPs are
-    negligible: the fixed cost of a block's ops on this machine (dispatch, autograd, allocation)."""
+    negligible: the fixed cost of a block's ops on this machine (dispatch, autograd, allocation);
+    and what checkpointing adds per block beyond that: full checkpointing beyond the recomputed
+    forward (a third of the block's ops) the cost model charges, selective checkpointing all of it
+    (its recomputed ops are the cheap ones: on a tiny model, their dispatch is their cost)."""
     config = _llama(32, 4, vocab=64)
-    return training_seconds(config, torch.float32, 8, 1) / (config.num_hidden_layers + 1)
+    blocks = config.num_hidden_layers
+    plain = training_seconds(config, torch.float32, 8, 1)
+    per_block = plain / (blocks + 1)
+    full = training_seconds(config, torch.float32, 8, 1, ac="full")
+    selective = training_seconds(config, torch.float32, 8, 1, ac="selective")
+    return {"block_overhead_s": per_block,
+            "full_ac_overhead_s": max(0.0, (full - plain - blocks * per_block / 3) / blocks),
+            "selective_ac_overhead_s": max(0.0, (selective - plain) / blocks)}
 
 
 def training_flops(dtype: torch.dtype, hidden: int = 576, seq: int = 256, batch: int = 2,
@@ -98,10 +118,12 @@ def _tiny_blocks(layers: int = 8, width: int = 16):
     return nn.Sequential(*[block() for _ in range(layers)])
 
 
-def _wrapper_overheads(x, world: int = 2) -> tuple[float, float]:
+def _wrapper_overheads(x, world: int = 2) -> tuple[float, float, float, float]:
     """Seconds per FSDP unit per step and per DDP step beyond the model's own compute: the
     wrappers' hooks, copies and the latency of their collectives on tensors too small to cost
-    bandwidth (a stack of tiny Linear blocks, as hf_scale wraps blocks)."""
+    bandwidth (a stack of tiny Linear blocks, as hf_scale wraps blocks); and the seconds per
+    parameter tensor of hf_scale's AdamW step (and ``zero_grad``), on plain tensors and on FSDP's
+    ``DTensor`` shards (their memory traffic negligible here)."""
     import copy
 
     from torch.distributed._composable.replicate import replicate
@@ -122,7 +144,53 @@ def _wrapper_overheads(x, world: int = 2) -> tuple[float, float]:
 
     base = _best(step(local), 20)
     units = len(model) + 1
-    return (_best(step(sharded), 20) - base) / units, _best(step(ddp), 20) - base
+    fsdp_unit, ddp_step = (_best(step(sharded), 20) - base) / units, _best(step(ddp), 20) - base
+    return fsdp_unit, ddp_step, _optimizer_tensor(local, x), _optimizer_tensor(sharded, x)
+
+
+def _optimizer_tensor(model, x) -> float:
+    from ..parallel.optim import build_optimizer
+
+    optimizer = build_optimizer(model, lr=1e-5)
+    model(x).sum().backward()
+
+    def update():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # the gradients stay for the next update
+
+    return _best(update, 20) / len(list(model.parameters()))
+
+
+def _tp_overhead(world: int) -> tuple[float, int]:
+    """Seconds per step that tensor parallel over ``world`` ranks adds to a tiny llama whose
+    FLOPs are negligible (hf_scale's own tp plan and vocabulary-parallel loss: DTensor's dispatch,
+    the modules' input / output hooks, their all-reduces), and its count of sharded modules."""
+    import copy
+
+    import transformers as tf
+
+    from ..api import parallelize
+    from ..config import ParallelConfig
+    from ..log import logger
+
+    torch.manual_seed(0)
+    plain = tf.AutoModelForCausalLM.from_config(_llama(256, 2, vocab=64, kv_groups=1))  # 4 heads: tp 2 and 4
+    level = logger.level
+    logger.setLevel(logging.WARNING)  # parallelize's layout line is not the calibration's to print
+    try:
+        sharded = parallelize(copy.deepcopy(plain), ParallelConfig(tp=world))
+    finally:
+        logger.setLevel(level)
+    ids = torch.randint(0, 64, (1, 8))
+
+    def step(m):
+        return lambda: m(input_ids=ids, labels=ids).loss.backward()
+
+    from .profile import model_facts
+
+    col, row, root = model_facts(plain.config).tp_modules()
+    modules = plain.config.num_hidden_layers * (col + row) + root
+    return _best(step(sharded), 20) - _best(step(plain), 20), modules
 
 
 def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
@@ -137,21 +205,25 @@ def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
     gather = _best(lambda: dist.all_gather_into_tensor(whole, part), 3)
     scatter = _best(lambda: dist.reduce_scatter_tensor(part, big), 3)
     lat = _best(lambda: [dist.all_reduce(small) for _ in range(20)], 2) / 20
-    fsdp_unit, ddp = _wrapper_overheads(torch.ones(4, 16), world)
+    fsdp_unit, ddp, tensor, dtensor = _wrapper_overheads(torch.ones(4, 16), world)
+    tp_step, tp_modules = _tp_overhead(world)
     # the cost model charges each collective's latency itself: 2 all-gathers + 1 reduce-scatter
-    # per FSDP unit, one all-reduce per DDP bucket
-    fsdp_unit, ddp = fsdp_unit - 3 * lat, ddp - lat
+    # per FSDP unit, one all-reduce per DDP bucket, one per tp module
+    fsdp_unit, ddp, tp_module = fsdp_unit - 3 * lat, ddp - lat, tp_step / tp_modules - lat
     if rank == 0:  # ring bus bytes per rank: 2(n-1)/n of the tensor for all-reduce, (n-1)/n for the others
         ring = big.nbytes * (world - 1) / world
         queue.put({"allreduce_bus_bytes_per_s": 2 * ring / bw, "allreduce_latency_s": lat,
                    "allgather_bus_bytes_per_s": ring / gather, "reducescatter_bus_bytes_per_s": ring / scatter,
-                   "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp)})
+                   "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp),
+                   "tp_module_overhead_s": max(0.0, tp_module), "optimizer_tensor_s": tensor,
+                   "optimizer_dtensor_s": dtensor})
     dist.destroy_process_group()
 
 
 def collectives(world: int = 2) -> dict:
     """gloo between ``world`` local processes: all-reduce, all-gather and reduce-scatter bus
-    bandwidth, the latency of a tiny all-reduce, and FSDP's / DDP's own cost per unit / step."""
+    bandwidth, the latency of a tiny all-reduce, and FSDP's / DDP's / tp's own cost per unit /
+    step / module."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -205,9 +277,10 @@ def calibrate() -> dict:
     links["world4"] = collectives(4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    overhead = block_overhead()
+    overheads = block_overhead()
+    overhead = overheads["block_overhead_s"]
     result = {
-        "block_overhead_s": overhead,
+        **overheads,
         "flops_fp32": training_flops(torch.float32, overhead=overhead, **_SMOLLM2_SHAPE),
         "flops_fp32_h256": training_flops(torch.float32, hidden=256, overhead=overhead, **_SMOLLM2_SHAPE),
         "flops_bf16": training_flops(torch.bfloat16, overhead=overhead),

@@ -11,7 +11,9 @@
   and again in backward and reduce-scatters fp32 gradients; zero2 all-gathers once; hsdp adds
   the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
-  residual stream twice per block in forward and twice in backward; pp sends each microbatch's
+  residual stream once per sharded module (a row-parallel output in forward, a column-parallel
+  input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
+  (measured on CPU); pp sends each microbatch's
   activations and receives their gradients. FSDP's collectives run per unit (``blocks_per_unit``
   blocks, and the root). Each collective pays a latency; all-gather and
   reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
@@ -25,7 +27,8 @@
   competes with compute for the same cores); tp's is on the critical path.
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
   local parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
-  parameter / gradient copies over PCIe on a GPU.
+  parameter / gradient copies over PCIe on a GPU; and a fixed cost per parameter tensor, higher
+  on DTensors (measured on CPU).
 - pipeline bubble: :func:`hf_scale.plan_report.bubble_fraction` (the formulas P2 wrote there).
 """
 
@@ -79,10 +82,22 @@ class Device:
     cores: int = 0  # CPU only: ranks share these cores (flops were measured with ``threads``)
     threads: int = 1
     block_overhead: float = 0.0  # seconds of fixed cost per block per micro-batch (CPU: measured)
+    # seconds per checkpointed block per micro-batch that checkpointing's machinery adds (hooks, RNG
+    # state, the selective policy per op), beyond its recomputation's FLOPs (CPU: measured)
+    full_ac_overhead: float = 0.0
+    selective_ac_overhead: float = 0.0
     narrow: tuple[int, float] | None = None  # (hidden, fp32 FLOP/s) measured at a narrower width
     fsdp_unit_overhead: float = 0.0  # seconds per FSDP unit per micro-batch (hooks, copies; CPU: measured)
     ddp_overhead: float = 0.0  # seconds per DDP step beyond its all-reduce (CPU: measured)
-    # CPU: (world, link, fsdp_unit_overhead, ddp_overhead) measured at more processes (:meth:`at_world`)
+    # seconds per tensor-parallel module per micro-batch, forward + backward, beyond its compute and
+    # its all-reduce (DTensor's dispatch, the input / output redistribution hooks; CPU: measured)
+    tp_module_overhead: float = 0.0
+    # seconds per parameter tensor of an AdamW step and zero_grad, beyond its memory traffic: on
+    # plain tensors, and on DTensors (FSDP's shards, tp's); CPU: measured
+    optimizer_tensor: float = 0.0
+    optimizer_dtensor: float = 0.0
+    # CPU: (world, link, fsdp_unit_overhead, ddp_overhead[, tp_module_overhead]) measured at more
+    # processes (:meth:`at_world`)
     wider: tuple = ()
     busy: float = 1.0  # CPU: a core's speed while every core computes, against one process alone (measured)
 
@@ -114,9 +129,10 @@ class Device:
         if not self.cores:
             return self
         dev, measured = self, 2
-        for w, link, unit, ddp in sorted(self.wider, key=lambda entry: entry[0]):
+        for w, link, unit, ddp, *tp in sorted(self.wider, key=lambda entry: entry[0]):
             if w <= world:
-                dev, measured = replace(dev, intra=link, inter=link, fsdp_unit_overhead=unit, ddp_overhead=ddp), w
+                dev, measured = replace(dev, intra=link, inter=link, fsdp_unit_overhead=unit, ddp_overhead=ddp,
+                                        tp_module_overhead=tp[0] if tp else dev.tp_module_overhead), w
 
         def crowding(n: int) -> float:
             return max(1.0, n * self.threads / self.cores)
@@ -135,7 +151,10 @@ class Device:
 
         return replace(dev, intra=slow(dev.intra), inter=slow(dev.inter), mem_bandwidth=dev.mem_bandwidth / alone,
                        host_bandwidth=dev.host_bandwidth / alone, block_overhead=dev.block_overhead * alone,
-                       fsdp_unit_overhead=dev.fsdp_unit_overhead * beyond, ddp_overhead=dev.ddp_overhead * beyond)
+                       full_ac_overhead=dev.full_ac_overhead * alone,
+                       selective_ac_overhead=dev.selective_ac_overhead * alone,
+                       fsdp_unit_overhead=dev.fsdp_unit_overhead * beyond, ddp_overhead=dev.ddp_overhead * beyond,
+                       tp_module_overhead=dev.tp_module_overhead * beyond)
 
 
 NVLINK = Link(bandwidth=200e9, latency=10e-6, overlap=0.9)  # H100 NVLink 4: 450 GB/s per direction peak
@@ -199,6 +218,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     blocks_here = rank_blocks(facts, layout)
     passes = 4 / 3 if layout.ac == "full" else 1.0  # a recomputed forward is a third of a step's ops
     compute += micro * (blocks_here + 1) * passes * device.block_overhead
+    ac_overhead = {"full": device.full_ac_overhead, "selective": device.selective_ac_overhead}.get(layout.ac, 0.0)
+    compute += micro * blocks_here * ac_overhead
     bubble = 0.0
     if layout.pp > 1:
         m = pipeline_shape(facts, layout)[2]
@@ -219,11 +240,14 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     comm_tp = 0.0
     if layout.tp > 1:
         size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
-        blocks = rank_blocks(facts, layout)
-        per_pass = 6 if layout.ac == "full" else 4
-        calls = per_pass * blocks * micro
-        comm_tp = per_pass * blocks * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \
-            + calls * device.intra.latency
+        col, row, root = facts.tp_modules()
+        modules = blocks_here * (col + row) + root
+        # one all-reduce per module: a row-parallel output in forward (again when a full checkpoint
+        # recomputes it), a column-parallel input's gradient in backward (each module its own)
+        calls = modules + (blocks_here * row if layout.ac == "full" else 0)
+        comm_tp = calls * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \
+            + calls * micro * device.intra.latency
+        compute += micro * modules * passes * device.tp_module_overhead
     comm_pp = 0.0
     if layout.pp > 1:
         link = device.intra if layout.world_size <= per_node else device.inter
@@ -233,6 +257,11 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     if layout.strategy == "zero1":
         local = params // layout.dp
     optimizer = 28 * local / (device.host_bandwidth if layout.cpu_offload else device.mem_bandwidth)
+    tensors = facts.tensors * blocks_here / facts.layers  # this rank's (pp: its stages'; tp shards every one)
+    if layout.strategy == "zero1":
+        tensors /= layout.dp
+    dtensors = layout.strategy in ("fsdp", "zero2", "hsdp") and layout.dp > 1 or layout.tp > 1
+    optimizer += tensors * (device.optimizer_dtensor if dtensors else device.optimizer_tensor)
     offload = 0.0
     if layout.cpu_offload and device.name != "cpu":
         offload = 2 * 4 * local / device.host_bandwidth  # parameters in, gradients out
@@ -310,13 +339,19 @@ def cpu_device(refresh: bool = False) -> Device:
                     gather_bandwidth=data.get("allgather_bus_bytes_per_s"),
                     scatter_bandwidth=data.get("reducescatter_bus_bytes_per_s"))
 
-    wider = tuple((4, link(w4), w4.get("fsdp_unit_overhead_s", 0.0), w4.get("ddp_overhead_s", 0.0))
+    wider = tuple((4, link(w4), w4.get("fsdp_unit_overhead_s", 0.0), w4.get("ddp_overhead_s", 0.0),
+                   w4.get("tp_module_overhead_s", 0.0))
                   for w4 in ([data["world4"]] if "world4" in data else []))
     intra = link(data)
     return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
                   mem_bandwidth=data["mem_bandwidth"], intra=intra, inter=intra, host_bandwidth=data["mem_bandwidth"],
                   cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
+                  full_ac_overhead=data.get("full_ac_overhead_s", 0.0),
+                  selective_ac_overhead=data.get("selective_ac_overhead_s", 0.0),
                   narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
                   fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0),
                   ddp_overhead=data.get("ddp_overhead_s", 0.0), wider=wider,
+                  tp_module_overhead=data.get("tp_module_overhead_s", 0.0),
+                  optimizer_tensor=data.get("optimizer_tensor_s", 0.0),
+                  optimizer_dtensor=data.get("optimizer_dtensor_s", 0.0),
                   busy=data.get("flops_busy_ratio", 1.0))
