@@ -17,8 +17,9 @@ ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per ra
   (ZeroRedundancyOptimizer's inner one included), activations, temporaries; FSDP's buffers
   included), then peak RSS over ``--steps`` steps (``bench_common.RssSampler``, every 5 ms);
 * then, allocations up to 32 MiB served from the heap again (``mallopt``: the mappings slow small
-  models' steps by a third here), one untimed step and ``--steps`` timed ones: the step time (the
-  slowest rank's, mean).
+  models' steps by a third here), one untimed step and ``--steps`` timed ones (at least
+  ``MIN_TIMED`` for a model whose steps take milliseconds: a few of them would time the machine's
+  jitter): the step time (the slowest rank's per step, their median).
 
 The prediction for the same layout comes from the config alone: ``estimate_memory`` (device total
 less the process overhead against tracked bytes; device total plus host bytes against RSS) and
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -82,6 +84,7 @@ LEGS = {
     "smollm2_fsdp_w4": ("smollm2", 4, 256, 1, {"strategy": "fsdp", "dp_shard": 4}),
 }
 GiB = 2**30
+MIN_TIMED = {"tiny": 20}  # timed steps at least, per model
 
 
 def leg_layout(name: str):
@@ -112,7 +115,8 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     out = Path(args.out) / f"{args.worker}.rank{rank}.json"
-    _, world, seq, batch, _ = LEGS[args.worker]
+    model_name, world, seq, batch, _ = LEGS[args.worker]
+    timed = max(args.steps, MIN_TIMED.get(model_name, 0))
     layout = leg_layout(args.worker)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config_of(args.worker))
@@ -122,7 +126,7 @@ def worker(args) -> None:
     optimizer = hf_scale.build_optimizer(model, lr=1e-5)
     dp_rank, dp = _dp(model)
     g = torch.Generator().manual_seed(1234)
-    data = torch.randint(model.config.vocab_size, (args.warmup + 2 * args.steps + 2, batch * dp, seq), generator=g)
+    data = torch.randint(model.config.vocab_size, (args.warmup + args.steps + timed + 2, batch * dp, seq), generator=g)
     data = data[:, dp_rank * batch : (dp_rank + 1) * batch]
 
     def step(ids):
@@ -238,7 +242,7 @@ def launch(name: str, args, out_dir: Path) -> dict:
         return {"status": error}
     slowest = [max(s) for s in zip(*(r["step_times"] for r in results))]
     return {"status": "ok", "parts": results[0]["parts"], "tracked": max(r["tracked"] for r in results), "rss": max(r["rss"] for r in results),
-            "step": sum(slowest) / len(slowest)}
+            "step": statistics.median(slowest)}
 
 
 def table(rows: dict) -> str:
