@@ -172,6 +172,7 @@ def _tp_overhead(world: int) -> tuple[float, int]:
     from ..api import parallelize
     from ..config import ParallelConfig
     from ..log import logger
+    from .profile import model_facts
 
     torch.manual_seed(0)
     plain = tf.AutoModelForCausalLM.from_config(_llama(256, 2, vocab=64, kv_groups=1))  # 4 heads: tp 2 and 4
@@ -185,8 +186,6 @@ def _tp_overhead(world: int) -> tuple[float, int]:
 
     def step(m):
         return lambda: m(input_ids=ids, labels=ids).loss.backward()
-
-    from .profile import model_facts
 
     col, row, root = model_facts(plain.config).tp_modules()
     modules = plain.config.num_hidden_layers * (col + row) + root
