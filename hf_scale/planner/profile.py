@@ -227,35 +227,39 @@ def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
             c._attn_implementation = b
 
 
-def _tp_styles(model: nn.Module, plan) -> dict[str, str]:
-    """Module name -> tensor-parallel style (none without a tp plan)."""
+def _tp_styles(facts: ModelFacts) -> dict[str, str]:
+    """Module name -> tensor-parallel style (none without a tp plan), expanded once per model."""
     from ..plans.tp import tp_layout
 
-    if not plan.tp_plan:
-        return {}
-    try:
-        return {n: s for n, s in tp_layout(model, plan, 1).styles.items() if s != "replicate"}
-    except HfScalePlanError:
-        return {}
+    def expand() -> dict[str, str]:
+        if not facts.plan.tp_plan:
+            return {}
+        try:
+            return {n: s for n, s in tp_layout(facts.model, facts.plan, 1).styles.items() if s != "replicate"}
+        except HfScalePlanError:
+            return {}
+
+    return facts.cached("tp_styles", expand)
 
 
-def _tp_kinds(model: nn.Module, plan) -> dict[str, str]:
+def _tp_kinds(facts: ModelFacts) -> dict[str, str]:
     """Module name -> "col" / "row" for the plan's column- and row-parallel Linears: what tp
-    splits of a block's activations depends on them."""
-    return {name: "row" if style.startswith("rowwise") else "col" for name, style in _tp_styles(model, plan).items()
+    splits of a block's activations, and its all-reduces, depend on them."""
+    return {name: "row" if style.startswith("rowwise") else "col" for name, style in _tp_styles(facts).items()
             if style.startswith(("rowwise", "colwise", "packed_colwise"))}
 
 
 def _tp_modules(facts: ModelFacts) -> tuple[int, int, int]:
-    styles = _tp_styles(facts.model, facts.plan)
+    styles = _tp_styles(facts)
     if not styles:
         return 0, 0, 0
+    kinds = _tp_kinds(facts)
     names = {id(m): n for n, m in facts.model.named_modules()}
     per_block = []
     for unit in wrap_units(facts.model, facts.plan):
         prefix = names[id(unit)] + "."
-        kinds = [s.startswith("rowwise") for n, s in styles.items() if n.startswith(prefix)]
-        per_block.append((len(kinds) - sum(kinds), sum(kinds)))
+        inside = [kind for name, kind in kinds.items() if name.startswith(prefix)]
+        per_block.append((inside.count("col"), inside.count("row")))
     col, row = max(per_block, key=sum)
     return col, row, len(styles) - sum(sum(b) for b in per_block)
 
@@ -284,7 +288,7 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
         hooks.append(unit.register_forward_pre_hook(enter, with_kwargs=True))
         hooks.append(unit.register_forward_hook(lambda mod, a, o: where.__setitem__(0, None)))
     modules = dict(model.named_modules())
-    for name, kind in _tp_kinds(model, facts.plan).items():
+    for name, kind in _tp_kinds(facts).items():
         hooks.append(modules[name].register_forward_pre_hook(lambda mod, a, kind=kind: tp.__setitem__(0, kind)))
         hooks.append(modules[name].register_forward_hook(lambda mod, a, o: tp.__setitem__(0, None)))
 
