@@ -46,6 +46,7 @@ _LAZY = {
     "CardInfo": ".hub",
     "push_to_hub": ".hub",
     "write_model_card": ".hub",
+    "shutdown_distributed": ".distributed",
 }
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "resolve_plan",
     "save_pretrained",
     "save_state",
+    "shutdown_distributed",
     "train_step",
     "write_model_card",
 ]

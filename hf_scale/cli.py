@@ -154,10 +154,9 @@ def _train(job) -> None:
 
 
 def _destroy_process_group() -> None:
-    import torch.distributed as dist
+    from .distributed import shutdown_distributed
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def plan(args: list[str]) -> int:

@@ -131,9 +131,8 @@ def main(args: list[str]) -> int:
 
 def run(opts: GenerateArgs) -> int:
     """Load the model at ``tp`` = world size, generate on every rank, print on rank 0."""
-    import torch.distributed as dist
-
     from .config import ParallelConfig
+    from .distributed import shutdown_distributed
     from .ranks import rank
     from .train.model import load_model, load_tokenizer
 
@@ -154,8 +153,7 @@ def run(opts: GenerateArgs) -> int:
         if rank() == 0:
             print_completions(opts, texts, new_tokens, seconds)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
     return 0
 
 

@@ -179,7 +179,7 @@ def worker(task: str, root: Path, repeats: int) -> None:
     import transformers.distributed  # noqa: F401
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401
 
-    import hf_scale  # noqa: F401
+    import hf_scale
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -187,7 +187,7 @@ def worker(task: str, root: Path, repeats: int) -> None:
     result = TASKS[task][1](root, repeats) | {"base_rss": base}
     (root / "results" / f"{task}.rank{dist.get_rank()}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    hf_scale.shutdown_distributed()
 
 
 # ------------------------------------------------------------------ the launcher

@@ -107,7 +107,7 @@ def worker(contender: str, folder: Path, out: Path, name: str) -> None:
               "peak_rss": peak, "base_rss": base, "weight_sum": total, "ran_as": describe(model)}
     (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    hf_scale.shutdown_distributed()
 
 
 def weight_sum(model) -> float:

@@ -252,7 +252,9 @@ def worker(args) -> None:
     }
     out.write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    from hf_scale.distributed import shutdown_distributed
+
+    shutdown_distributed()
 
 
 # ------------------------------------------------------------------ the launcher

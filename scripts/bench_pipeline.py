@@ -179,7 +179,7 @@ def worker(leg: str, out: Path, name: str, args) -> None:
     finally:
         (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    hf_scale.shutdown_distributed()
 
 
 # ------------------------------------------------------------------ the launcher

@@ -164,7 +164,7 @@ def worker(args) -> None:
                                "step_times": times[1:]}))
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        hf_scale.shutdown_distributed()
 
 
 def _heap_allocations() -> None:

@@ -65,6 +65,8 @@ def collectives_worker() -> None:
     import torch
     import torch.distributed as dist
 
+    from hf_scale.distributed import shutdown_distributed
+
     warnings.filterwarnings("ignore", category=FutureWarning)  # the *_tensor names are deprecated
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -88,7 +90,7 @@ def collectives_worker() -> None:
             print(f"| {name} | {t / ar:.2f} | {t * 1e3:.1f} |")
         print(f"\nper step, {BLOCKS} blocks: fsdp 2 x all-gather + reduce-scatter = {fsdp:.2f} s; "
               f"ddp all-reduce = {ddp:.2f} s ({fsdp / ddp:.1f}x)")
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def main() -> None:

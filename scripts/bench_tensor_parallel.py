@@ -123,7 +123,7 @@ def worker(leg: str, folder: Path, out: Path, name: str, args) -> None:
     import transformers.distributed  # noqa: F401  every leg pays the same imports
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import hf_scale  # noqa: F401
+    import hf_scale
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -155,7 +155,7 @@ def worker(leg: str, folder: Path, out: Path, name: str, args) -> None:
         result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         (out / f"{name}.rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    hf_scale.shutdown_distributed()
 
 
 def train(model, args) -> tuple[float, list[float]]:

@@ -87,8 +87,7 @@ def main() -> None:
             f"step {step}/{args.steps}  loss {loss.item():.4f}  grad_norm {grad_norm.item():.3f}  "
             f"{tokens / elapsed:,.0f} tokens/s"
         )
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    hf_scale.shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -62,14 +62,13 @@ def mpirun_vars(rank: int, world: int, port: int) -> dict[str, str]:
 
 
 def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) -> None:
-    from hf_scale.distributed import LAUNCHER_VARS
+    from hf_scale.distributed import LAUNCHER_VARS, shutdown_distributed
 
     for var in LAUNCHER_VARS:
         os.environ.pop(var, None)
     os.environ.update(env)
     os.environ.update(launcher(rank, world, port), OMP_NUM_THREADS="1")
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
@@ -79,8 +78,7 @@ def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) ->
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_distributed()
 
 
 def run_ranks(

@@ -195,6 +195,8 @@ def _tp_overhead(world: int) -> tuple[float, int]:
 def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
     import torch.distributed as dist
 
+    from ..distributed import shutdown_distributed
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = 4 * 2**20  # floats: 16 MB, about one SmolLM2 block in fp32
@@ -216,7 +218,7 @@ def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
                    "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp),
                    "tp_module_overhead_s": max(0.0, tp_module), "optimizer_tensor_s": tensor,
                    "optimizer_dtensor_s": dtensor})
-    dist.destroy_process_group()
+    shutdown_distributed()
 
 
 def collectives(world: int = 2) -> dict:
