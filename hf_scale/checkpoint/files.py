@@ -7,12 +7,14 @@ Usage::
     with staged_folder("out/model", needed_bytes=n) as tmp:   # collective
         ...every rank writes into tmp (failures raised on all ranks: ranks.run_together)
     digests = share_digests(folder, names)                     # {name: sha256}, on every rank
+    atomic_write_text(root / "latest", "step_00000100\n")      # a small file, never torn
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -122,3 +124,32 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 24), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: written in full to ``.<name>.tmp`` beside it,
+    flushed to disk, renamed over the old file (``os.replace``) and the folder entry flushed. A
+    crash at any point leaves the old content or the new, never a torn file (a stale temporary
+    file is overwritten next time)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Flush a folder's entries (a rename) to disk, where the platform allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -36,7 +36,7 @@ from ..api import get_state
 from ..errors import HfScaleCheckpointError
 from ..ranks import gather, rank_world, run_together
 from .dcp_boxes import checkpointable
-from .files import staged_folder
+from .files import atomic_write_text, staged_folder
 from .load import load_owned_slices, weight_map_of
 from .safetensors_io import plan_save, write_model_folder
 from .stages import borrow_tied_state, pipelined, tie_aliases, union_param_groups
@@ -313,27 +313,8 @@ def _point_latest(root: Path, name: str, keep_last: int | None) -> None:
     folder entry flushed. A crash at any point leaves ``latest`` naming either the previous
     checkpoint or this one, never a torn name (a stale temporary file is overwritten next time).
     """
-    tmp = root / f".{LATEST}.tmp"
-    with open(tmp, "w") as fh:
-        fh.write(name + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / LATEST)
-    _fsync_dir(root)
+    atomic_write_text(root / LATEST, name + "\n")
     if keep_last:
         for old in complete_checkpoints(root)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-
-def _fsync_dir(folder: Path) -> None:
-    """Flush a folder's entries (a rename) to disk, where the platform allows it."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -40,7 +40,16 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from .estimate import DTYPE_BYTES, Layout, Workload, fsdp_units, pipeline_shape, rank_blocks, rank_params
+from ..log import log_rank0
+from .estimate import (
+    DTYPE_BYTES,
+    Layout,
+    Workload,
+    fsdp_units,
+    pipeline_shape,
+    rank_blocks,
+    rank_params,
+)
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -317,23 +326,45 @@ def _dp_seconds(layout: Layout, params: int, d: int, micro: int, units: int, lin
 # ------------------------------------------------------------------ this machine, measured
 
 
+# The figures a calibration holds; raised when calibrate() measures a new one, so a cache written
+# by an older hf_scale (where a figure it lacks would read as 0, a cost left out) is measured again.
+CALIBRATION_VERSION = 2
+
+
 def calibration_path() -> Path:
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(root) / "hf_scale" / "calibration.json"
+
+
+def _cached_calibration(path: Path) -> dict | None:
+    """The cached calibration, or None (with the reason logged) when it must be measured again."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        reason = f"it could not be read ({e})"
+    else:
+        if isinstance(data, dict) and data.get("version") == CALIBRATION_VERSION:
+            return data
+        reason = "an older hf_scale wrote it, without some of the figures the planner reads now"
+    log_rank0(f"re-measuring the planner's calibration {path}: {reason}")
+    return None
 
 
 def cpu_device(refresh: bool = False) -> Device:
     """``gloo-cpu-here``: this machine measured once (a small llama's training step for FLOP/s,
     a 2-process gloo all-reduce for bandwidth and latency), cached in ``calibration_path()``."""
     path = calibration_path()
-    if path.is_file() and not refresh:
-        data = json.loads(path.read_text())
-    else:
+    data = None if refresh else _cached_calibration(path)
+    if data is None:
+        from ..checkpoint.files import atomic_write_text
         from .calibrate import calibrate
 
-        data = calibrate()
+        log_rank0(f"measuring this machine for the planner (about 2 minutes, once: cached in {path})")
+        data = {**calibrate(), "version": CALIBRATION_VERSION}
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data, indent=1))
+        atomic_write_text(path, json.dumps(data, indent=1))
     def link(data: dict) -> Link:
         return Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0,
                     gather_bandwidth=data.get("allgather_bus_bytes_per_s"),

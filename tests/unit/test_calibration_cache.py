@@ -1,0 +1,56 @@
+"""The planner's calibration cache: read when it is this hf_scale's, measured again when it is
+missing, unreadable or written by an older hf_scale (whose figures lack costs the planner adds
+now: they would read as 0), and replaced atomically."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from hf_scale.planner import calibrate as calibrate_module
+from hf_scale.planner.cost import CALIBRATION_VERSION, calibration_path, cpu_device
+from tests.harness import STAND_IN_CALIBRATION, stand_in_calibration
+
+
+@pytest.fixture
+def measured(tmp_path, monkeypatch):
+    """Calls of a stand-in ``calibrate`` (it returns fixed figures at once), and hf_scale's log."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls, lines = [], []
+    monkeypatch.setattr(calibrate_module, "calibrate",
+                        lambda: calls.append(1) or {**STAND_IN_CALIBRATION, "optimizer_tensor_s": 2e-5})
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("hf_scale").addHandler(handler)
+    yield calls, lines
+    logging.getLogger("hf_scale").removeHandler(handler)
+
+
+def test_a_cache_of_this_version_is_read_not_measured(tmp_path, measured):
+    calls, _ = measured
+    stand_in_calibration(tmp_path)
+    assert cpu_device().flops_fp32 == STAND_IN_CALIBRATION["flops_fp32"]
+    assert calls == []
+
+
+def test_no_cache_is_measured_once_and_kept(tmp_path, measured):
+    calls, lines = measured
+    assert cpu_device().optimizer_tensor == 2e-5
+    assert cpu_device().optimizer_tensor == 2e-5
+    assert calls == [1]
+    assert json.loads(calibration_path().read_text())["version"] == CALIBRATION_VERSION
+    assert any("measuring this machine for the planner" in line for line in lines)
+    assert not list(calibration_path().parent.glob(".*.tmp"))  # the temporary file was renamed
+
+
+@pytest.mark.parametrize("content", [json.dumps(STAND_IN_CALIBRATION), '{"flops_fp32": 3e1', "[]"])
+def test_an_older_or_unreadable_cache_is_measured_again(tmp_path, measured, content):
+    calls, lines = measured
+    calibration_path().parent.mkdir(parents=True)
+    calibration_path().write_text(content)  # no version: written before costs were added, or torn
+    assert cpu_device().optimizer_tensor == 2e-5  # the figure the old cache lacked (it read as 0)
+    assert calls == [1]
+    assert any("re-measuring the planner's calibration" in line for line in lines)
+    assert json.loads(calibration_path().read_text())["version"] == CALIBRATION_VERSION
