@@ -15,6 +15,7 @@ Errors in configs and inputs print one line and exit with status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -209,6 +210,7 @@ def plan(args: list[str]) -> int:
         model_cfg, parallel, launch = job.model, job.parallel, job.launch
         if flags:
             parallel = from_dict(ParallelConfig, {**vars(parallel), **flags})
+            job = dataclasses.replace(job, parallel=parallel)  # the planner reads the job's
         nnodes = ns.nnodes or launch.nnodes
         given_nodes = ns.nnodes or (launch.nnodes if launch.nnodes > 1 else None)
         world = ns.world_size or launch.nproc_per_node * launch.nnodes

@@ -76,6 +76,12 @@ LEGS = {
     "small_fsdp_chunk_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "loss_chunk_tokens": 128}),
     "small_tp2_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "tp": 2}),
     "small_pp2_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "pp": 2}),
+    # the pipeline's schedule and microbatch count, which the chooser searches: one ranking group
+    "small_pp2_b4_w2": ("small", 2, 128, 4, {"strategy": "fsdp", "pp": 2}),
+    "small_pp2_m4_w2": ("small", 2, 128, 4, {"strategy": "fsdp", "pp": 2, "pp_microbatches": 4}),
+    "small_pp2_gpipe_w2": ("small", 2, 128, 4, {"strategy": "fsdp", "pp": 2, "pp_schedule": "gpipe"}),
+    "small_pp2_i1f1b_w2": ("small", 2, 128, 4, {"strategy": "fsdp", "pp": 2, "pp_schedule": "interleaved_1f1b"}),
+    "small_pp2_zbv_w2": ("small", 2, 128, 4, {"strategy": "fsdp", "pp": 2, "pp_schedule": "zbv"}),
     "smollm2_w1": ("smollm2", 1, 256, 1, {}),
     "smollm2_fsdp_w2": ("smollm2", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2}),
     "smollm2_fsdp_u8_w2": ("smollm2", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "blocks_per_unit": 8}),

@@ -107,9 +107,9 @@ def search_space(fixed: Mapping, world_size: int, nodes: int = 1, micro_batch: i
     space.setdefault("precisions", (None,))
     if micro_batch is not None:
         space["micro_batches"] = (micro_batch,)
-    for field in ("pp_schedule", "pp_microbatches"):
+    for field, key in (("pp_schedule", "pp_schedules"), ("pp_microbatches", "pp_microbatches")):
         if field in rest:
-            space[field] = rest.pop(field)
+            space[key] = (rest.pop(field),)
     degrees = {k: rest.pop(k) for k in ("dp_replicate", "dp_shard") if k in rest}
 
     def accepted(lay) -> bool:

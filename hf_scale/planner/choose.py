@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from itertools import product
 
+from ..config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
@@ -64,12 +65,13 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "zero2", "zero1", "ddp", "hsdp"),
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
-                      ranks_per_node: int | None = None, keep=None, pp_schedule: str = "1f1b",
-                      pp_microbatches: int | None = None, units=(1,)) -> list[Layout]:
+                      ranks_per_node: int | None = None, keep=None, pp_schedules=PP_SCHEDULES,
+                      pp_microbatches=None, units=(1,)) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
-    ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines run
-    ``pp_schedule`` with ``pp_microbatches`` (not searched). ``units``: blocks per FSDP unit to
-    try (sharded strategies over more than one rank only)."""
+    ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines try each
+    of ``pp_schedules`` with each of ``pp_microbatches`` microbatches (None: 1, 2 and 4 per
+    stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try (sharded
+    strategies over more than one rank only)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -96,11 +98,27 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     continue  # offload and unit size are FSDP's (one process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
-                pipe = {"pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches} if pp > 1 else {}
-                layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k)
-                if keep is None or keep(layout):
-                    layouts.append(layout)
+                for pipe in _pipelines(pp, mb, pp_schedules, pp_microbatches):
+                    layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k)
+                    if keep is None or keep(layout):
+                        layouts.append(layout)
     return list(dict.fromkeys(layouts))
+
+
+def _pipelines(pp: int, micro_batch: int, schedules, microbatches) -> list[dict]:
+    """The schedule and microbatch count of each pipeline to try for ``pp`` ranks (no pipeline:
+    one empty choice). The default count (None) is one microbatch per stage; 2 and 4 per stage
+    are tried where they split ``micro_batch`` (a smaller bubble, paid for in fixed costs per
+    microbatch)."""
+    if pp == 1:
+        return [{}]
+    pipes = []
+    for schedule in schedules:
+        stages = pp * (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+        for m in microbatches or (None, 2 * stages, 4 * stages):
+            if m is None or micro_batch % m == 0:
+                pipes.append({"pp_schedule": schedule, "pp_microbatches": m})
+    return pipes
 
 
 def unit_sizes(layers: int) -> tuple[int, ...]:

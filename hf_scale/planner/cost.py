@@ -14,7 +14,9 @@
   residual stream once per sharded module (a row-parallel output in forward, a column-parallel
   input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
   (measured on CPU); pp sends each microbatch's
-  activations and receives their gradients. FSDP's collectives run per unit (``blocks_per_unit``
+  activations and receives their gradients, once per stage on the rank. The fixed costs (per
+  block, per tp module, per message) are paid once per microbatch: more pipeline microbatches
+  shrink the bubble but repeat them, which is the trade the chooser weighs. FSDP's collectives run per unit (``blocks_per_unit``
   blocks, and the root). Each collective pays a latency; all-gather and
   reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
   here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
@@ -225,13 +227,16 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     chunked = bool(layout.loss_chunk_tokens)
     compute = tokens * flops_per_token(facts, work.seq, layout.ac, chunked) * share / layout.tp / device.flops(layout.precision, layout.world_size, facts.hidden)
     blocks_here = rank_blocks(facts, layout)
+    # a pipeline splits each micro-batch into m microbatches, each run through this rank's blocks:
+    # the fixed costs per block, per module and per message are paid m times
+    m = pipeline_shape(facts, layout)[2] if layout.pp > 1 else 1
+    runs = micro * m
     passes = 4 / 3 if layout.ac == "full" else 1.0  # a recomputed forward is a third of a step's ops
-    compute += micro * (blocks_here + 1) * passes * device.block_overhead
+    compute += runs * (blocks_here + 1) * passes * device.block_overhead
     ac_overhead = {"full": device.full_ac_overhead, "selective": device.selective_ac_overhead}.get(layout.ac, 0.0)
-    compute += micro * blocks_here * ac_overhead
+    compute += runs * blocks_here * ac_overhead
     bubble = 0.0
     if layout.pp > 1:
-        m = pipeline_shape(facts, layout)[2]
         fraction, _ = bubble_fraction(layout.pp_schedule, layout.pp, _stages_per_rank(layout), m)
         bubble = compute * fraction / (1 - fraction)
     params = rank_params(facts, layout)
@@ -255,13 +260,15 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         # recomputes it), a column-parallel input's gradient in backward (each module its own)
         calls = modules + (blocks_here * row if layout.ac == "full" else 0)
         comm_tp = calls * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \
-            + calls * micro * device.intra.latency
-        compute += micro * modules * passes * device.tp_module_overhead
+            + calls * runs * device.intra.latency
+        compute += runs * modules * passes * device.tp_module_overhead
     comm_pp = 0.0
     if layout.pp > 1:
         link = device.intra if layout.world_size <= per_node else device.inter
-        # every tp rank of a stage holds the whole activation (no sequence parallel) and sends it
-        comm_pp = 2 * tokens * facts.hidden * d / link.bandwidth + 2 * micro * link.latency
+        # every tp rank of a stage holds the whole activation (no sequence parallel) and sends it;
+        # each stage on this rank sends its output forward and its input's gradient back, per microbatch
+        sends = 2 * _stages_per_rank(layout)
+        comm_pp = sends * tokens * facts.hidden * d / link.bandwidth + sends * runs * link.latency
     local = params // (layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1)
     if layout.strategy == "zero1":
         local = params // layout.dp

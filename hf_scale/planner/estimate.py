@@ -108,8 +108,8 @@ class Layout:
             bits.append(f"chunk={self.loss_chunk_tokens}")
         if self.blocks_per_unit > 1:
             bits.append(f"{self.blocks_per_unit}blk/unit")
-        if self.pp > 1:
-            bits.append(self.pp_schedule)
+        if self.pp > 1:  # the microbatch count when not the default (one per stage)
+            bits.append(self.pp_schedule + (f" m={self.pp_microbatches}" if self.pp_microbatches else ""))
         return " ".join(bits)
 
 

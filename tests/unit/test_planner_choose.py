@@ -107,3 +107,29 @@ def test_nothing_fits_says_the_smallest_need_and_what_would_fit(tiny):
     msg = str(e.value)
     assert "smallest need is" in msg and "GiB" in msg and "activation_checkpointing='full'" in msg
     assert "cpu_offload" in msg
+
+
+def test_pipelines_try_each_schedule_and_microbatch_count_that_splits_the_batch():
+    layouts = enumerate_layouts(2, Workload(seq=16, batch=4), strategies=("fsdp",), acs=(None,), precisions=(None,),
+                                offloads=(False,), chunks=(None,), pps=(2,), micro_batches=(4,))
+    pipes = {(x.pp_schedule, x.pp_microbatches) for x in layouts}
+    # one stage per rank: 2 stages, so 2 (the default) or 4 microbatches (8 does not split 4 sequences);
+    # two stages per rank: 4 stages, the default only
+    assert pipes == {("gpipe", None), ("gpipe", 4), ("1f1b", None), ("1f1b", 4),
+                     ("interleaved_1f1b", None), ("zero_bubble", None), ("zbv", None)}
+    fixed = enumerate_layouts(2, Workload(seq=16, batch=4), strategies=("fsdp",), acs=(None,), precisions=(None,),
+                              offloads=(False,), chunks=(None,), pps=(2,), micro_batches=(4,),
+                              pp_schedules=("1f1b",), pp_microbatches=(2,))
+    assert {(x.pp_schedule, x.pp_microbatches) for x in fixed} == {("1f1b", 2)}
+
+
+@pytest.mark.parametrize("overhead, microbatches", [(0.0, 4), (0.05, None)])
+def test_more_microbatches_win_until_their_fixed_costs_outweigh_the_bubble(tiny, overhead, microbatches):
+    """A smaller bubble against the per-block cost paid once more per microbatch: free fixed
+    costs pick 4 microbatches, dear ones the default (one per stage)."""
+    cpu = Device("cpu", flops_fp32=1e9, flops_low=1e9, mem_bandwidth=1e9, intra=LINK, inter=LINK,
+                 block_overhead=overhead)
+    work = Workload(seq=16, batch=4)
+    best, _ = choose(tiny, work, 2, 10 * GiB, cpu, strategies=("fsdp",), acs=(None,), precisions=(None,),
+                     offloads=(False,), chunks=(None,), pps=(2,), micro_batches=(4,), pp_schedules=("1f1b",))
+    assert (best.layout.pp, best.layout.pp_microbatches) == (2, microbatches)

@@ -148,3 +148,20 @@ def test_from_pretrained_with_auto_plans_on_the_meta_model(tmp_path, monkeypatch
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_plan_of_an_auto_recipe_keeps_the_degrees_given_as_flags(tmp_path, monkeypatch, capsys):
+    """``hf-scale plan recipe.yaml --strategy auto --pp 2``: the flags narrow the planner's search
+    as they would the recipe's parallel section (every candidate a 2-stage pipeline, its schedule
+    and microbatches searched)."""
+    from hf_scale.cli import main
+    from tests.harness import stand_in_calibration
+    from tests.tiny_models import tiny_recipe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path / "cache")["XDG_CACHE_HOME"])
+    recipe = tiny_recipe(tmp_path)
+    assert main(["plan", str(recipe), "--strategy", "auto", "--pp", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith((" *", "    "))
+            and " step " in line]
+    assert rows and all(" 1x1x1x2 " in row for row in rows), rows
+    assert len({row.split("mb=")[1].split("  ")[0] for row in rows}) > 1  # schedules / microbatches vary
