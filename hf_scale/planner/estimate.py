@@ -225,7 +225,12 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
         comm = 4 * params  # DDP's gradient buckets
     if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward
         compute = int(facts.matmul_params * frac * d)
-    acts, recompute, logits = activation_bytes(facts, layout, work)
+    # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
+    # activations together are the largest (the one with the most parameters may hold fewer activations)
+    shares = _pp_rank_shares(facts, layout)
+    acts, recompute, logits, busiest = activation_bytes(
+        facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s for s in shares])
+    p_bytes, g_bytes, opt_bytes = (int(x * shares[busiest]) for x in (p_bytes, g_bytes, opt_bytes))
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.)
@@ -234,15 +239,22 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     host = 0
     if layout.cpu_offload and work.device != "cpu":  # on a CPU the host memory is the device's
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
+    # a pipeline whose microbatches outnumber the busiest rank's in-flight ones runs forwards after
+    # its first backward: the gradients then lie beside in-flight activations, as under accumulation
+    _, inflight, microbatches = pipeline_shape(facts, layout)
+    piped = layout.pp > 1 and microbatches > max(inflight)
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
                           logits_loss=logits, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
-                          accumulating=work.batch > layout.micro_batch, grad_buffers=buffers)
+                          accumulating=work.batch > layout.micro_batch or piped, grad_buffers=buffers)
 
 
-def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple[int, int]:
-    """(blocks' saved activations, one block's recomputation in backward, logits + loss) for one
-    rank; the recomputation starts once the loss's gradients are freed, so the two never add."""
+def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
+                     state: list[float] | None = None) -> tuple[int, int, int, int]:
+    """(blocks' saved activations, one block's recomputation in backward, logits + loss, the pp
+    rank) for the busiest rank: the one whose ``state[rank]`` bytes (parameters, gradients and
+    optimizer state; none when not given) and activations add up to the most. The recomputation
+    starts once the loss's gradients are freed, so the two never add."""
     prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
     t = layout.tp
     if layout.pp > 1:
@@ -277,10 +289,26 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload) -> tuple
         logits = prof.logits * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
     if layout.pp > 1 and layout.pp_schedule == "gpipe":
         logits += prof.logits / t * seqs * (inflight[-1] - 1)
-    # under pp the logits live on the last rank only: the busiest rank is the larger of the two
-    last = len(per_rank) - 1
-    busiest = max(range(len(per_rank)), key=lambda r: per_rank[r] + (max(logits, recompute * seqs) if r == last else
-                                                                     recompute * seqs))
-    return int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0)
+    # under pp the logits live on the last stage's rank only (rank 0 in a V: zbv folds the last
+    # stage back onto it): the busiest rank is the larger of the two
+    last = 0 if layout.pp_schedule == "zbv" else len(per_rank) - 1
+    state = state or [0.0] * len(per_rank)
+    busiest = max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
+        max(logits, recompute * seqs) if r == last else recompute * seqs))
+    return int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0), busiest
+
+
+def _pp_rank_shares(facts: ModelFacts, layout: Layout) -> list[float]:
+    """Each pp rank's parameters over the largest rank's ([1.0] without pp)."""
+    if layout.pp == 1:
+        return [1.0]
+
+    def shares() -> list[float]:
+        from ..plan_report import pp_report
+
+        counts = pp_report(facts.model, facts.plan, _pp_config(layout))["rank_params"]
+        return [c / max(counts) for c in counts]
+
+    return facts.cached(("pp_shares", layout.pp, layout.pp_schedule), shares)
 
 
