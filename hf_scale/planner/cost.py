@@ -13,13 +13,12 @@
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
   residual stream once per sharded module (a row-parallel output in forward, a column-parallel
   input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
-  (measured on CPU); pp sends each microbatch's
-  activations and receives their gradients, once per stage on the rank. The fixed costs (per
-  block, per tp module, per message) are paid once per microbatch: more pipeline microbatches
-  shrink the bubble but repeat them, which is the trade the chooser weighs. FSDP's collectives run per unit (``blocks_per_unit``
-  blocks, and the root). Each collective pays a latency; all-gather and
-  reduce-scatter may run at their own bus bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's
-  here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
+  (measured on CPU); pp sends each microbatch's activations and receives their gradients, once
+  per stage on the rank. The fixed costs (per block, per tp module, per message) are paid once
+  per microbatch: more pipeline microbatches shrink the bubble but repeat them, the trade the
+  chooser weighs. FSDP's collectives run per unit (``blocks_per_unit`` blocks, and the root).
+  Each collective pays a latency; all-gather and reduce-scatter may run at their own bus
+  bandwidth (gloo's run at 1/2 and 1/3 of its all-reduce's here: it has no native reduce-scatter). FSDP's own work per unit (hooks, copy-in / copy-out) and
   DDP's per step are measured on CPU and add to the compute. On CPU the links and these
   overheads are measured at 2 and at 4 processes (on 2 cores the second is oversubscribed: its
   per-unit cost came out 2.9-3.5x, latency 2.1-3.0x and all-reduce bandwidth 0.73-0.89x of 2
