@@ -287,6 +287,9 @@ def summary(rows: dict) -> str:
     lines = []
     for k, t in targets.items():
         errors = [p[k] / m[k] - 1 for p, m in ok if m[k] is not None]
+        if not errors:  # e.g. only split-backward legs: no tracked bytes
+            lines.append(f"n/a: {k}: no leg measured it")
+            continue
         worst = max(errors, key=abs)
         lines.append(f"{'PASS' if abs(worst) <= t + 1e-9 else 'FAIL'}: {k} within +/-{t:.0%} on {len(errors)} "
                      f"leg(s) (worst {worst:+.1%})")

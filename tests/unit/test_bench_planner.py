@@ -48,6 +48,18 @@ def test_table_ratios_and_targets():
     assert "FAIL: step within +/-25% on 1 leg(s) (worst +100.0%)" in verdict
 
 
+def test_a_leg_without_tracked_bytes_is_left_out_of_that_target_only():
+    """zbv's split backward defeats MemTracker: its leg has RSS and step time, no tracked bytes."""
+    pred = {"tracked": 105.0, "rss": 90.0, "step": 1.0}
+    split = {"status": "ok", "tracked": None, "rss": 100.0, "step": 1.0}
+    rows = {"small_pp2_zbv_w2": (pred, split)}
+    assert "| n/a | 0.90 | 1.00 |" in table(rows) and "n/a (split backward)" in table(rows)
+    assert "n/a: tracked: no leg measured it" in summary(rows)
+    rows["small_pp2_m4_w2"] = (pred, {**split, "tracked": 100.0})
+    verdict = summary(rows)
+    assert "PASS: tracked within +/-5% on 1 leg(s)" in verdict and "rss within +/-10% on 2 leg(s)" in verdict
+
+
 def test_ranking_target_per_group_of_comparable_legs():
     """Legs of one model, sequence, batch and world are ranked by tokens/s over the data-parallel
     ranks: tp2 (one data-parallel rank) must be twice as fast per step to match fsdp's tokens."""
