@@ -146,18 +146,13 @@ def finetune(args: list[str], task: str | None = None) -> int:
 
 
 def _train(job) -> None:
+    from .distributed import shutdown_distributed
     from .train.loop import run
 
     try:
         run(job)
     finally:
-        _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    from .distributed import shutdown_distributed
-
-    shutdown_distributed()
+        shutdown_distributed()
 
 
 def plan(args: list[str]) -> int:
@@ -282,7 +277,7 @@ def generate(args: list[str]) -> int:
 def export(args: list[str]) -> int:
     """Copy a training checkpoint's model out as a clean Hub-format folder (1..N processes)."""
     from .checkpoint.export import export_checkpoint
-    from .distributed import init_distributed
+    from .distributed import init_distributed, shutdown_distributed
 
     parser = ArgumentParser(prog="hf-scale export", description=export.__doc__)
     parser.add_argument("checkpoint", help="a step_* folder, or <root>/latest")
@@ -298,7 +293,7 @@ def export(args: list[str]) -> int:
             tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
         print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
     finally:
-        _destroy_process_group()
+        shutdown_distributed()
     return 0
 
 
