@@ -154,6 +154,7 @@ def parallelize(
                     cpu_offload=config.cpu_offload,
                     fp32_modules=[m for m in keep_fp32 if id(m) in inside],
                     blocks_per_unit=config.blocks_per_unit or 1,
+                    prefetch=config.fsdp_prefetch,
                 )
             else:
                 apply_ddp(root, dp_mesh)
@@ -165,6 +166,7 @@ def parallelize(
             f"{config.strategy} over {dims.describe()} on {env.device.type} "
             f"({env.backend}); {len(units)} blocks of {', '.join(resolved.wrap_modules)}"
             + (f" ({config.blocks_per_unit} per FSDP unit)" if (config.blocks_per_unit or 1) > 1 else "")
+            + (f"; FSDP prefetch {config.fsdp_prefetch} ahead" if config.fsdp_prefetch and config.sharded else "")
             + "; "
             f"precision {config.mixed_precision or 'fp32'}"
             + (f"; pipeline {config.pp_schedule}, stages {_describe(stages_layout)}" if pipeline else "")

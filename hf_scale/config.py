@@ -62,6 +62,10 @@ class ParallelConfig:
             all-gather and one reduce-scatter per group, so fewer collectives and less per-unit
             work, for a larger gathered unit in memory. ``None``: one block per unit (``"auto"``
             lets the planner choose).
+        fsdp_prefetch: FSDP units whose all-gathers each unit issues ahead of need, explicitly,
+            in forward and in backward (fsdp, zero2, hsdp). ``None``: FSDP2's defaults (the
+            next unit, queued when the host reaches it). A depth hides the all-gathers when the
+            host is the bottleneck, for one more gathered unit in memory per unit of depth.
         tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
             innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
             strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.
@@ -90,6 +94,7 @@ class ParallelConfig:
     ac_every: int = 1
     reshard_after_forward: bool | None = None
     blocks_per_unit: int | None = None
+    fsdp_prefetch: int | None = None
     tp: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
@@ -162,6 +167,19 @@ class ParallelConfig:
                 f"blocks_per_unit={self.blocks_per_unit} groups FSDP units; strategy="
                 f"{self.strategy!r} has none (DDP buckets gradients itself). Use fsdp, zero2 or "
                 "hsdp, or drop blocks_per_unit."
+            )
+        if self.fsdp_prefetch is not None and (
+            not isinstance(self.fsdp_prefetch, int) or isinstance(self.fsdp_prefetch, bool)
+            or self.fsdp_prefetch < 1
+        ):
+            raise HfScaleConfigError(
+                f"fsdp_prefetch={self.fsdp_prefetch!r}: must be a positive integer (FSDP units "
+                "prefetched ahead) or None (FSDP2's default)."
+            )
+        if self.fsdp_prefetch is not None and not sharded:
+            raise HfScaleConfigError(
+                f"fsdp_prefetch={self.fsdp_prefetch} prefetches FSDP all-gathers; strategy="
+                f"{self.strategy!r} gathers nothing. Use fsdp, zero2 or hsdp, or drop fsdp_prefetch."
             )
         if self.strategy in ("ddp", "zero1") and self.dp_shard not in (None, 1):
             raise HfScaleConfigError(

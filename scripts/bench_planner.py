@@ -70,6 +70,8 @@ LEGS = {
     "small_zero1_w2": ("small", 2, 256, 2, {"strategy": "zero1", "dp_replicate": 2}),
     "small_hsdp_w4": ("small", 4, 256, 1, {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}),
     "small_fsdp_w4": ("small", 4, 256, 1, {"strategy": "fsdp", "dp_shard": 4}),
+    "small_fsdp_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2}),
+    "small_fsdp_pf2_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "prefetch": 2}),
     "small_fsdp_full_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "full"}),
     "small_fsdp_sel_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "ac": "selective"}),
     "small_fsdp_offload_w2": ("small", 2, 256, 2, {"strategy": "fsdp", "dp_shard": 2, "cpu_offload": True}),

@@ -25,6 +25,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     fp32_modules: list[nn.Module] = (),
     blocks_per_unit: int = 1,
+    prefetch: int | None = None,
 ) -> None:
     """Shard ``model`` with one FSDP unit per ``blocks_per_unit`` consecutive modules of
     ``units``, plus the root.
@@ -46,6 +47,14 @@ def apply_fsdp(
         blocks_per_unit: consecutive blocks sharded as one unit (``fully_shard`` of a list):
             one all-gather / reduce-scatter per group instead of per block. The last group may
             be shorter.
+        prefetch: all-gathers issued ahead, explicitly: each unit's forward prefetches the next
+            ``prefetch`` units and its backward the ``prefetch`` before it (the root's forward
+            the first ones). ``None`` keeps FSDP2's defaults (forward: the next unit's
+            all-gather is queued when the host reaches it; backward: the previous unit, by the
+            reverse forward order). An explicit prefetch issues the next all-gather as soon as
+            the current one lands, which hides it when the host, not the device, is the
+            bottleneck (small blocks, slow launches); each unit of depth keeps one more
+            gathered unit alive.
 
     Usage::
 
@@ -74,6 +83,19 @@ def apply_fsdp(
         )
     # The root's parameters (embeddings, head) are needed again as soon as backward starts.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
+    if prefetch:
+        set_prefetch(model, [group[0] for group in groups], prefetch)
+
+
+def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:
+    """Explicit all-gather prefetch ``depth`` units ahead (PyTorch's FSDP2 example's pattern):
+    in forward each unit (and the root, before the first) prefetches the next ``depth``; in
+    backward each prefetches the ``depth`` before it, nearest first. ``units``: one module of
+    each FSDP unit, in forward order."""
+    root.set_modules_to_forward_prefetch(units[:depth])
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - depth) : i][::-1])
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:

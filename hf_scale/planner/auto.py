@@ -104,6 +104,8 @@ def search_space(fixed: Mapping, world_size: int, nodes: int = 1, micro_batch: i
     space = {key: (rest.pop(field),) for field, key in _SPACE.items() if field in rest}
     if "blocks_per_unit" in rest:
         space["units"] = (rest.pop("blocks_per_unit") or 1,)
+    if "fsdp_prefetch" in rest:
+        space["prefetches"] = (rest.pop("fsdp_prefetch"),)
     space.setdefault("precisions", (None,))
     if micro_batch is not None:
         space["micro_batches"] = (micro_batch,)

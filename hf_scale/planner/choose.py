@@ -66,12 +66,13 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
                       ranks_per_node: int | None = None, keep=None, pp_schedules=PP_SCHEDULES,
-                      pp_microbatches=None, units=(1,)) -> list[Layout]:
+                      pp_microbatches=None, units=(1,), prefetches=(None,)) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
     ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines try each
     of ``pp_schedules`` with each of ``pp_microbatches`` microbatches (None: 1, 2 and 4 per
-    stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try (sharded
-    strategies over more than one rank only)."""
+    stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try, and
+    ``prefetches``: FSDP prefetch depths (None: FSDP2's default), both for sharded strategies
+    over more than one rank only."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -91,15 +92,16 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     meshes += [(strategy, r, rest // r) for r in _divisors(rest) if 1 < r < rest]
                 else:
                     meshes.append((strategy, 1, rest))
-            for (strategy, rep, shard), ac, prec, off, chunk, mb, k in product(
-                    meshes, acs, precisions, offloads, chunks, micro_batches, units):
+            for (strategy, rep, shard), ac, prec, off, chunk, mb, k, ahead in product(
+                    meshes, acs, precisions, offloads, chunks, micro_batches, units, prefetches):
                 fsdp = strategy in ("fsdp", "zero2", "hsdp") and rep * shard > 1
-                if (off or k > 1) and not fsdp:
-                    continue  # offload and unit size are FSDP's (one process has nothing to offload to)
+                if (off or k > 1 or ahead) and not fsdp:
+                    continue  # offload, unit size and prefetch are FSDP's (one process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
                 for pipe in _pipelines(pp, mb, pp_schedules, pp_microbatches):
-                    layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k)
+                    layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k,
+                                    prefetch=ahead)
                     if keep is None or keep(layout):
                         layouts.append(layout)
     return list(dict.fromkeys(layouts))
@@ -166,9 +168,12 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
 
 def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, device: Device, nodes: int = 1,
            margin: float = MARGIN, **space) -> tuple[Candidate, list[Candidate]]:
-    """The recommended candidate and every candidate, ranked; an error when none fits."""
+    """The recommended candidate and every candidate, ranked; an error when none fits. An
+    explicit FSDP prefetch is tried only on a device whose host can fall behind it
+    (``device.host_block``): elsewhere it costs the same and is never chosen."""
     per_node = max(1, world_size // nodes)
     space.setdefault("units", unit_sizes(facts.layers))
+    space.setdefault("prefetches", (None, 1) if device.host_block else (None,))
     layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
     ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
     if not ranked:

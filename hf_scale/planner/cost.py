@@ -26,6 +26,13 @@
   oversubscription, as the compute (:meth:`Device.at_world`). The data-parallel
   traffic overlaps compute by the link's ``overlap`` fraction (0 on a 2-core CPU, where gloo
   competes with compute for the same cores); tp's is on the critical path.
+- host-bound GPUs: the host issues each block's kernels in ``host_block`` seconds; when that
+  exceeds the device's compute the step takes the host's time, and FSDP2's default forward
+  prefetch (the next all-gather issued when the host reaches it) exposes the forward
+  all-gathers, which an explicit ``prefetch`` hides (:func:`_host_bound_gathers`): the case
+  PyTorch gives for explicit prefetching (pytorch#78608: "when applications' CUDA queueing
+  lags"). On a CPU the host is the device and prefetching changes nothing (measured here:
+  FSDP2 with explicit prefetch 1-3, async or not, within the runs' +-10% noise of the default).
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
   local parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
   parameter / gradient copies over PCIe on a GPU; and a fixed cost per parameter tensor, higher
@@ -41,6 +48,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ..config import MULTI_STAGE_SCHEDULES
 from ..log import log_rank0
 from .estimate import (
     DTYPE_BYTES,
@@ -54,6 +62,9 @@ from .estimate import (
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
+# the share of a block's forward kernels that selective checkpointing issues again in backward (the
+# norms, activations, rotary embedding, residual adds between the matmuls): an assumption, not measured
+SELECTIVE_HOST_OPS = 0.6
 WIDE = 576  # the hidden size the CPU calibration measures its main FLOP/s at
 DDP_BUCKET_BYTES = 25 * 2**20
 
@@ -110,6 +121,10 @@ class Device:
     # processes (:meth:`at_world`)
     wider: tuple = ()
     busy: float = 1.0  # CPU: a core's speed while every core computes, against one process alone (measured)
+    # GPU: seconds the host takes to issue one block's forward and backward per micro-batch (Python,
+    # dispatch, kernel launches; the device runs them asynchronously). A step whose host time
+    # exceeds its device compute is host-bound. (On a CPU the host is the device: block_overhead.)
+    host_block: float = 0.0
 
     def flops(self, precision: str | None, world: int = 1, hidden: int | None = None) -> float:
         """Achieved FLOP/s of one rank; on a CPU, ``world`` ranks split the cores (each at the
@@ -172,8 +187,11 @@ INFINIBAND = Link(bandwidth=40e9, latency=20e-6, overlap=0.8)  # 8 x 400 Gb/s ND
 # H100 SXM: 989 TFLOP/s dense bf16 peak at ~45% MFU. fp32 runs at the 67 TFLOP/s of the CUDA
 # cores at the same ~45%: PyTorch leaves TF32 matmuls off (torch.backends.cuda.matmul.allow_tf32
 # is False by default) and hf_scale does not turn them on.
+# Host time per block: an eager Llama block issues ~100 kernels forward and backward at ~5 us each
+# (launch and dispatch): 0.5 ms, an assumption (no GPU measured it). It matters for small blocks
+# and short sequences only: an 8B block at 4096 tokens computes ~12 ms.
 H100 = Device("h100-80gb", flops_fp32=30e12, flops_low=450e12, mem_bandwidth=3.0e12, intra=NVLINK,
-              inter=INFINIBAND)
+              inter=INFINIBAND, host_block=0.5e-3)
 
 
 def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None, chunked: bool = False) -> float:
@@ -244,7 +262,15 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     dp_link = device.intra if within else device.inter
     units = fsdp_units(facts, layout)
     comm_dp = _dp_seconds(layout, params, d, micro, units, dp_link, device)
-    comm_dp *= 1 - dp_link.overlap
+    # a recomputed forward is issued again: all of it (full), or its ops between the matmuls (selective)
+    host_passes = {"full": 4 / 3, "selective": 1 + SELECTIVE_HOST_OPS / 3}.get(layout.ac, 1.0)
+    host = runs * blocks_here * host_passes * device.host_block
+    if host > compute:  # host-bound: the device waits for the host's launches
+        exposed = _host_bound_gathers(layout, params, d, micro, dp_link, compute, host)
+        compute = host
+    else:
+        exposed = 0.0
+    comm_dp = max(comm_dp * (1 - dp_link.overlap), exposed)
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):
             compute += micro * units * device.fsdp_unit_overhead
@@ -284,7 +310,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
 
 
 def _stages_per_rank(layout: Layout) -> int:
-    return 2 if layout.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv") else 1
+    return 2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1
 
 
 def _stage_share(facts: ModelFacts, layout: Layout) -> float:
@@ -303,6 +329,22 @@ def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     for stage in report["stages"]:
         per_rank[stage["rank"]] += stage["compute"]
     return max(per_rank)
+
+
+def _host_bound_gathers(layout: Layout, params: int, d: int, micro: int, link: Link, compute: float,
+                        host: float) -> float:
+    """Seconds of forward all-gathers a host-bound step exposes under FSDP2's default prefetch.
+
+    By default a unit's forward all-gather is issued when the host reaches that unit; when the
+    host is the bottleneck the device has by then run the previous unit's kernels, so the
+    gather and the unit's compute run one after the other, beside the host's launches: per step
+    ``gathers + compute - host`` is exposed. An explicit prefetch (``layout.prefetch``) issues it
+    as the previous unit's lands, behind that unit's host time: no more exposed than elsewhere."""
+    n = layout.dp_shard
+    if layout.prefetch or layout.strategy not in ("fsdp", "zero2", "hsdp") or n == 1:
+        return 0.0
+    forward = micro * params * d * (n - 1) / n / link.gather
+    return max(0.0, forward + compute - host)
 
 
 def _dp_seconds(layout: Layout, params: int, d: int, micro: int, units: int, link: Link, device: Device) -> float:

@@ -67,6 +67,7 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
                  f"mixed_precision={lay.precision}, cpu_offload={lay.cpu_offload}, loss_chunk_tokens="
                  f"{lay.loss_chunk_tokens}"
                  + (f", blocks_per_unit={lay.blocks_per_unit}" if lay.strategy in ("fsdp", "zero2", "hsdp") else "")
+                 + (f", fsdp_prefetch={lay.prefetch}" if lay.prefetch else "")
                  + f"; micro-batch {lay.micro_batch} (grad_accum "
                  f"{max(1, work.batch // lay.micro_batch)})")
     return "\n".join(lines)

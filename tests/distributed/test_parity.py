@@ -58,7 +58,8 @@ SHARDED_ONLY = {
     "cpu_offload": {"cpu_offload": True},
     "bf16_cpu_offload_full_ac": {"mixed_precision": "bf16", "cpu_offload": True, "activation_checkpointing": "full"},
 }
-FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}, "blocks_per_unit2": {"blocks_per_unit": 2}}
+FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}, "blocks_per_unit2": {"blocks_per_unit": 2},
+             "prefetch2": {"fsdp_prefetch": 2}}
 CAUSAL_ONLY = {  # chunked loss applies to causal LMs (T5 is refused, see the unit tests)
     "chunked_loss": {"loss_chunk_tokens": 24},
     "bf16_full_ac_chunked_loss": {"mixed_precision": "bf16", "activation_checkpointing": "full", "loss_chunk_tokens": 24},
@@ -189,6 +190,20 @@ def test_blocks_per_unit_groups_fsdp_units(arch, blocks, grouped, world2_results
     head = "causal" if arch == "llama" else "seq2seq"
     assert world2_results[f"{arch}-{head}-fsdp-fp32"]["fsdp_units"] == blocks + 1
     assert world2_results[f"{arch}-{head}-fsdp-blocks_per_unit2"]["fsdp_units"] == grouped + 1
+
+
+@pytest.mark.parametrize("arch, head", TWO_ARCHS)
+def test_fsdp_prefetch_issues_forward_all_gathers_ahead(arch, head, world2_results):
+    """fsdp_prefetch=2: the parity above holds while the forward pass prefetches (FSDP2's
+    default prefetches in backward only, one unit), and T5's 4 blocks prefetch two units in
+    backward (llama's 2 have only one before the last: as many as by default)."""
+    default = world2_results[f"{arch}-{head}-fsdp-fp32"]["prefetches"]
+    deeper = world2_results[f"{arch}-{head}-fsdp-prefetch2"]["prefetches"]
+    assert default["forward"] == 0 and deeper["forward"] > 0, (default, deeper)
+    if arch == "t5":
+        assert deeper["backward"] > default["backward"], (default, deeper)
+    else:
+        assert deeper["backward"] == default["backward"], (default, deeper)
 
 
 @pytest.mark.parametrize("case", WORLD4, ids=[c["id"] for c in WORLD4])

@@ -71,6 +71,7 @@ def parallel_run(case: dict) -> dict:
     state = hf_scale.get_state(model)  # data goes by the data-parallel coordinate (tp ranks share it)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
+    prefetches = _count_prefetches()
     for batch in _batches(case["head"], steps):
         local = slice_batch(batch, state.dp_rank, state.dp_degree)
         micro = [slice_batch(local, i, accum) for i in range(accum)]
@@ -86,8 +87,30 @@ def parallel_run(case: dict) -> dict:
         dist.all_reduce(step_loss)
         losses.append(float(step_loss) / world)
     params = full_params(model)
+    prefetches.stop()
     return {"losses": losses, "norms": norms, "params": params if rank == 0 else None,
-            "fsdp_units": fsdp_unit_count(model)}
+            "fsdp_units": fsdp_unit_count(model), "prefetches": prefetches.counts}
+
+
+class _count_prefetches:
+    """Counts the all-gathers FSDP2 issued ahead of need, by pass ("forward" / "backward"), until
+    ``stop()``: its own prefetch entry point, wrapped."""
+
+    def __init__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        self.counts = {"forward": 0, "backward": 0}
+        self._owner, self._original = FSDPParamGroup, FSDPParamGroup.__dict__["_prefetch_unshard"]
+        inner = self._original.__func__
+
+        def counted(target, pass_type):
+            self.counts[pass_type] += 1
+            return inner(target, pass_type)
+
+        FSDPParamGroup._prefetch_unshard = staticmethod(counted)
+
+    def stop(self) -> None:
+        self._owner._prefetch_unshard = self._original
 
 
 def fsdp_unit_count(model) -> int:

@@ -28,6 +28,8 @@ def test_defaults_are_fsdp_fp32():
         (dict(loss_chunk_tokens=0), "loss_chunk_tokens=0"),
         (dict(blocks_per_unit=0), "blocks_per_unit=0: must be a positive integer"),
         (dict(strategy="ddp", blocks_per_unit=2), "strategy='ddp' has none"),
+        (dict(fsdp_prefetch=0), "fsdp_prefetch=0: must be a positive integer"),
+        (dict(strategy="zero1", fsdp_prefetch=1), "strategy='zero1' gathers nothing"),
     ],
 )
 def test_invalid_values_name_value_and_fix(kwargs, message):

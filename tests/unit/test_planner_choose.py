@@ -1,6 +1,8 @@
 """The chooser: memory strings, rejections with the engine's reasons, the fastest layout that
 fits with ties toward less memory, and a clear error when nothing fits."""
 
+from dataclasses import replace
+
 import pytest
 
 from hf_scale.errors import HfScaleConfigError
@@ -133,3 +135,21 @@ def test_more_microbatches_win_until_their_fixed_costs_outweigh_the_bubble(tiny,
     best, _ = choose(tiny, work, 2, 10 * GiB, cpu, strategies=("fsdp",), acs=(None,), precisions=(None,),
                      offloads=(False,), chunks=(None,), pps=(2,), micro_batches=(4,), pp_schedules=("1f1b",))
     assert (best.layout.pp, best.layout.pp_microbatches) == (2, microbatches)
+
+
+def test_prefetch_is_chosen_only_where_the_host_falls_behind(tiny):
+    """An explicit FSDP prefetch costs the same on a device-bound step (a tie: FSDP2's default
+    kept) and is not tried on a device without a host time; a host slower than the device's
+    compute makes it pay."""
+    kw = dict(strategies=("fsdp",), acs=(None,), precisions=(None,), offloads=(False,), chunks=(None,),
+              pps=(1,), tps=(1,), micro_batches=(4,), units=(1,))
+    best, ranked = choose(tiny, WORK, 2, 10 * GiB, GPU, **kw)
+    assert best.layout.prefetch is None and {c.layout.prefetch for c in ranked} == {None}
+    hidden = Link(bandwidth=1e9, latency=1e-5, overlap=0.9)  # NVLink-like: most traffic hidden
+    slow_host = replace(GPU, host_block=1e-5, intra=hidden, inter=hidden)  # 2x the compute
+    best, ranked = choose(tiny, WORK, 2, 10 * GiB, slow_host, **kw)
+    assert {c.layout.prefetch for c in ranked} == {None, 1}
+    assert best.layout.prefetch == 1
+    fast_host = replace(slow_host, host_block=1e-12)
+    best, _ = choose(tiny, WORK, 2, 10 * GiB, fast_host, **kw)
+    assert best.layout.prefetch is None

@@ -183,3 +183,22 @@ def test_every_core_busy_computes_at_the_measured_busy_speed():
     assert cpu.at_world(2).block_overhead == pytest.approx(0.002 / 0.8)
     assert cpu.at_world(4).block_overhead == pytest.approx(0.002 * 2 / 0.8)
     assert cpu.at_world(2).intra == link  # the links were measured with every core busy already
+
+
+def test_a_host_bound_step_takes_the_hosts_time_and_prefetch_hides_its_forward_gathers(tiny):
+    """A device whose host issues each block slower than the device computes it: the step takes
+    the host's time; FSDP2's default forward prefetch then exposes the forward all-gathers beside
+    the compute (``gathers + compute - host``), which an explicit prefetch hides."""
+    p = tiny.params
+    plain = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, DEV)
+    host_block = 2 * plain.compute / 2  # 2 blocks: the host takes twice the device's compute
+    hosted = replace(DEV, host_block=host_block, intra=Link(1e6, 0.0, 0.9), inter=Link(1e6, 0.0, 0.9))
+    default = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4), WORK, hosted)
+    ahead = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4, prefetch=1), WORK, hosted)
+    assert default.compute == ahead.compute == pytest.approx(2 * host_block)
+    forward = p * 4 / 2 / 1e6  # one all-gather of the fp32 parameters, ring (n-1)/n
+    assert default.comm_dp == pytest.approx(forward + plain.compute - 2 * host_block)
+    assert ahead.comm_dp == pytest.approx(plain.comm_dp * 0.1)  # the link's overlap, as everywhere
+    # a device-bound step (no host time): prefetch changes nothing
+    fast = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4, prefetch=1), WORK, DEV)
+    assert fast.total == pytest.approx(plain.total)

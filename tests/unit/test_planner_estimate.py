@@ -116,6 +116,24 @@ def test_blocks_per_unit_gathers_a_larger_unit(tiny):
     assert Layout("ddp", 2, 1).parallel_config().blocks_per_unit is None
 
 
+def test_a_deeper_prefetch_keeps_more_units_gathered(tiny):
+    """An explicit prefetch of one unit gathers what FSDP2's default does; each unit deeper one
+    more block in the compute dtype."""
+    default = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16"), WORK)
+    one = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=1), WORK)
+    two = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK)
+    assert one.comm_buffers == two.comm_buffers == default.comm_buffers and one.prefetched == 0
+    assert two.prefetched == 2 * max(tiny.block_params)
+    # from the last block's backward on, after the logits are freed: beside the recomputation
+    full = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2, ac="full"), WORK)
+    later = full.activations + full.recompute + full.prefetched
+    assert (full.device_total - (full.overhead + full.params + full.optimizer + full.comm_buffers
+                                 + full.compute_copies)) == max(full.activations + full.logits_loss, later,
+                                                                full.grads + full.grad_buffers)
+    assert Layout("fsdp", 1, 2, prefetch=2).parallel_config().fsdp_prefetch == 2
+    assert Layout("fsdp", 1, 2).parallel_config().fsdp_prefetch is None
+
+
 def test_activations_order(tiny):
     get = lambda **kw: estimate_memory(tiny, Layout("fsdp", 1, 2, **kw), WORK)
     none, sel, full = get(), get(ac="selective"), get(ac="full")
