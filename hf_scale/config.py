@@ -64,8 +64,8 @@ class ParallelConfig:
             lets the planner choose).
         fsdp_prefetch: FSDP units whose all-gathers each unit issues ahead of need, explicitly,
             in forward and in backward (fsdp, zero2, hsdp). ``None``: FSDP2's defaults (the
-            next unit, queued when the host reaches it). A depth hides the all-gathers when the
-            host is the bottleneck, for one more gathered unit in memory per unit of depth.
+            next unit, queued when the host reaches it). 1 hides the forward all-gathers when
+            the host is the bottleneck; each unit deeper keeps one more unit gathered.
         tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
             innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
             strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.

@@ -53,7 +53,7 @@ def apply_fsdp(
             all-gather is queued when the host reaches it; backward: the previous unit, by the
             reverse forward order). An explicit prefetch issues the next all-gather as soon as
             the current one lands, which hides it when the host, not the device, is the
-            bottleneck (small blocks, slow launches); each unit of depth keeps one more
+            bottleneck (small blocks, slow launches); each unit deeper than one keeps one more
             gathered unit alive.
 
     Usage::

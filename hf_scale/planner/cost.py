@@ -252,6 +252,11 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     compute += runs * (blocks_here + 1) * passes * device.block_overhead
     ac_overhead = {"full": device.full_ac_overhead, "selective": device.selective_ac_overhead}.get(layout.ac, 0.0)
     compute += runs * blocks_here * ac_overhead
+    # a recomputed forward is issued again: all of it (full), or its ops between the matmuls (selective)
+    host_passes = {"full": 4 / 3, "selective": 1 + SELECTIVE_HOST_OPS / 3}.get(layout.ac, 1.0)
+    host = runs * blocks_here * host_passes * device.host_block
+    device_compute = compute
+    compute = max(compute, host)  # host-bound: the device waits for the host's launches
     bubble = 0.0
     if layout.pp > 1:
         fraction, _ = bubble_fraction(layout.pp_schedule, layout.pp, _stages_per_rank(layout), m)
@@ -262,14 +267,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     dp_link = device.intra if within else device.inter
     units = fsdp_units(facts, layout)
     comm_dp = _dp_seconds(layout, params, d, micro, units, dp_link, device)
-    # a recomputed forward is issued again: all of it (full), or its ops between the matmuls (selective)
-    host_passes = {"full": 4 / 3, "selective": 1 + SELECTIVE_HOST_OPS / 3}.get(layout.ac, 1.0)
-    host = runs * blocks_here * host_passes * device.host_block
-    if host > compute:  # host-bound: the device waits for the host's launches
-        exposed = _host_bound_gathers(layout, params, d, micro, dp_link, compute, host)
-        compute = host
-    else:
-        exposed = 0.0
+    exposed = _host_bound_gathers(layout, params, d, micro, dp_link, device_compute, host) if host > device_compute else 0.0
     comm_dp = max(comm_dp * (1 - dp_link.overlap), exposed)
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):

@@ -23,7 +23,8 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   checkpointing none / selective (every matmul and attention output kept, whether backward
   needs it or not; the rest recomputed one block at a time) / full
   (block inputs kept, one block recomputed); a pipeline's in-flight microbatches (1F1B: p on
-  stage 0, p - r on rank r; gpipe: all m).
+  stage 0, p - r on rank r; gpipe: all m; interleaved: torch's warm-up forwards plus one, stage
+  by stage).
 - logits and loss: the saved log-softmax (fp32), the logits the forward returns, and one fp32
   gradient at the start of backward; with ``loss_chunk_tokens`` only one chunk's; under tp
   (a vocabulary-parallel loss) the local fp32 logits and one buffer of their size.
@@ -193,15 +194,17 @@ def _pp_config(layout: Layout) -> ParallelConfig:
                           pp_microbatches=layout.pp_microbatches)
 
 
-def pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[int], int]:
-    """Blocks per pp rank, in-flight microbatches per pp rank, and the microbatch count."""
+def pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[float], int]:
+    """Blocks per pp rank, in-flight microbatches per pp rank (in units of the rank's blocks:
+    interleaved schedules hold some stages' microbatches more than others'), and the microbatch
+    count."""
     if layout.pp == 1:
         return [facts.layers], [1], 1
     return facts.cached(("pipeline", layout.pp, layout.pp_schedule, layout.pp_microbatches),
                         lambda: _pipeline_shape(facts, layout))
 
 
-def _pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[int], int]:
+def _pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[float], int]:
     from ..plans.pp import pp_layout
 
     cfg = _pp_config(layout)
@@ -210,9 +213,32 @@ def _pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[
     blocks = [sum(len(pl.stage_blocks[s]) for s in pl.stages_of(r)) for r in range(layout.pp)]
     if layout.pp_schedule == "gpipe":
         inflight = [m] * layout.pp
-    else:  # 1F1B and its interleaved / zero-bubble relatives: warm-up depth p - r
+    elif layout.pp_schedule in _INTERLEAVED_WARMUP:
+        inflight = [_interleaved_inflight(pl, r, m, layout.pp, _INTERLEAVED_WARMUP[layout.pp_schedule])
+                    for r in range(layout.pp)]
+    else:  # 1F1B and zbv: warm-up depth p - r
         inflight = [min(m, layout.pp - r) for r in range(layout.pp)]
     return blocks, inflight, m
+
+
+# torch's interleaved schedules: warm-up forwards grow by this many per hop from the last rank
+_INTERLEAVED_WARMUP = {"interleaved_1f1b": 2, "zero_bubble": 1}
+
+
+def _interleaved_inflight(pl, rank: int, m: int, pp: int, factor: int) -> float:
+    """Microbatches in flight on ``rank`` at its first backward under torch's interleaved
+    schedules, in units of all the rank's blocks: its warm-up forwards (torch's
+    ``_get_warmup_ops``: ``(v - 1) x per_round + factor x (pp - 1 - rank)``) and the first
+    steady-state forward, each counted by the blocks of the stage it runs (op ``i`` runs local
+    stage ``(i // per_round) % v``). E.g. pp=2, 2 stages per rank, 4 microbatches: rank 0 holds
+    3 microbatches of its first stage and 2 of its second, 2.5 where 1F1B's ``p - r`` gives 2."""
+    stages = pl.stages_of(rank)
+    v = len(stages)
+    per_round = m // max(1, m // pp)
+    warmup = min((v - 1) * per_round + factor * (pp - 1 - rank), m * v)
+    peak = min(warmup + 1, m * v)
+    held = sum(len(pl.stage_blocks[stages[(op // per_round) % v]]) for op in range(peak))
+    return held / sum(len(pl.stage_blocks[s]) for s in stages)
 
 
 def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> MemoryEstimate:

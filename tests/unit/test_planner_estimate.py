@@ -234,3 +234,24 @@ def test_models_the_planner_cannot_estimate():
         model_facts(NoConfig())
     with pytest.raises(HfScalePlanError, match="repeated blocks"):
         model_facts(NoBlocks(PretrainedConfig()))
+
+
+def test_interleaved_schedules_hold_torchs_warmup_plus_one():
+    """Interleaved 1F1B, pp=2, 2 stages per rank (rank 0: stages 0 and 2, rank 1: 1 and 3), 4
+    microbatches (2 per round): rank 0 runs 4 warm-up forwards (2 of stage 0, 2 of stage 2) and
+    one more of stage 0 before its first backward; rank 1 runs 2 (stage 1), then one of stage 3.
+    Zero bubble grows the warm-up by 1 per hop, not 2."""
+    from types import SimpleNamespace
+
+    from hf_scale.planner.estimate import _interleaved_inflight
+
+    blocks = ((0, 1, 2), (3, 4), (5, 6), (7,))  # uneven stages: 3, 2, 2 and 1 blocks
+    pl = SimpleNamespace(stage_blocks=blocks, stages_of=lambda r: [r, r + 2])
+    # rank 0: 3 x stage 0 (3 blocks) + 2 x stage 2 (2 blocks) over its 5 blocks
+    assert _interleaved_inflight(pl, 0, 4, 2, 2) == pytest.approx((3 * 3 + 2 * 2) / 5)
+    # rank 1: 2 x stage 1 (2 blocks) + 1 x stage 3 (1 block) over its 3 blocks
+    assert _interleaved_inflight(pl, 1, 4, 2, 2) == pytest.approx((2 * 2 + 1) / 3)
+    # zero bubble: rank 0 warms up 3 (stage 0, 0, 2), then one more of stage 2
+    assert _interleaved_inflight(pl, 0, 4, 2, 1) == pytest.approx((2 * 3 + 2 * 2) / 5)
+    # never more than every microbatch of every stage
+    assert _interleaved_inflight(pl, 0, 1, 2, 2) == pytest.approx(1.0)
