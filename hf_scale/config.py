@@ -109,14 +109,8 @@ class ParallelConfig:
         _check_choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _check_choice("activation_checkpointing", self.activation_checkpointing, AC_MODES)
         for name in ("dp_replicate", "dp_shard"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise HfScaleConfigError(
-                    f"{name}={value!r}: must be a positive integer or None (derive it from the "
-                    "world size)."
-                )
-        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp < 1:
-            raise HfScaleConfigError(f"tp={self.tp!r}: must be a positive integer (1 = no tensor parallel).")
+            _check_positive_int(name, getattr(self, name), "or None (derive it from the world size)")
+        _check_positive_int("tp", self.tp, "(1 = no tensor parallel)", optional=False)
         if self.tp > 1 and self.strategy in ("ddp", "zero1"):
             raise HfScaleConfigError(
                 f"strategy={self.strategy!r} with tp={self.tp}: DDP does not take tensor-parallel "
@@ -124,15 +118,8 @@ class ParallelConfig:
                 "parameters kept gathered: DDP's speed) or 'fsdp' with tp."
             )
         self._check_pp()
-        if self.loss_chunk_tokens is not None and (
-            not isinstance(self.loss_chunk_tokens, int) or self.loss_chunk_tokens < 1
-        ):
-            raise HfScaleConfigError(
-                f"loss_chunk_tokens={self.loss_chunk_tokens!r}: must be a positive integer "
-                "(tokens per chunk, e.g. 1024) or None."
-            )
-        if not isinstance(self.ac_every, int) or self.ac_every < 1:
-            raise HfScaleConfigError(f"ac_every={self.ac_every!r}: must be an integer >= 1.")
+        _check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens, "(tokens per chunk, e.g. 1024) or None")
+        _check_positive_int("ac_every", self.ac_every, "(1 = every block)", optional=False)
         if self.ac_every > 1 and self.activation_checkpointing != "full":
             raise HfScaleConfigError(
                 f"ac_every={self.ac_every} only applies to activation_checkpointing='full' "
@@ -154,28 +141,15 @@ class ParallelConfig:
                 f"reshard_after_forward only applies to fsdp/zero2/hsdp, not "
                 f"strategy={self.strategy!r}."
             )
-        if self.blocks_per_unit is not None and (
-            not isinstance(self.blocks_per_unit, int) or isinstance(self.blocks_per_unit, bool)
-            or self.blocks_per_unit < 1
-        ):
-            raise HfScaleConfigError(
-                f"blocks_per_unit={self.blocks_per_unit!r}: must be a positive integer (blocks per "
-                "FSDP unit) or None (one)."
-            )
+        _check_positive_int("blocks_per_unit", self.blocks_per_unit, "(blocks per FSDP unit) or None (one)")
         if (self.blocks_per_unit or 1) > 1 and not sharded:
             raise HfScaleConfigError(
                 f"blocks_per_unit={self.blocks_per_unit} groups FSDP units; strategy="
                 f"{self.strategy!r} has none (DDP buckets gradients itself). Use fsdp, zero2 or "
                 "hsdp, or drop blocks_per_unit."
             )
-        if self.fsdp_prefetch is not None and (
-            not isinstance(self.fsdp_prefetch, int) or isinstance(self.fsdp_prefetch, bool)
-            or self.fsdp_prefetch < 1
-        ):
-            raise HfScaleConfigError(
-                f"fsdp_prefetch={self.fsdp_prefetch!r}: must be a positive integer (FSDP units "
-                "prefetched ahead) or None (FSDP2's default)."
-            )
+        _check_positive_int("fsdp_prefetch", self.fsdp_prefetch,
+                            "(FSDP units prefetched ahead) or None (FSDP2's default)")
         if self.fsdp_prefetch is not None and not sharded:
             raise HfScaleConfigError(
                 f"fsdp_prefetch={self.fsdp_prefetch} prefetches FSDP all-gathers; strategy="
@@ -188,11 +162,9 @@ class ParallelConfig:
             )
 
     def _check_pp(self) -> None:
-        for name in ("pp", "pp_stages_per_rank", "pp_microbatches"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise HfScaleConfigError(f"{name}={value!r}: must be a positive integer" + (
-                    " (1 = no pipeline parallel)." if name == "pp" else " or None (the default)."))
+        _check_positive_int("pp", self.pp, "(1 = no pipeline parallel)", optional=False)
+        for name in ("pp_stages_per_rank", "pp_microbatches"):
+            _check_positive_int(name, getattr(self, name), "or None (the default)")
         _check_choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
         if self.pp_stages_per_rank is not None:
             single = self.pp_schedule not in MULTI_STAGE_SCHEDULES
@@ -276,6 +248,15 @@ def as_parallel_config(value: ParallelConfig | dict | None) -> ParallelConfig:
     raise HfScaleConfigError(
         f"a parallel config must be a ParallelConfig or a dict, got {type(value).__name__}."
     )
+
+
+def _check_positive_int(name: str, value: Any, hint: str, optional: bool = True) -> None:
+    """Refuse anything but an integer >= 1 (a bool is not one; None only where ``optional``),
+    naming the field, the value and ``hint``: what the number means, or what None does."""
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HfScaleConfigError(f"{name}={value!r}: must be a positive integer {hint}.")
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -21,6 +21,9 @@ def test_defaults_are_fsdp_fp32():
         (dict(mixed_precision="fp8"), "mixed_precision='fp8'"),
         (dict(activation_checkpointing="some"), "activation_checkpointing='some'"),
         (dict(dp_shard=0), "dp_shard=0"),
+        (dict(dp_replicate=True), r"dp_replicate=True: must be a positive integer or None \(derive it"),
+        (dict(tp=None), r"tp=None: must be a positive integer \(1 = no tensor parallel\)"),
+        (dict(ac_every=0), r"ac_every=0: must be a positive integer \(1 = every block\)"),
         (dict(ac_every=2), "ac_every=2 only applies"),
         (dict(strategy="ddp", cpu_offload=True), "cpu_offload=True needs a sharded strategy"),
         (dict(strategy="zero2", reshard_after_forward=True), "use strategy='fsdp'"),
@@ -103,6 +106,8 @@ def test_shipped_parallel_recipes_load():
     ({"pp": 2, "pp_schedule": "zbv", "pp_stages_per_rank": 3}, r"exactly 2 stages"),
     ({"pp_split_points": [2]}, r"pp_split_points is set but pp=1"),
     ({"pp": 0}, r"pp=0: must be a positive integer"),
+    ({"pp": None}, r"pp=None: must be a positive integer \(1 = no pipeline parallel\)"),
+    ({"pp_microbatches": 2.0}, r"pp_microbatches=2.0: must be a positive integer or None \(the default\)"),
 ])
 def test_pipeline_settings_torch_would_reject_are_refused_here(fields, message):
     with pytest.raises(HfScaleConfigError, match=message):
