@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from itertools import product
 
-from ..config import MULTI_STAGE_SCHEDULES, PP_SCHEDULES
+from ..config import PP_SCHEDULES, ParallelConfig
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
@@ -116,7 +116,7 @@ def _pipelines(pp: int, micro_batch: int, schedules, microbatches) -> list[dict]
         return [{}]
     pipes = []
     for schedule in schedules:
-        stages = pp * (2 if schedule in MULTI_STAGE_SCHEDULES else 1)
+        stages = pp * ParallelConfig(pp=pp, pp_schedule=schedule).stages_per_rank
         for m in microbatches or (None, 2 * stages, 4 * stages):
             if m is None or micro_batch % m == 0:
                 pipes.append({"pp_schedule": schedule, "pp_microbatches": m})
