@@ -158,12 +158,23 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
     """Fitting candidates fastest first (ties within 1% toward less memory), then the rejected
     ones (those with an estimate by memory, then the refused)."""
     fits = [c for c in candidates if c.fits]
-    best = max((c.cost.tokens_per_second for c in fits), default=0.0)
-    fits.sort(key=lambda c: (c.cost.tokens_per_second < best * (1 - TIE), -c.cost.tokens_per_second
-                             if c.cost.tokens_per_second < best * (1 - TIE) else c.memory.device_total))
+    order = fastest_first([c.cost.tokens_per_second for c in fits], [c.memory.device_total for c in fits])
+    fits = [fits[i] for i in order]
     sized = sorted((c for c in candidates if not c.fits and c.memory), key=lambda c: c.memory.device_total)
     refused = [c for c in candidates if not c.fits and not c.memory]
     return fits + sized + refused
+
+
+def fastest_first(speeds: list[float], memories: list[float]) -> list[int]:
+    """Indices of ``speeds`` (tokens/s) fastest first; those within ``TIE`` of the fastest are
+    a tie, ordered by ``memories`` (less first). The chooser's ranking, also the benchmark's."""
+    best = max(speeds, default=0.0)
+
+    def key(i: int):
+        tied = speeds[i] >= best * (1 - TIE)
+        return (not tied, memories[i] if tied else -speeds[i])
+
+    return sorted(range(len(speeds)), key=key)
 
 
 def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, device: Device, nodes: int = 1,

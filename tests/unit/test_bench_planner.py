@@ -63,14 +63,27 @@ def test_a_leg_without_tracked_bytes_is_left_out_of_that_target_only():
 def test_ranking_target_per_group_of_comparable_legs():
     """Legs of one model, sequence, batch and world are ranked by tokens/s over the data-parallel
     ranks: tp2 (one data-parallel rank) must be twice as fast per step to match fsdp's tokens."""
-    def row(pred_step, meas_step):
-        return ({"tracked": 1.0, "rss": 1.0, "step": pred_step}, {"status": "ok", "tracked": 1.0, "rss": 1.0,
-                                                                   "step": meas_step})
+    def row(pred_step, meas_step, pred_rss=1.0):
+        return ({"tracked": 1.0, "rss": pred_rss, "step": pred_step}, {"status": "ok", "tracked": 1.0, "rss": 1.0,
+                                                                        "step": meas_step})
 
     # predicted: tp2 (0.4 s for half the tokens) beats fsdp (1.0 s); measured: fsdp 1.0 s, tp2 0.9 s
     rows = {"small_fsdp_chunk_w2": row(1.0, 1.0), "small_tp2_w2": row(0.4, 0.9), "tiny_w1": row(1.0, 1.0)}
     verdict = summary(rows)
-    assert "FAIL: ranking, small 2x256/dp rank at world 2: predicted fastest small_tp2_w2 measures 0.56x" in verdict
+    assert "FAIL: ranking, small 2x256/dp rank at world 2: ranked first small_tp2_w2 measures 0.56x" in verdict
     assert "world 1" not in verdict  # a leg alone in its group ranks nothing
     rows["small_tp2_w2"] = row(0.6, 0.9)
-    assert "PASS: ranking, small 2x256/dp rank at world 2: predicted fastest small_fsdp_chunk_w2" in summary(rows)
+    assert "PASS: ranking, small 2x256/dp rank at world 2: ranked first small_fsdp_chunk_w2" in summary(rows)
+
+
+def test_ranking_breaks_near_ties_toward_less_memory_as_the_chooser_does():
+    """Predicted within 1% of each other is a tie for the chooser (``choose.TIE``), which then
+    picks the layout needing less memory: the benchmark checks that pick, not the 0.5% faster one."""
+    def row(pred_step, pred_rss, meas_step):
+        return ({"tracked": 1.0, "rss": pred_rss, "step": pred_step}, {"status": "ok", "tracked": 1.0, "rss": 1.0,
+                                                                        "step": meas_step})
+
+    rows = {"small_zero1_w2": row(0.995, 2.0, 1.2), "small_fsdp_w2": row(1.0, 1.0, 1.0)}
+    assert "PASS: ranking, small 2x256/dp rank at world 2: ranked first small_fsdp_w2 measures 1.00x" in summary(rows)
+    rows["small_zero1_w2"] = row(0.98, 2.0, 1.2)  # 2% faster predicted: no tie, and measured 0.83x
+    assert "FAIL: ranking, small 2x256/dp rank at world 2: ranked first small_zero1_w2 measures 0.83x" in summary(rows)
