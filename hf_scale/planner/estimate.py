@@ -30,7 +30,11 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   (a vocabulary-parallel loss) the local fp32 logits and one buffer of their size.
 - the peak: gradients do not exist yet when backward starts (``zero_grad(set_to_none=True)``)
   and activations are freed as they appear, so the peak is parameters + optimizer state + the
-  larger of (activations + the larger of logits and one block's recomputation) and gradients; with gradient
+  larger of two moments: backward's start (activations + the larger of logits and one block's
+  recomputation) and its end (the gradients, with what the first block's backward, the step's
+  last, holds beside them: that block's kept and recomputed activations, less its own gradients,
+  made only then; ``MemTracker``'s per-module peaks put the ``tiny_full_w1`` leg's peak there,
+  in block 0's MLP backward). With gradient
   accumulation the gradients of earlier micro-batches are there at the start of backward too.
   Checked against ``torch.distributed._tools.MemTracker`` by ``scripts/bench_planner.py``.
 - overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).
@@ -142,13 +146,17 @@ class MemoryEstimate:
     # units an explicit FSDP prefetch gathers ahead beyond FSDP2's default, from the last block's
     # backward on (after the loss's gradients are freed: beside a recomputation, not the logits)
     prefetched: int = 0
+    # the first block's backward, the step's last: its kept and recomputed activations beside every
+    # later block's gradient, less its own gradients, not made yet (not under accumulation: there
+    # ``backward`` holds both)
+    first_block: int = 0
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched)
                     + (self.grads if self.accumulating else 0))
-        late = 0 if self.accumulating else self.grads + self.grad_buffers
+        late = 0 if self.accumulating else self.grads + self.grad_buffers + self.first_block
         return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
                 + max(backward, late))
 
@@ -269,7 +277,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
-    acts, recompute, logits, busiest = activation_bytes(
+    acts, recompute, logits, busiest, first = activation_bytes(
         facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s for s in shares])
     p_bytes, g_bytes, opt_bytes = (int(x * shares[busiest]) for x in (p_bytes, g_bytes, opt_bytes))
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
@@ -284,19 +292,23 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # its first backward: the gradients then lie beside in-flight activations, as under accumulation
     _, inflight, microbatches = pipeline_shape(facts, layout)
     piped = layout.pp > 1 and microbatches > max(inflight)
+    # the first block's backward adds its activations (kept, recomputed) to the step's end, less
+    # its own gradients, made only then (on the device only if the gradients are there)
+    first_block = max(0, first - (4 * int(block) // n if g_bytes else 0))
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
                           logits_loss=logits, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped, grad_buffers=buffers,
-                          prefetched=prefetched)
+                          prefetched=prefetched, first_block=first_block)
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
-                     state: list[float] | None = None) -> tuple[int, int, int, int]:
+                     state: list[float] | None = None) -> tuple[int, int, int, int, int]:
     """(blocks' saved activations, one block's recomputation in backward, logits + loss, the pp
-    rank) for the busiest rank: the one whose ``state[rank]`` bytes (parameters, gradients and
-    optimizer state; none when not given) and activations add up to the most. The recomputation
-    starts once the loss's gradients are freed, so the two never add."""
+    rank, the first block's kept and recomputed activations) for the busiest rank: the one whose
+    ``state[rank]`` bytes (parameters, gradients and optimizer state; none when not given) and
+    activations add up to the most. The recomputation starts once the loss's gradients are freed,
+    so the two never add."""
     prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
     t = layout.tp
     if layout.pp > 1:
@@ -337,7 +349,8 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
     state = state or [0.0] * len(per_rank)
     busiest = max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
         max(logits, recompute * seqs) if r == last else recompute * seqs))
-    return int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0), busiest
+    return (int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0), busiest,
+            int((kept + recompute) * seqs))
 
 
 def _pp_rank_shares(facts: ModelFacts, layout: Layout) -> list[float]:

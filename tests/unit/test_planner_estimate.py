@@ -47,7 +47,7 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
     assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
     assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute),
-                                           mem.grads + mem.grad_buffers)
+                                           mem.grads + mem.grad_buffers + mem.first_block)
 
 
 def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
@@ -129,9 +129,30 @@ def test_a_deeper_prefetch_keeps_more_units_gathered(tiny):
     later = full.activations + full.recompute + full.prefetched
     assert (full.device_total - (full.overhead + full.params + full.optimizer + full.comm_buffers
                                  + full.compute_copies)) == max(full.activations + full.logits_loss, later,
-                                                                full.grads + full.grad_buffers)
+                                                                full.grads + full.grad_buffers + full.first_block)
     assert Layout("fsdp", 1, 2, prefetch=2).parallel_config().fsdp_prefetch == 2
     assert Layout("fsdp", 1, 2).parallel_config().fsdp_prefetch is None
+
+
+def test_first_blocks_backward_holds_its_activations_beside_the_later_gradients(tiny):
+    """The step's last block backward (the first block's) rebuilds that block under full
+    checkpointing while every later block's gradient exists: its kept input and its
+    recomputation, less its own gradients (made only then). Tiny llama, 16 tokens, fp32."""
+    prof = tiny.profile(16, torch.float32, "sdpa")
+    for shard in (1, 2):
+        full = estimate_memory(tiny, Layout("fsdp", 1, shard, ac="full"), WORK)
+        assert full.recompute == prof.block_bytes and full.activations == tiny.layers * prof.block_input
+        own = 4 * max(tiny.block_params) // shard  # this rank's share of the first block's gradients
+        assert full.first_block == prof.block_input + prof.block_bytes - own > 0
+        fixed = full.overhead + full.params + full.optimizer + full.comm_buffers + full.compute_copies
+        assert full.device_total == fixed + full.grads + full.grad_buffers + full.first_block  # here the peak
+    # without checkpointing the block's own saved activations, here smaller than its gradients
+    none = estimate_memory(tiny, Layout("fsdp", 1, 1), WORK)
+    assert prof.block_bytes < 4 * max(tiny.block_params) and none.first_block == 0
+    # under gradient accumulation the gradients are already beside the activations in backward
+    acc = estimate_memory(tiny, Layout("fsdp", 1, 2, micro_batch=1, ac="full"), WORK2)
+    fixed = acc.overhead + acc.params + acc.optimizer + acc.comm_buffers + acc.compute_copies
+    assert acc.device_total == fixed + acc.activations + max(acc.logits_loss, acc.recompute) + acc.grads
 
 
 def test_activations_order(tiny):
