@@ -5,6 +5,7 @@ Run (one machine, gloo on CPU; each leg its own ``torchrun``, OMP_NUM_THREADS=1 
     python scripts/bench_planner.py                       # every leg (tens of minutes on 2 cores)
     python scripts/bench_planner.py --legs tiny_w1,tiny_fsdp_w2 --no-calibrate   # a quick check
     python scripts/bench_planner.py --write docs/benchmarks.md            # the table into the docs
+    python scripts/bench_planner.py --legs tiny_full_w1 --no-calibrate --peak-module  # where the peak is
 
 Each leg trains a randomly initialised Llama-shaped model (tiny, small, or SmolLM2-135M's shape
 from its config: the same memory and FLOPs as the real weights) with AdamW on fixed random token
@@ -160,6 +161,7 @@ def worker(args) -> None:
             step(data[args.warmup])
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         parts = {str(getattr(k, "value", k)): v for k, v in peak.items()}
+    where = peak_module(model, optimizer, step, data[args.warmup]) if args.peak_module and layout.pp == 1 else None
     sampler = RssSampler()
     sampler.start()
     for ids in data[args.warmup + 1 : args.warmup + 1 + args.steps]:
@@ -176,10 +178,42 @@ def worker(args) -> None:
         step(ids)
         times.append(time.perf_counter() - start)
     out.write_text(json.dumps({"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": rss,
-                               "step_times": times[1:]}))
+                               "step_times": times[1:], "peak_module": where}))
     if dist.is_initialized():
         dist.barrier()
         hf_scale.shutdown_distributed()
+
+
+def peak_module(model, optimizer, step, ids) -> str:
+    """Where one more step's tracked peak happens: the innermost module holding it whose
+    enclosing modules all hold it too (a checkpointed block's submodule can keep its backward
+    state open after it ends), and in which pass, by MemTracker's per-module statistics."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
+    with tracker:
+        step(ids)
+    cpu = torch.device("cpu")
+    total = tracker.get_tracker_snapshot("peak")[cpu]["Total"]
+    for state in (_ModState.PEAK_BW, _ModState.PEAK_FW):
+        seen, holding = set(), set()
+        for stats in tracker.memory_tracking.values():
+            snaps = stats.snapshots.get(state, [])
+            seen.update([stats.mod_fqn] if snaps else [])
+            if any(snap.get(cpu, {}).get("Total") == total for snap in snaps):
+                holding.add(stats.mod_fqn)
+
+        def enclosed(fqn: str) -> bool:
+            parts = fqn.split(".")
+            prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+            return all(p in holding for p in prefixes if p in seen)
+
+        chain = [fqn for fqn in holding if enclosed(fqn)]
+        if chain:
+            return f"{max(chain, key=lambda f: f.count('.'))} ({state.value})"
+    return "outside every module's forward and backward (the optimizer step)"
 
 
 def _heap_allocations() -> None:
@@ -250,7 +284,8 @@ def predict(name: str, device) -> dict:
 def launch(name: str, args, out_dir: Path) -> dict:
     world = LEGS[name][1]
     cmd = torchrun(os.path.abspath(__file__), world, "--worker", name, "--out", str(out_dir),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup))
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   *(["--peak-module"] if args.peak_module else []))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
     results, error = launch_ranks(cmd, out_dir, name, world, args.timeout, env)
     if error:
@@ -259,7 +294,7 @@ def launch(name: str, args, out_dir: Path) -> dict:
     tracked = [r["tracked"] for r in results]
     return {"status": "ok", "parts": results[0]["parts"], "tracked": None if None in tracked else max(tracked),
             "rss": max(r["rss"] for r in results),
-            "step": statistics.median(slowest)}
+            "step": statistics.median(slowest), "peak_module": results[0].get("peak_module")}
 
 
 def table(rows: dict) -> str:
@@ -340,6 +375,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--no-calibrate", action="store_true", help="reuse the cached calibration")
+    parser.add_argument("--peak-module", action="store_true",
+                        help="one more step per leg (not pp) under MemTracker's per-module statistics: "
+                             "print the module and pass where rank 0's peak happens")
     parser.add_argument("--worker")
     parser.add_argument("--out")
     add_write_arg(parser, "planner")
@@ -361,6 +399,8 @@ def main() -> None:
             rows[name] = (predict(name, device), launch(name, args, Path(tmp)))
             pred, meas = rows[name]
             print(f"[{name}] {meas['status']}\n  predicted {pred['parts']}\n  measured {meas.get('parts')}", flush=True)
+            if meas.get("peak_module"):
+                print(f"  rank 0's peak: {meas['peak_module']}", flush=True)
     body = table(rows) + "\n\n```\n" + summary(rows) + "\n```\n"
     print(body)
     write_doc(args, body, note=f"Calibration: {device}.")

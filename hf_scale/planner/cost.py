@@ -48,12 +48,12 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from ..config import MULTI_STAGE_SCHEDULES
 from ..log import log_rank0
 from .estimate import (
     DTYPE_BYTES,
     Layout,
     Workload,
+    _pp_config,
     fsdp_units,
     pipeline_shape,
     rank_blocks,
@@ -308,7 +308,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
 
 
 def _stages_per_rank(layout: Layout) -> int:
-    return 2 if layout.pp_schedule in MULTI_STAGE_SCHEDULES else 1
+    return _pp_config(layout).stages_per_rank
 
 
 def _stage_share(facts: ModelFacts, layout: Layout) -> float:
@@ -320,7 +320,6 @@ def _stage_share(facts: ModelFacts, layout: Layout) -> float:
 
 def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     from ..plan_report import pp_report
-    from .estimate import _pp_config
 
     report = pp_report(facts.model, facts.plan, _pp_config(layout))
     per_rank = [0.0] * layout.pp

@@ -34,7 +34,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   recomputation) and its end (the gradients, with what the first block's backward, the step's
   last, holds beside them: that block's kept and recomputed activations, less its own gradients,
   made only then; ``MemTracker``'s per-module peaks put the ``tiny_full_w1`` leg's peak there,
-  in block 0's MLP backward). With gradient
+  in block 0's MLP backward: ``scripts/bench_planner.py --legs tiny_full_w1 --peak-module``). With gradient
   accumulation the gradients of earlier micro-batches are there at the start of backward too.
   Checked against ``torch.distributed._tools.MemTracker`` by ``scripts/bench_planner.py``.
 - overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_planner import LEGS, config_of, leg_layout, summary, table
+from bench_planner import LEGS, config_of, leg_layout, peak_module, summary, table
 
 from hf_scale.mesh import ParallelDims
 from hf_scale.planner.estimate import Workload, estimate_memory
@@ -87,3 +87,26 @@ def test_ranking_breaks_near_ties_toward_less_memory_as_the_chooser_does():
     assert "PASS: ranking, small 2x256/dp rank at world 2: ranked first small_fsdp_w2 measures 1.00x" in summary(rows)
     rows["small_zero1_w2"] = row(0.98, 2.0, 1.2)  # 2% faster predicted: no tie, and measured 0.83x
     assert "FAIL: ranking, small 2x256/dp rank at world 2: ranked first small_zero1_w2 measures 0.83x" in summary(rows)
+
+
+def test_peak_module_names_where_the_full_checkpointing_peak_is():
+    """The estimate's end-of-backward term rests on this: under full checkpointing, the step's
+    tracked peak is in the first block's backward (its recomputed MLP), not in the loss."""
+    import torch
+    import transformers
+
+    import hf_scale
+
+    torch.manual_seed(0)
+    model = hf_scale.parallelize(transformers.AutoModelForCausalLM.from_config(config_of("tiny_full_w1")),
+                                 hf_scale.ParallelConfig(activation_checkpointing="full"))
+    optimizer = hf_scale.build_optimizer(model, lr=1e-5)
+    ids = torch.randint(512, (2, 64))
+
+    def step(batch):
+        model.train_step({"input_ids": batch, "labels": batch})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step(ids)  # the optimizer's state exists from here on, as in the benchmark's measured step
+    assert peak_module(model, optimizer, step, ids) == "LlamaForCausalLM.model.layers.0.mlp (Peak-Backward)"
