@@ -25,7 +25,10 @@ ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per ra
 The prediction for the same layout comes from the config alone: ``estimate_memory`` (device total
 less the process overhead against tracked bytes; device total plus host bytes against RSS) and
 ``step_cost`` on ``gloo-cpu-here``, calibrated at the start of the run (``--no-calibrate`` reuses
-the cached calibration) so the calibration and the legs share the machine's load. Rows print the
+the cached calibration) so the calibration and the legs share the machine's load. The legs the
+ranking target compares (one model, world, sequence and batch) are timed in ``--rounds`` launches
+each, the later ones alternating their order, and their step time is the rounds' median: a
+near-tied pair timed once each, minutes apart, ranks by the machine's load. Rows print the
 ratios first (predicted / measured), the issue's targets being +/-5% tracked, +/-10% RSS,
 +/-25% step time.
 """
@@ -119,7 +122,6 @@ def config_of(name: str):
 
 def worker(args) -> None:
     import torch
-    import torch.distributed as dist
     import transformers
 
     import hf_scale
@@ -149,6 +151,9 @@ def worker(args) -> None:
     model.train()
     for ids in data[: args.warmup]:
         step(ids)
+    if args.time_only:  # a later round of the leg's group: its step time only
+        return _timed(args, step, data[args.warmup + 1 + args.steps :], out, {"status": "ok", "tracked": None,
+                                                                             "parts": None, "rss": None})
     # memory first, while big allocations are their own mappings (MALLOC_MMAP_THRESHOLD_ from the
     # launcher: RSS then follows what is in use; glibc's default keeps freed memory resident)
     if layout.pp > 1 and layout.pp_schedule in SPLIT_BACKWARD:
@@ -167,18 +172,26 @@ def worker(args) -> None:
     for ids in data[args.warmup + 1 : args.warmup + 1 + args.steps]:
         step(ids)
     rss = sampler.stop()
-    # then time on heap allocations, as a real run allocates (the mappings slow small models' steps
-    # by a third here): one more untimed step, then the timed ones
+    _timed(args, step, data[args.warmup + 1 + args.steps :], out,
+           {"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": rss, "peak_module": where})
+
+
+def _timed(args, step, batches, out: Path, result: dict) -> None:
+    """Time on heap allocations, as a real run allocates (the mappings slow small models' steps
+    by a third here): one untimed step, then the timed ones; write ``result`` with the times."""
+    import torch.distributed as dist
+
+    import hf_scale
+
     _heap_allocations()
     times = []
-    for ids in data[args.warmup + 1 + args.steps :]:
+    for ids in batches:
         if dist.is_initialized():
             dist.barrier()
         start = time.perf_counter()
         step(ids)
         times.append(time.perf_counter() - start)
-    out.write_text(json.dumps({"status": "ok", "tracked": parts["Total"], "parts": parts, "rss": rss,
-                               "step_times": times[1:], "peak_module": where}))
+    out.write_text(json.dumps({**result, "step_times": times[1:]}))
     if dist.is_initialized():
         dist.barrier()
         hf_scale.shutdown_distributed()
@@ -205,15 +218,17 @@ def peak_module(model, optimizer, step, ids) -> str:
             if any(snap.get(cpu, {}).get("Total") == total for snap in snaps):
                 holding.add(stats.mod_fqn)
 
-        def enclosed(fqn: str) -> bool:
-            parts = fqn.split(".")
-            prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
-            return all(p in holding for p in prefixes if p in seen)
-
-        chain = [fqn for fqn in holding if enclosed(fqn)]
+        chain = [fqn for fqn in holding if _enclosed(fqn, holding, seen)]
         if chain:
             return f"{max(chain, key=lambda f: f.count('.'))} ({state.value})"
     return "outside every module's forward and backward (the optimizer step)"
+
+
+def _enclosed(fqn: str, holding: set[str], seen: set[str]) -> bool:
+    """Whether every enclosing module of ``fqn`` that has statistics is in ``holding``."""
+    parts = fqn.split(".")
+    prefixes = (".".join(parts[:i]) for i in range(1, len(parts)))
+    return all(p in holding for p in prefixes if p in seen)
 
 
 def _heap_allocations() -> None:
@@ -281,20 +296,41 @@ def predict(name: str, device) -> dict:
             "rss": memory.device_total + memory.host, "step": step_cost(facts, layout, work, device).total}
 
 
-def launch(name: str, args, out_dir: Path) -> dict:
+def launch(name: str, args, out_dir: Path, time_only: bool = False) -> dict:
+    """One ``torchrun`` of leg ``name``: its memory and step time, or (``time_only``, a later
+    round) its step time alone."""
     world = LEGS[name][1]
     cmd = torchrun(os.path.abspath(__file__), world, "--worker", name, "--out", str(out_dir),
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   *(["--peak-module"] if args.peak_module else []))
+                   *(["--peak-module"] if args.peak_module and not time_only else []),
+                   *(["--time-only"] if time_only else []))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", TOKENIZERS_PARALLELISM="false")
     results, error = launch_ranks(cmd, out_dir, name, world, args.timeout, env)
     if error:
         return {"status": error}
     slowest = [max(s) for s in zip(*(r["step_times"] for r in results))]
+    if time_only:
+        return {"status": "ok", "step": statistics.median(slowest)}
     tracked = [r["tracked"] for r in results]
+    step = statistics.median(slowest)
     return {"status": "ok", "parts": results[0]["parts"], "tracked": None if None in tracked else max(tracked),
-            "rss": max(r["rss"] for r in results),
-            "step": statistics.median(slowest), "peak_module": results[0].get("peak_module")}
+            "rss": max(r["rss"] for r in results), "step": step, "rounds": [step],
+            "peak_module": results[0].get("peak_module")}
+
+
+def round_orders(names: list[str], rounds: int) -> list[list[str]]:
+    """The order a ranking group's legs are timed in after the first pass, for rounds 2 to
+    ``rounds``: reversed, then as listed, and so on, so that no leg always runs first or last
+    (separate launches minutes apart follow the machine's load, and a near-tied pair's ranking
+    with them)."""
+    return [list(reversed(names)) if r % 2 == 0 else list(names) for r in range(2, rounds + 1)]
+
+
+def add_round(meas: dict, step: float) -> None:
+    """Fold one more round's step time into a leg's measurement: its step is the median of its
+    rounds' (each the median of that launch's steps)."""
+    meas["rounds"].append(step)
+    meas["step"] = statistics.median(meas["rounds"])
 
 
 def table(rows: dict) -> str:
@@ -347,25 +383,33 @@ def ranking(rows: dict) -> list[str]:
     fastest a tie, broken toward less predicted memory."""
     from hf_scale.planner.choose import fastest_first
 
-    groups: dict[tuple, list[str]] = {}
-    for name, (_, meas) in rows.items():
-        if meas["status"] == "ok":
-            model, world, seq, batch, _ = LEGS[name]
-            groups.setdefault((model, world, seq, batch), []).append(name)
     lines = []
-    for (model, world, seq, batch), names in groups.items():
-        if len(names) < 2:
-            continue
+    for (model, world, seq, batch), names in ranking_groups([n for n, (_, m) in rows.items()
+                                                             if m["status"] == "ok"]).items():
         pred = [tokens_per_second(n, rows[n][0]["step"]) for n in names]
         chosen = names[fastest_first(pred, [rows[n][0]["rss"] for n in names])[0]]
         meas = {n: tokens_per_second(n, rows[n][1]["step"]) for n in names}
         fastest = max(names, key=meas.get)
         ratio = meas[chosen] / meas[fastest]
         order = ", ".join(f"{n} {meas[n]:,.0f}" for n in sorted(names, key=meas.get, reverse=True))
+        rounds = [rows[n][1].get("rounds", []) for n in names]
+        if max(map(len, rounds)) > 1:  # each leg's tokens/s per round, as they were timed
+            order += "; per round " + "; ".join(
+                f"{n} " + "/".join(f"{tokens_per_second(n, s):,.0f}" for s in r) for n, r in zip(names, rounds))
         lines.append(f"{'PASS' if ratio >= 0.95 else 'FAIL'}: ranking, {model} {batch}x{seq}/dp rank at world {world}: "
                      f"ranked first {chosen} measures {ratio:.2f}x the fastest measured ({fastest}); measured "
                      f"tokens/s {order}")
     return lines
+
+
+def ranking_groups(names: list[str]) -> dict[tuple, list[str]]:
+    """The legs ranked against each other: same model, world, sequence and batch per
+    data-parallel rank; groups of one leg left out."""
+    groups: dict[tuple, list[str]] = {}
+    for name in names:
+        model, world, seq, batch, _ = LEGS[name]
+        groups.setdefault((model, world, seq, batch), []).append(name)
+    return {key: legs for key, legs in groups.items() if len(legs) > 1}
 
 
 def main() -> None:
@@ -378,6 +422,11 @@ def main() -> None:
     parser.add_argument("--peak-module", action="store_true",
                         help="one more step per leg (not pp) under MemTracker's per-module statistics: "
                              "print the module and pass where rank 0's peak happens")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="launches that time each leg of a ranking group (the first also measures memory; "
+                             "the later ones run the group's legs in alternating order); its step time is "
+                             "their median")
+    parser.add_argument("--time-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker")
     parser.add_argument("--out")
     add_write_arg(parser, "planner")
@@ -401,6 +450,17 @@ def main() -> None:
             print(f"[{name}] {meas['status']}\n  predicted {pred['parts']}\n  measured {meas.get('parts')}", flush=True)
             if meas.get("peak_module"):
                 print(f"  rank 0's peak: {meas['peak_module']}", flush=True)
+        for group in ranking_groups([n for n in names if rows[n][1]["status"] == "ok"]).values():
+            for r, order in enumerate(round_orders(group, args.rounds), start=2):
+                for name in order:
+                    if rows[name][1]["status"] != "ok":  # an earlier round failed: the leg reports why
+                        continue
+                    timed = launch(name, args, Path(tmp), time_only=True)
+                    if timed["status"] != "ok":
+                        rows[name] = (rows[name][0], {"status": f"round {r}: {timed['status']}"})
+                        continue
+                    add_round(rows[name][1], timed["step"])
+                    print(f"[{name}] round {r}: {timed['step']:.3f} s/step", flush=True)
     body = table(rows) + "\n\n```\n" + summary(rows) + "\n```\n"
     print(body)
     write_doc(args, body, note=f"Calibration: {device}.")

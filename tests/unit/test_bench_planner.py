@@ -7,7 +7,17 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_planner import LEGS, config_of, leg_layout, peak_module, summary, table
+from bench_planner import (
+    LEGS,
+    add_round,
+    config_of,
+    leg_layout,
+    peak_module,
+    ranking_groups,
+    round_orders,
+    summary,
+    table,
+)
 
 from hf_scale.mesh import ParallelDims
 from hf_scale.planner.estimate import Workload, estimate_memory
@@ -110,3 +120,27 @@ def test_peak_module_names_where_the_full_checkpointing_peak_is():
 
     step(ids)  # the optimizer's state exists from here on, as in the benchmark's measured step
     assert peak_module(model, optimizer, step, ids) == "LlamaForCausalLM.model.layers.0.mlp (Peak-Backward)"
+
+
+def test_ranking_groups_are_timed_in_rounds_of_alternating_order():
+    """A group's legs are timed again after the first pass, reversed then as listed, and each leg's
+    step is its rounds' median: no leg always runs first, and one slow launch does not rank it."""
+    groups = ranking_groups(["tiny_w1", "small_hsdp_w4", "tiny_full_w1", "small_fsdp_w4", "smollm2_w1"])
+    assert groups == {("tiny", 1, 64, 2): ["tiny_w1", "tiny_full_w1"],
+                      ("small", 4, 256, 1): ["small_hsdp_w4", "small_fsdp_w4"]}  # smollm2_w1 alone: no rounds
+    assert round_orders(["a", "b", "c"], 4) == [["c", "b", "a"], ["a", "b", "c"], ["c", "b", "a"]]
+    assert round_orders(["a", "b"], 1) == []
+    meas = {"status": "ok", "step": 1.5, "rounds": [1.5]}
+    add_round(meas, 1.0)
+    add_round(meas, 1.1)
+    assert meas["rounds"] == [1.5, 1.0, 1.1] and meas["step"] == 1.1
+
+
+def test_ranking_line_gives_each_rounds_tokens_per_second():
+    pred = {"tracked": 1.0, "rss": 1.0, "step": 1.0}
+    rows = {"small_hsdp_w4": (pred, {"status": "ok", "tracked": 1.0, "rss": 1.0, "step": 1.024, "rounds": [1.024, 2.048, 1.024]}),
+            "small_fsdp_w4": ({**pred, "step": 1.1}, {"status": "ok", "tracked": 1.0, "rss": 1.0, "step": 1.024,
+                                                      "rounds": [1.024, 1.024, 1.024]})}
+    verdict = summary(rows)
+    assert "ranked first small_hsdp_w4 measures 1.00x" in verdict
+    assert "per round small_hsdp_w4 1,000/500/1,000; small_fsdp_w4 1,000/1,000/1,000" in verdict
