@@ -243,7 +243,7 @@ def collectives(world: int = 2) -> dict:
 
 # SmolLM2's block shape (grouped key/value heads) and vocabulary, 4 blocks, 256 tokens: the rate a
 # real model's step sustains (a 2-block, 8k-vocabulary model ran ~20% faster per FLOP)
-_SMOLLM2_SHAPE = dict(seq=256, batch=1, layers=4, vocab=49152, kv_groups=3)
+_SMOLLM2_SHAPE = {"seq": 256, "batch": 1, "layers": 4, "vocab": 49152, "kv_groups": 3}
 
 
 def _busy_rank(queue, barrier, overhead: float) -> None:

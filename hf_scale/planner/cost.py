@@ -56,6 +56,7 @@ from .estimate import (
     _pp_config,
     fsdp_units,
     pipeline_shape,
+    pp_stages,
     rank_blocks,
     rank_params,
 )
@@ -319,11 +320,8 @@ def _stage_share(facts: ModelFacts, layout: Layout) -> float:
 
 
 def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
-    from ..plan_report import pp_report
-
-    report = pp_report(facts.model, facts.plan, _pp_config(layout))
     per_rank = [0.0] * layout.pp
-    for stage in report["stages"]:
+    for stage in pp_stages(facts, layout)["stages"]:
         per_rank[stage["rank"]] += stage["compute"]
     return max(per_rank)
 

@@ -43,6 +43,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
@@ -171,15 +172,29 @@ def rank_params(facts: ModelFacts, layout: Layout) -> int:
 
 
 def _rank_params(facts: ModelFacts, layout: Layout) -> int:
-    from ..plan_report import pp_report, tp_report
+    from ..plan_report import tp_report
 
     params = facts.params
     if layout.tp > 1:
         params = tp_report(facts.model, facts.plan, layout.tp)["params_per_rank"]
     if layout.pp > 1:
-        pp = pp_report(facts.model, facts.plan, _pp_config(layout))
-        params = params * max(pp["rank_params"]) // facts.params
+        params = params * max(pp_rank_params(facts, layout)) // facts.params
     return params
+
+
+def pp_stages(facts: ModelFacts, layout: Layout) -> dict:
+    """``plan_report.pp_report`` for the layout's pipeline, once per pp degree and schedule (the
+    schedule sets the stages per rank): read its ``stages`` and ``rank_params``, which do not
+    depend on the microbatch count."""
+    from ..plan_report import pp_report
+
+    return facts.cached(("pp_report", layout.pp, layout.pp_schedule),
+                        lambda: pp_report(facts.model, facts.plan, _pp_config(layout)))
+
+
+def pp_rank_params(facts: ModelFacts, layout: Layout) -> list[int]:
+    """Parameters on each pp rank, before tp and data-parallel sharding."""
+    return pp_stages(facts, layout)["rank_params"]
 
 
 def rank_blocks(facts: ModelFacts, layout: Layout) -> int:
@@ -277,9 +292,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
-    acts, recompute, logits, busiest, first = activation_bytes(
-        facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s for s in shares])
-    p_bytes, g_bytes, opt_bytes = (int(x * shares[busiest]) for x in (p_bytes, g_bytes, opt_bytes))
+    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s for s in shares])
+    p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.)
@@ -294,21 +308,29 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     piped = layout.pp > 1 and microbatches > max(inflight)
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
-    first_block = max(0, first - (4 * int(block) // n if g_bytes else 0))
-    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts, recompute=recompute,
-                          logits_loss=logits, comm_buffers=comm, compute_copies=compute,
+    first_block = max(0, acts.first_block - (4 * int(block) // n if g_bytes else 0))
+    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved,
+                          recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped, grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block)
 
 
+class Activations(NamedTuple):
+    """The busiest rank's activation bytes (``activation_bytes``)."""
+
+    saved: int  # every block's saved activations
+    recompute: int  # one block's recomputation in backward
+    logits_loss: int  # the logits and the loss (0 unless the rank runs the head)
+    rank: int  # the pp rank (0 without pp)
+    first_block: int  # the first block's kept and recomputed activations, at its backward
+
+
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
-                     state: list[float] | None = None) -> tuple[int, int, int, int, int]:
-    """(blocks' saved activations, one block's recomputation in backward, logits + loss, the pp
-    rank, the first block's kept and recomputed activations) for the busiest rank: the one whose
-    ``state[rank]`` bytes (parameters, gradients and optimizer state; none when not given) and
-    activations add up to the most. The recomputation starts once the loss's gradients are freed,
-    so the two never add."""
+                     state: list[float] | None = None) -> Activations:
+    """Activation bytes of the busiest rank: the one whose ``state[rank]`` bytes (parameters,
+    gradients and optimizer state; none when not given) and activations add up to the most. The
+    recomputation starts once the loss's gradients are freed, so the two never add."""
     prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
     t = layout.tp
     if layout.pp > 1:
@@ -349,21 +371,16 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
     state = state or [0.0] * len(per_rank)
     busiest = max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
         max(logits, recompute * seqs) if r == last else recompute * seqs))
-    return (int(per_rank[busiest]), int(recompute * seqs), int(logits if busiest == last else 0), busiest,
-            int((kept + recompute) * seqs))
+    return Activations(saved=int(per_rank[busiest]), recompute=int(recompute * seqs),
+                       logits_loss=int(logits if busiest == last else 0), rank=busiest,
+                       first_block=int((kept + recompute) * seqs))
 
 
 def _pp_rank_shares(facts: ModelFacts, layout: Layout) -> list[float]:
     """Each pp rank's parameters over the largest rank's ([1.0] without pp)."""
     if layout.pp == 1:
         return [1.0]
-
-    def shares() -> list[float]:
-        from ..plan_report import pp_report
-
-        counts = pp_report(facts.model, facts.plan, _pp_config(layout))["rank_params"]
-        return [c / max(counts) for c in counts]
-
-    return facts.cached(("pp_shares", layout.pp, layout.pp_schedule), shares)
+    counts = pp_rank_params(facts, layout)
+    return [c / max(counts) for c in counts]
 
 
