@@ -150,9 +150,12 @@ def torchrun(script: str, world: int, *args: str) -> list[str]:
 def launch_ranks(cmd: list[str], out_dir: Path, name: str, world: int, timeout: float,
                  env: dict | None = None) -> tuple[list[dict], str | None]:
     """Run ``cmd``, whose ranks each write ``out_dir/NAME.rankR.json`` with a ``status`` key
-    (``"ok"`` or why not); return the ranks' results and None, or what there is and one reason."""
-    error = run_logged(cmd, out_dir / f"{name}.log", timeout, env)
+    (``"ok"`` or why not); return the ranks' results and None, or what there is and one reason.
+    Results an earlier launch of ``name`` left are removed first: a rank that writes none fails."""
     paths = [out_dir / f"{name}.rank{r}.json" for r in range(world)]
+    for path in paths:
+        path.unlink(missing_ok=True)
+    error = run_logged(cmd, out_dir / f"{name}.log", timeout, env)
     results = [json.loads(p.read_text()) for p in paths if p.exists()]
     status = next((r.get("status") for r in results if r.get("status") != "ok"), None)
     if status or error or len(results) < world:

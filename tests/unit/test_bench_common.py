@@ -48,6 +48,8 @@ def test_launch_ranks_collects_results_or_one_reason(tmp_path):
     assert error == "n/a (option missing: x)"
     _, error = leg("half", "    p.write_text(json.dumps({'status': 'ok'})) if r == 0 else None")
     assert error == "failed: 1 rank(s) wrote no result"
+    _, error = leg("ok", "    pass")  # launched again (a later round): the first launch's results are not read
+    assert error == "failed: 2 rank(s) wrote no result"
     _, error = leg("crash", "    raise ValueError('lr must be > 0, got -1')")
     assert error == "failed: ValueError: lr must be > 0, got -1"
 
