@@ -25,7 +25,10 @@ ids, ``--warmup`` untimed steps then ``--steps`` timed ones, and measures per ra
 The prediction for the same layout comes from the config alone: ``estimate_memory`` (device total
 less the process overhead against tracked bytes; device total plus host bytes against RSS) and
 ``step_cost`` on ``gloo-cpu-here``, calibrated at the start of the run (``--no-calibrate`` reuses
-the cached calibration) so the calibration and the legs share the machine's load. The legs the
+the cached calibration) so the calibration and the legs share the machine's load, and taken again
+after the legs: a ``recheck`` line gives the step-time target under that second calibration (on
+this shared machine, where the rates a calibration measures drift by about 20% within an hour,
+it shows how much of a step-time error is the moment the calibration was taken). The legs the
 ranking target compares (one model, world, sequence and batch) are timed in ``--rounds`` launches
 each, the later ones alternating their order, and their step time is the rounds' median: a
 near-tied pair timed once each, minutes apart, ranks by the machine's load. Rows print the
@@ -402,6 +405,19 @@ def ranking(rows: dict) -> list[str]:
     return lines
 
 
+def recheck(rows: dict, after: dict[str, float], device) -> str:
+    """One line: the step-time target under the calibration taken again after the legs (predicted
+    seconds per leg in ``after``). Not a verdict: the table's predictions use the calibration taken
+    before them; this says how far the moment a calibration is taken moves them."""
+    errors = [after[n] / rows[n][1]["step"] - 1 for n in after]
+    if not errors:
+        return "recheck: no leg ran"
+    within = sum(abs(e) <= 0.25 + 1e-9 for e in errors)
+    return (f"recheck: with the calibration taken again after the legs ({device.flops_fp32 / 1e9:.1f} GFLOP/s, "
+            f"gloo {device.intra.bandwidth / 1e9:.2f} GB/s), step within +/-25% on {within} of {len(errors)} "
+            f"leg(s) (errors {min(errors):+.1%} to {max(errors):+.1%})")
+
+
 def ranking_groups(names: list[str]) -> dict[tuple, list[str]]:
     """The legs ranked against each other: same model, world, sequence and batch per
     data-parallel rank; groups of one leg left out."""
@@ -461,9 +477,15 @@ def main() -> None:
                         continue
                     add_round(rows[name][1], timed["step"])
                     print(f"[{name}] round {r}: {timed['step']:.3f} s/step", flush=True)
-    body = table(rows) + "\n\n```\n" + summary(rows) + "\n```\n"
+    verdict, note = summary(rows), f"Calibration: {device}."
+    if not args.no_calibrate:  # the same calibration taken again, after the legs: how much the moment moves it
+        after = cpu_device(refresh=True)
+        verdict += "\n" + recheck(rows, {n: predict(n, after)["step"] for n, (_, m) in rows.items()
+                                         if m["status"] == "ok"}, after)
+        note += f" Re-taken after the legs: {after}."
+    body = table(rows) + "\n\n```\n" + verdict + "\n```\n"
     print(body)
-    write_doc(args, body, note=f"Calibration: {device}.")
+    write_doc(args, body, note=note)
 
 
 if __name__ == "__main__":

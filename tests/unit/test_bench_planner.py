@@ -14,6 +14,7 @@ from bench_planner import (
     leg_layout,
     peak_module,
     ranking_groups,
+    recheck,
     round_orders,
     summary,
     table,
@@ -144,3 +145,13 @@ def test_ranking_line_gives_each_rounds_tokens_per_second():
     verdict = summary(rows)
     assert "ranked first small_hsdp_w4 measures 1.00x" in verdict
     assert "per round small_hsdp_w4 1,000/500/1,000; small_fsdp_w4 1,000/1,000/1,000" in verdict
+
+
+def test_recheck_gives_the_step_target_under_the_second_calibration():
+    from types import SimpleNamespace
+
+    device = SimpleNamespace(flops_fp32=25e9, intra=SimpleNamespace(bandwidth=1.2e9))
+    rows = {"tiny_w1": ({}, {"status": "ok", "step": 1.0}), "tiny_full_w1": ({}, {"status": "ok", "step": 2.0})}
+    line = recheck(rows, {"tiny_w1": 1.3, "tiny_full_w1": 1.6}, device)
+    assert line == ("recheck: with the calibration taken again after the legs (25.0 GFLOP/s, gloo 1.20 GB/s), "
+                    "step within +/-25% on 1 of 2 leg(s) (errors -20.0% to +30.0%)")
