@@ -33,9 +33,10 @@ def plan_candidates(source, gpus: int, gpu_memory, seq: int, batch: int, nodes: 
 
 
 def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate], budget: int, work: Workload,
-                      top: int = 12) -> str:
+                      top: int = 12, left_out: dict[str, int] | None = None) -> str:
     """The candidates as lines: fitting ones fastest first (at most ``top``), a count of the
-    rejected ones by reason, and the recommendation."""
+    rejected ones by reason (``left_out``: layouts a recipe refused before any estimate, counted
+    by the recipe's reason), and the recommendation."""
     world = best.layout.world_size
     lines = [
         (f"auto-planner: {type(facts.model).__name__}, {facts.params / 1e6:,.1f}M parameters, {facts.layers} blocks; "
@@ -58,6 +59,9 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
         if not c.fits:
             key = "does not fit the memory" if "GiB usable" in c.reason else c.reason.split(". ")[0]
             rejected[key] = rejected.get(key, 0) + 1
+    for reason, n in (left_out or {}).items():
+        key = f"the recipe refuses it: {reason}"
+        rejected[key] = rejected.get(key, 0) + n
     if rejected:
         lines.append("rejected:")
         lines += [f"  {n:>4} x {reason}" for reason, n in sorted(rejected.items(), key=lambda kv: -kv[1])]
@@ -68,6 +72,8 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
                  f"{lay.loss_chunk_tokens}"
                  + (f", blocks_per_unit={lay.blocks_per_unit}" if lay.strategy in ("fsdp", "zero2", "hsdp") else "")
                  + (f", fsdp_prefetch={lay.prefetch}" if lay.prefetch else "")
+                 + (f", pp_schedule={lay.pp_schedule}, pp_microbatches={lay.pp_microbatches}"
+                    if lay.pp > 1 else "")
                  + f"; micro-batch {lay.micro_batch} (grad_accum "
                  f"{max(1, work.batch // lay.micro_batch)})")
     return "\n".join(lines)
@@ -110,9 +116,16 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
         world = world_size or (job.launch.nproc_per_node * job.launch.nnodes if job else 1)
         nodes, device = nodes or 1, with_links(cpu_device(), **(links or {}))
         memory = gpu_memory or psutil.virtual_memory().total // max(1, world // nodes)
-    space = {}
-    if job is not None and job.parallel.auto:  # the search hf-scale finetune runs: fixed fields, micro-batch
-        from .auto import search_space
+    space, left_out = {}, {}
+    if job is not None and job.parallel.auto:  # the search hf-scale finetune runs: fixed fields, micro-batch,
+        from .auto import search_space      # and only layouts the recipe accepts (JobConfig.refuses)
 
-        space, _ = search_space(job.parallel.fixed_fields(), world, nodes, job.train.batch_size)
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space))
+        def recipe_accepts(layout, parallel) -> bool:
+            why = job.refuses(parallel)
+            if why:
+                left_out.setdefault(why, set()).add(layout)
+            return why is None
+
+        space, _ = search_space(job.parallel.fixed_fields(), world, nodes, job.train.batch_size, recipe_accepts)
+    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space),
+                             left_out={why: len(layouts) for why, layouts in left_out.items()})

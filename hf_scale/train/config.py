@@ -306,6 +306,18 @@ class JobConfig:
                     f"divisor of it."
                 )
 
+    def refuses(self, parallel: ParallelConfig) -> str | None:
+        """Why this job cannot run with ``parallel`` (what its checks would raise), or None.
+
+        The auto-planner leaves such layouts out, in ``hf-scale finetune`` and in ``hf-scale
+        plan`` alike, so the plan recommends what the run will choose (e.g. a pipeline whose
+        microbatches do not split ``train.eval_batch_size``)."""
+        try:
+            dataclasses.replace(self, parallel=parallel)
+        except HfScaleConfigError as e:
+            return str(e)
+        return None
+
     @property
     def checkpoint_dir(self) -> Path:
         return Path(self.checkpoint.dir or Path(self.train.output_dir) / "checkpoints")

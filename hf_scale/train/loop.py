@@ -111,15 +111,10 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     """``job`` with ``parallel.strategy: auto`` replaced by the planner's layout, planned for the
     recipe's sequences (``max_seq_len``), batch per data-parallel rank and micro-batch (the
     recipe's ``batch_size``; ``grad_accum`` of them per step); the recipe's checks run again on it."""
-    from ..errors import HfScaleConfigError
     from ..planner.auto import resolve_auto
 
     def job_accepts(layout, parallel) -> bool:  # e.g. pp microbatches must divide eval_batch_size too
-        try:
-            dataclasses.replace(job, parallel=parallel)
-        except HfScaleConfigError:
-            return False
-        return True
+        return job.refuses(parallel) is None
 
     parallel = resolve_auto(lambda: load_config(job.model), job.parallel, seq=job.data.max_seq_len,
                             batch=job.train.batch_size * job.train.grad_accum, micro_batch=job.train.batch_size,

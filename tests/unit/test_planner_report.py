@@ -165,3 +165,32 @@ def test_plan_of_an_auto_recipe_keeps_the_degrees_given_as_flags(tmp_path, monke
             and " step " in line]
     assert rows and all(" 1x1x1x2 " in row for row in rows), rows
     assert len({row.split("mb=")[1].split("  ")[0] for row in rows}) > 1  # schedules / microbatches vary
+
+
+def test_plan_of_an_auto_recipe_leaves_out_the_layouts_the_recipe_refuses(tmp_path, monkeypatch, capsys):
+    """``hf-scale plan`` ranks what ``hf-scale finetune`` would (``JobConfig.refuses``): under pp
+    every batch, the eval batch too, must split into the pipeline's microbatches, so with
+    ``eval_batch_size: 6`` only 2-microbatch pipelines remain (4 and 8 do not divide 6), and the
+    plan says why the others went."""
+    from hf_scale.cli import main
+    from hf_scale.config import from_dict
+    from hf_scale.train.config import load_job
+    from tests.harness import stand_in_calibration
+    from tests.tiny_models import tiny_recipe
+
+    monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path / "cache")["XDG_CACHE_HOME"])
+    recipe = tiny_recipe(tmp_path, parallel={"strategy": "auto", "pp": 2},
+                         train={"batch_size": 8, "eval_batch_size": 6})
+    assert main(["plan", str(recipe)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith((" *", "    ")) and " step " in line]
+    assert rows and all(" 1x1x1x2 " in row for row in rows), rows
+    # 1f1b / gpipe with their default 2 microbatches run; interleaved and zbv default to 4
+    assert all(" m=" not in row and " interleaved" not in row and " zbv" not in row for row in rows), rows
+    assert "the recipe refuses it: train.eval_batch_size=6 does not split into parallel.pp_microbatches=4" in out
+    recommended = out.split("recommended: ")[1].split(" -> parallel: ")[1].split(";")[0]
+    fields = dict(kv.split("=") for kv in recommended.split(", "))
+    job = load_job(recipe)
+    assert fields["pp_schedule"] in ("1f1b", "gpipe") and fields["pp_microbatches"] == "None"  # the default: 2
+    chosen = from_dict(ParallelConfig, {"strategy": fields["strategy"], "pp": 2, "pp_schedule": fields["pp_schedule"]})
+    assert job.refuses(chosen) is None
