@@ -98,9 +98,9 @@ def parallelize(
         model.to(env.device)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     holds_head = stages_layout is None or stages_layout.num_stages - 1 in stages
-    if config.loss_chunk_tokens and holds_head:
+    if (config.loss_chunk_tokens or config.loss_labeled_only) and holds_head:
         try:
-            apply_chunked_loss(model, head, config.loss_chunk_tokens)
+            apply_chunked_loss(model, head, config.loss_chunk_tokens, labeled_only=config.loss_labeled_only)
         except ValueError as e:
             raise HfScaleConfigError(str(e)) from None
     elif layout is not None and holds_head and _vocab_sharded(model, head, layout):

@@ -33,17 +33,24 @@ def chunked_cross_entropy(
     ignore_index: int = -100,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
+    labeled_only: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss of ``head(hidden)`` against ``labels``, as transformers' ``ForCausalLMLoss``.
 
     Labels are shifted left by one (position t predicts token t+1) unless ``shift_labels`` is
     given; the loss is the mean over non-ignored tokens, or the sum divided by
     ``num_items_in_batch`` when given (gradient accumulation over variable-length batches).
+    ``labeled_only``: the head runs on the positions with a label only (an ignored position adds
+    nothing to the loss or to any gradient, so both are unchanged); on a GPU, selecting them
+    waits for the forward once (the count of labels decides the shapes).
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(flat_hidden.device)
+    if labeled_only:
+        rows = (flat_labels != ignore_index).nonzero().squeeze(-1)
+        flat_hidden, flat_labels = flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows)
     if chunk_tokens is None:  # one chunk (a vocabulary-parallel head without chunking)
         total = _chunk_loss(flat_hidden, head.weight, head.bias, flat_labels, ignore_index)
         return _normalise(total, flat_labels, ignore_index, num_items_in_batch)
@@ -150,12 +157,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # Config attributes of models that transform the head's output before the loss (soft-capping,
 # scaling): the loss would silently differ, so those models are refused.
+_TURN_OFF = "Set loss_chunk_tokens=None and loss_labeled_only=False."
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | None) -> None:
+def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | None, *,
+                       labeled_only: bool = False) -> None:
     """Make ``model``'s forward compute its loss with :func:`chunked_cross_entropy`
-    (``chunk_tokens=None``: in one chunk, for a head that tensor parallel shards).
+    (``chunk_tokens=None``: in one chunk, for a head that tensor parallel shards, or for
+    ``labeled_only``: the head on the labeled positions only).
 
     Contract: ``model`` is a transformers causal LM whose forward calls ``head`` on the final
     hidden states and passes the result straight to ``model.loss_function`` (true of the HF
@@ -175,17 +185,17 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
     if transforms:
         raise ValueError(
             f"{type(model).__name__} transforms its logits before the loss ({transforms}); "
-            "chunked loss would compute a different loss. Set loss_chunk_tokens=None."
+            f"chunked loss would compute a different loss. {_TURN_OFF}"
         )
     if not isinstance(head, nn.Linear) or not hasattr(model, "loss_function"):
         raise ValueError(
             f"chunked loss needs a causal LM with a Linear output head and a loss_function; "
-            f"{type(model).__name__} has {type(head).__name__}. Set loss_chunk_tokens=None."
+            f"{type(model).__name__} has {type(head).__name__}. {_TURN_OFF}"
         )
     if "loss_function(" not in _forward_source(model):
         raise ValueError(
             f"{type(model).__name__}'s forward does not compute its loss through "
-            "model.loss_function, so chunked loss cannot apply. Set loss_chunk_tokens=None."
+            f"model.loss_function, so chunked loss cannot apply. {_TURN_OFF}"
         )
     state = {"active": False}
     head_forward = head.forward
@@ -225,7 +235,8 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
             state["active"] = False  # one error, not a second one from the forward hook
             raise _not_straight(model, "its forward changes the head's output before the loss")
         return chunked_cross_entropy(logits, head, labels, chunk_tokens, ignore_index=ignore_index,
-                                     num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+                                     num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
+                                     labeled_only=labeled_only)
 
     model.register_forward_pre_hook(start, with_kwargs=True)
     model.register_forward_hook(finish, with_kwargs=True, always_call=True)
@@ -257,5 +268,5 @@ def _not_straight(model: nn.Module, what: str) -> Exception:
 
     return HfScaleConfigError(
         f"chunked loss cannot apply to {type(model).__name__}: {what}, so the chunked loss would "
-        "differ from its own. Set loss_chunk_tokens=None."
+        f"differ from its own. {_TURN_OFF}"
     )

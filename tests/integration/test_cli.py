@@ -57,18 +57,24 @@ def test_every_strategy_trains_like_plain_transformers(recipe, reference, strate
 
 def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference):
     """``--parallel.strategy auto``: rank 0's planner picks the layout for 2 processes and the
-    recipe's batches, every rank applies it, and training is the one-process reference's."""
+    recipe's batches, every rank applies it (with the field given beside it: the head on the
+    answer tokens only), and training is the one-process reference's (full logits)."""
     import re
 
     out = recipe.parent / "runs" / "auto"
     env = stand_in_calibration(recipe.parent / "cache")
     argv = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--parallel.strategy", "auto",
-            "--train.output_dir", str(out)]
+            "--parallel.loss_labeled_only", "true", "--train.output_dir", str(out)]
     log = finish_command(start_command(argv, env), 300).stdout
     chosen = re.search(r"strategy 'auto' chose (\w+) (\d+)x(\d+)x(\d+)x(\d+) .*\(seq 64 x batch 4 per", log)
     assert chosen, log[-3000:]
     strategy, rep, shard, tp, pp = chosen.groups()
     assert f"{strategy} over pp={pp} x dp_replicate={rep} x dp_shard={shard} x tp={tp}" in log
+    # hf-scale plan, asked about the same recipe on the same machine, recommends what the run chose
+    plan = [sys.executable, "-m", "hf_scale.cli", "plan", str(recipe), "--parallel.strategy", "auto",
+            "--parallel.loss_labeled_only", "true"]
+    recommended = re.search(r"recommended: (.+?) -> parallel:", finish_command(start_command(plan, env), 120).stdout)
+    assert recommended and f"chose {recommended.group(1)}: " in log, (recommended, log[-3000:])
     check_against_reference(out, reference)
     from huggingface_hub import ModelCard
 

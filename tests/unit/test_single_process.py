@@ -102,6 +102,45 @@ def test_chunked_loss_matches_and_keeps_eval_logits():
         assert model(**batch).logits.shape == (2, 16, 128)
 
 
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_loss_labeled_only_gives_the_loss_and_gradients_of_the_full_logits(chunk):
+    """Prompt positions masked with -100 (and one row with no label at all): the head runs on
+    the labeled positions only, and the loss and every gradient are plain transformers'."""
+    ref = tiny_model("llama", "causal")
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"loss_labeled_only": True, "loss_chunk_tokens": chunk})
+    batch = tiny_batch("causal", 3)
+    batch["labels"][:, :11] = -100  # a prompt
+    batch["labels"][1] = -100  # a row whose every position is masked
+    out = model(**batch)
+    assert out.logits is None
+    want = ref(**batch)
+    torch.testing.assert_close(out.loss, want.loss)
+    out.loss.backward()
+    want.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    with torch.no_grad():
+        assert model(**batch).logits.shape == (3, 16, 128)
+
+
+def test_loss_labeled_only_runs_the_head_on_the_labeled_positions_only(monkeypatch):
+    from hf_scale.parallel import loss
+
+    rows = []
+    chunk_loss = loss._chunk_loss
+    monkeypatch.setattr(loss, "_chunk_loss", lambda hidden, *a: rows.append(hidden.shape[0]) or chunk_loss(hidden, *a))
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"loss_labeled_only": True})
+    batch = tiny_batch("causal", 2)
+    batch["labels"][:, :12] = -100  # positions 11..14 predict labels 12..15: 4 per row
+    model(**batch)
+    assert rows == [8]
+
+
+def test_loss_labeled_only_must_be_a_bool():
+    with pytest.raises(HfScaleConfigError, match="loss_labeled_only='yes' must be true or false"):
+        hf_scale.ParallelConfig(loss_labeled_only="yes")
+
+
 def test_chunked_loss_refused_for_a_model_with_its_own_loss():
     model = tiny_model("t5", "seq2seq")
     with pytest.raises(HfScaleConfigError, match="does not compute its loss through model.loss_function"):
