@@ -117,8 +117,10 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
         nodes, device = nodes or 1, with_links(cpu_device(), **(links or {}))
         memory = gpu_memory or psutil.virtual_memory().total // max(1, world // nodes)
     space, left_out = {}, {}
-    if job is not None and job.parallel.auto:  # the search hf-scale finetune runs: fixed fields, micro-batch,
-        from .auto import search_space      # and only layouts the recipe accepts (JobConfig.refuses)
+    if job is not None and job.parallel.auto:
+        # the search hf-scale finetune runs: fixed fields, micro-batch, and only the layouts the
+        # recipe accepts (JobConfig.refuses)
+        from .auto import search_space
 
         def recipe_accepts(layout, parallel) -> bool:
             why = job.refuses(parallel)
