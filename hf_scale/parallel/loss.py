@@ -54,7 +54,7 @@ def chunked_cross_entropy(
     if chunk_tokens is None:  # one chunk (a vocabulary-parallel head without chunking)
         total = _chunk_loss(flat_hidden, head.weight, head.bias, flat_labels, ignore_index)
         return _normalise(total, flat_labels, ignore_index, num_items_in_batch)
-    if flat_hidden.shape[0] <= chunk_tokens and torch.is_grad_enabled():
+    if flat_hidden.shape[0] <= chunk_tokens and torch.is_grad_enabled() and not labeled_only:
         import logging
 
         from ..log import log_rank0
@@ -157,8 +157,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 # Config attributes of models that transform the head's output before the loss (soft-capping,
 # scaling): the loss would silently differ, so those models are refused.
-_TURN_OFF = "Set loss_chunk_tokens=None and loss_labeled_only=False."
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+_TURN_OFF = "Set loss_chunk_tokens=None and loss_labeled_only=False."  # what every refusal says to do
 
 
 def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | None, *,
