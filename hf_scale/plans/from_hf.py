@@ -49,6 +49,10 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
                 value = {**fields.get(name, {}), **dict(value)}
             fields[name], source[name] = _freeze(value), "user"
 
+    if source.get("wrap_modules") in ("transformers", f"registry:{model_type}"):
+        # A declared list names classes of sibling models too (Qwen3.5's text model lists its
+        # vision block): keep the ones this model has; a list matching nothing still fails below.
+        fields["wrap_modules"] = _present_classes(model, fields["wrap_modules"])
     if source.get("wrap_modules") == "transformers":
         # transformers' no-split modules may include embeddings tied to a head: drop those.
         fields["wrap_modules"] = tuple(
@@ -128,6 +132,14 @@ def _declared_fields(model: nn.Module) -> dict[str, Any]:
     }
 
 
+def _present_classes(model: nn.Module, classes: tuple[str, ...]) -> tuple[str, ...]:
+    """``classes`` less those of which ``model`` has no instance; all of them when it has none
+    (so the check names the whole list)."""
+    present = {type(m).__name__ for m in model.modules()}
+    kept = tuple(cls for cls in classes if cls in present)
+    return kept or classes
+
+
 def _longest_block_list(model: nn.Module) -> str | None:
     best, best_len = None, 1
     for module in model.modules():
@@ -157,7 +169,7 @@ def _check(model: nn.Module, plan: ModelPlan, strict: bool) -> None:
     present = defaultdict(int)
     for module in model.modules():
         present[type(module).__name__] += 1
-    missing = [cls for cls in plan.wrap_modules if not present[cls]]
+    missing = [cls for cls in plan.wrap_modules if cls not in present]  # no lookup: it would add the key
     if missing:
         raise HfScalePlanError(
             f"plan for {type(model).__name__} wraps {missing}, which the model does not "

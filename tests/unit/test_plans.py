@@ -134,3 +134,45 @@ def test_register_plan_for_a_new_model_type(monkeypatch):
     plan = resolve_plan(_Custom(1))
     assert plan.wrap_modules == ("_Block",) and plan.keep_fp32_modules == ("head",)
     assert plan.source["wrap_modules"] == "registry:_Custom"
+
+
+def _tiny_qwen3_5():
+    config = tf.Qwen3_5TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, layer_types=["linear_attention", "full_attention"])
+    torch.manual_seed(0)
+    return tf.Qwen3_5ForCausalLM(config)
+
+
+def test_declared_wrap_classes_the_model_lacks_are_dropped():
+    """Qwen3.5's text model declares its vision block beside its decoder layer (issue 26.4): the
+    plan keeps the class it has, and one process trains with checkpointed blocks like plain
+    transformers (same loss and gradients)."""
+    import copy
+
+    import hf_scale
+
+    model = _tiny_qwen3_5()
+    assert "Qwen3_5VisionBlock" in model._no_split_modules
+    plan = resolve_plan(model)
+    assert plan.wrap_modules == ("Qwen3_5DecoderLayer",) and plan.source["wrap_modules"] == "transformers"
+    assert len(wrap_units(model, plan)) == 2
+    reference = copy.deepcopy(model)
+    parallel = hf_scale.parallelize(model, {"activation_checkpointing": "full"})
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    loss = parallel(input_ids=ids, labels=ids).loss
+    loss.backward()
+    want = reference(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    grads = dict(reference.named_parameters())
+    for name, p in parallel.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, msg=name)
+
+
+def test_declared_wrap_classes_matching_nothing_are_refused():
+    model = meta_model("llama", "causal")
+    model._no_split_modules = ["NoSuchBlock", "NorThisOne"]
+    with pytest.raises(HfScalePlanError, match=r"wraps \['NoSuchBlock', 'NorThisOne'\], which the model does not"):
+        resolve_plan(model)
