@@ -258,6 +258,16 @@ def as_parallel_config(value: ParallelConfig | dict | None) -> ParallelConfig:
     )
 
 
+def is_auto_request(config) -> bool:
+    """``"auto"``, ``{"strategy": "auto", ...}`` or ``ParallelConfig(strategy="auto")``: a request
+    for the planner's layout (:func:`hf_scale.api.resolve_parallel_config`)."""
+    if isinstance(config, str):
+        return config == "auto"
+    if isinstance(config, ParallelConfig):
+        return config.auto
+    return isinstance(config, Mapping) and config.get("strategy") == "auto"
+
+
 def _check_positive_int(name: str, value: Any, hint: str, optional: bool = True) -> None:
     """Refuse anything but an integer >= 1 (a bool is not one; None only where ``optional``),
     naming the field, the value and ``hint``: what the number means, or what None does."""

@@ -183,12 +183,12 @@ def test_hub_id_through_the_huggingface_hub_cache(tmp_path, monkeypatch):
 def test_one_process_on_an_accelerator_puts_buffers_there_too(tmp_path, monkeypatch):
     """World 1 on a GPU under the default fsdp: parameters and buffers (BERT's position ids) all
     end on the device (the buffers stayed on the CPU). The meta device stands in for CUDA."""
-    import hf_scale.api as api
     import hf_scale.checkpoint.load as load
+    import hf_scale.orchestrate as orchestrate
     from hf_scale.distributed import DistEnv
 
     hf_scale.save_pretrained(hf_scale.parallelize(tiny_model("bert", "seqcls")), tmp_path / "bert")
-    monkeypatch.setattr(api, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
+    monkeypatch.setattr(orchestrate, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
     real = load.assign_from_files  # reads onto the CPU (a meta "GPU" cannot hold the values read)
     monkeypatch.setattr(load, "assign_from_files", lambda m, f, w, device: real(m, f, w, torch.device("cpu")))
     model = hf_scale.from_pretrained(tmp_path / "bert", {"strategy": "fsdp"})

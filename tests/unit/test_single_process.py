@@ -8,7 +8,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_scale
 from hf_scale import HfScaleConfigError
-from hf_scale.api import _check_precision
+from hf_scale.orchestrate import precision_dtype
 from hf_scale.distributed import DistEnv
 from hf_scale.parallel.optim import parameter_groups
 from tests.tiny_models import all_cases, tiny_batch, tiny_model
@@ -88,7 +88,7 @@ def test_bf16_on_a_gpu_without_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "OldGPU")
     env = DistEnv(0, 1, 0, 1, torch.device("cuda", 0))
     with pytest.raises(HfScaleConfigError, match="OldGPU has no bf16 support: use mixed_precision='fp16'"):
-        _check_precision(torch.bfloat16, env)
+        precision_dtype(hf_scale.ParallelConfig(mixed_precision="bf16"), env)
 
 
 def test_chunked_loss_matches_and_keeps_eval_logits():
@@ -213,8 +213,8 @@ def test_one_process_on_an_accelerator_moves_the_whole_model_there(monkeypatch):
     """World 1 on a GPU: nothing shards the model, so parallelize puts it on the device whatever
     the strategy (it stayed on the CPU under the default fsdp, found writing scripts/gpu_check.py).
     The meta device stands in for CUDA here."""
-    import hf_scale.api as api
+    import hf_scale.orchestrate as orchestrate
 
-    monkeypatch.setattr(api, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
+    monkeypatch.setattr(orchestrate, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
     model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": "fsdp"})
     assert {p.device.type for p in model.parameters()} == {"meta"}

@@ -1,0 +1,286 @@
+"""The order of operations behind ``parallelize``, one named step each, torchtitan's order.
+
+:func:`apply_parallelism` reads as that order: plan -> process group -> mesh (degrees, tensor
+and pipeline layouts) -> this rank's pipeline stages -> loss -> tensor parallel -> device ->
+activation checkpointing -> data parallel (FSDP2 / DDP, or autocast alone) -> pipeline
+schedule -> state. Each step is a small function with explicit arguments; the engine's
+``apply_*`` functions (:mod:`hf_scale.parallel`) do the work. ``config`` is a resolved
+:class:`ParallelConfig` here: ``"auto"`` is :func:`hf_scale.api.parallelize`'s to resolve, so
+the planner's calibration can apply a layout without importing the planner again.
+
+Usage::
+
+    model = apply_parallelism(model, ParallelConfig(strategy="fsdp", tp=2))
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ParallelConfig
+from .distributed import DistEnv, init_distributed
+from .errors import HfScaleConfigError
+from .log import log_rank0
+from .mesh import ParallelDims, build_mesh
+from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
+from .parallel.pp import is_stand_in, prune_to_stages, stage_module
+from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
+from .parallel.step import eval_step, train_step
+from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .plans.pp import PipelineLayout, pp_layout
+from .plans.tp import TPLayout, tp_layout
+from .state import STATE_ATTR, ParallelState, get_state
+
+DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How this run splits the model: degrees and mesh (None in one process), the tensor-parallel
+    styles and the pipeline's stages (None when that degree is 1), and this rank's stages."""
+
+    dims: ParallelDims | None = None
+    mesh: Any = None
+    tp: TPLayout | None = None
+    pp: PipelineLayout | None = None
+    stages: tuple[int, ...] = ()
+
+    @property
+    def holds_head(self) -> bool:
+        """Whether this rank holds the output head (every rank but a pipeline's non-last stages)."""
+        return self.pp is None or self.pp.num_stages - 1 in self.stages
+
+
+def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan | Mapping | None = None) -> nn.Module:
+    """Apply ``config`` to ``model`` in place, in the order above; returns ``model``."""
+    check_not_parallelized(model)
+    resolved = resolve_plan(model, plan)
+    env = init_distributed(config.timeout_seconds)
+    dtype = precision_dtype(config, env)
+    topology = build_topology(model, resolved, config, env)
+    topology = keep_own_stages(model, topology)
+    units = wrap_units(model, resolved)
+    keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
+    apply_loss(model, config, topology)
+    apply_tensor_parallel(model, topology, resolved)
+    move_to_device(model, config, topology, env)
+    apply_checkpointing(model, units, config)
+    roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
+    pipeline = attach_pipeline(model, topology, roots, resolved, config, env)
+    log_layout(config, topology, env, units, resolved)
+    return attach_state(model, ParallelState(config, resolved, env, topology.dims, topology.mesh, pipeline))
+
+
+def check_not_parallelized(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise HfScaleConfigError(f"parallelize() needs a torch.nn.Module, got {type(model).__name__}.")
+    state = get_state(model)
+    if state is not None:
+        raise HfScaleConfigError(
+            f"parallelize() was already applied to this {type(model).__name__} "
+            f"(strategy={state.config.strategy!r}). Call it once, on a model that has not been parallelized."
+        )
+
+
+def precision_dtype(config: ParallelConfig, env: DistEnv) -> torch.dtype | None:
+    """The compute dtype of ``mixed_precision`` (None: fp32), refused where the device lacks it."""
+    dtype = DTYPES[config.mixed_precision]
+    if dtype is torch.bfloat16 and env.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise HfScaleConfigError(
+            f"mixed_precision='bf16' but {torch.cuda.get_device_name(env.device)} has no bf16 "
+            "support: use mixed_precision='fp16' (with a GradScaler) or None."
+        )
+    return dtype
+
+
+def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, env: DistEnv) -> Topology:
+    """Degrees, layouts and mesh. Every check runs before the mesh's first collective, so a bad
+    layout fails on every rank alike; in one process, tp or pp > 1 asks for torchrun."""
+    if env.world_size == 1:
+        if config.tp > 1 or config.pp > 1:
+            need = config.tp * config.pp
+            degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("pp", config.pp)) if v > 1)
+            raise HfScaleConfigError(
+                f"{degrees} needs {need} processes (or a multiple): start the script with torchrun "
+                f"--nproc_per_node {need} (found one process, no torchrun environment)."
+            )
+        return Topology()
+    dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
+    pp = None
+    if dims.pp_enabled:
+        pp = pp_layout(model, plan, dims.pp, config.stages_per_rank, config.pp_schedule == "zbv",
+                       config.pp_split_points)
+    tp = tp_layout(model, plan, dims.tp) if dims.tp_enabled else None
+    return Topology(dims, build_mesh(dims, env.device.type), tp, pp)
+
+
+def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
+    """Under pipeline parallel, this rank keeps only its stages' modules from here on."""
+    if topology.pp is None:
+        return topology
+    stages = tuple(topology.pp.stages_of(topology.dims.pp_rank(topology.mesh)))
+    prune_to_stages(model, topology.pp, list(stages))
+    return Topology(topology.dims, topology.mesh, topology.tp, topology.pp, stages)
+
+
+def apply_loss(model: nn.Module, config: ParallelConfig, topology: Topology) -> None:
+    """Chunked / labeled-only loss when asked; under tp with a vocabulary-sharded head, the loss
+    on the vocabulary shards (a model whose forward does not allow it gathers the logits)."""
+    if not topology.holds_head:
+        return
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if config.loss_chunk_tokens or config.loss_labeled_only:
+        try:
+            apply_chunked_loss(model, head, config.loss_chunk_tokens, labeled_only=config.loss_labeled_only)
+        except ValueError as e:
+            raise HfScaleConfigError(str(e)) from None
+    elif topology.tp is not None and _vocab_sharded(model, head, topology.tp):
+        try:
+            apply_chunked_loss(model, head, None)
+        except ValueError as e:
+            log_rank0(f"tensor parallel: the loss gathers the full logits ({e})", once=True)
+
+
+def apply_tensor_parallel(model: nn.Module, topology: Topology, plan: ModelPlan) -> None:
+    """The tp styles of the modules this rank holds, over the mesh's ``tp`` dimension."""
+    if topology.tp is None:
+        return
+    present = {name for name, m in model.named_modules() if not is_stand_in(m)}
+    apply_tp(
+        model,
+        topology.mesh["tp"],
+        {n: style for n, style in topology.tp.styles.items() if n in present},
+        {n: attrs for n, attrs in topology.tp.local_attrs.items() if n in present},
+        _present_ties(model, plan.tied_weights, topology.pp),
+    )
+
+
+def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:
+    """Put this rank's model on its GPU, unless FSDP will (it moves unit by unit, never holding
+    the whole model there). After tensor parallel, so each GPU receives its shards only."""
+    dims = topology.dims
+    fsdp_moves = dims is not None and dims.dp_degree > 1 and config.sharded
+    if env.device.type != "cpu" and not fsdp_moves and not any(p.is_meta for p in model.parameters()):
+        model.to(env.device)
+
+
+def apply_checkpointing(model: nn.Module, units: list[nn.Module], config: ParallelConfig) -> None:
+    """Activation checkpointing on the blocks, with the KV cache off in training forwards."""
+    if not config.activation_checkpointing:
+        return
+    count = apply_ac(units, config.activation_checkpointing, config.ac_every)
+    _disable_kv_cache(model)
+    log_rank0(f"activation checkpointing ({config.activation_checkpointing}) on {count} of {len(units)} blocks")
+
+
+def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Module], keep_fp32: list[nn.Module],
+                        dtype: torch.dtype | None, config: ParallelConfig, env: DistEnv) -> list[nn.Module]:
+    """FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) on each root over the data-parallel
+    mesh, or autocast alone (one process, or tp / pp without data parallel). Under pipeline
+    parallel each stage is its own root (FSDP unit, autocast scope); returns the roots."""
+    roots = [model]
+    if topology.pp is not None:
+        roots = [stage_module(model, topology.pp, s) for s in topology.stages]
+    dims = topology.dims
+    for root in roots:
+        inside = {id(m) for m in root.modules()}
+        fp32 = [m for m in keep_fp32 if id(m) in inside]
+        if dims is None or dims.dp_degree == 1:
+            if dtype is not None:
+                apply_autocast(root, dtype, env.device.type, fp32)
+        elif config.sharded:
+            apply_fsdp(root, dims.dp_mesh(topology.mesh), [u for u in units if id(u) in inside],
+                       param_dtype=dtype,
+                       reshard_after_forward=config.strategy != "zero2" and config.reshard_after_forward is not False,
+                       cpu_offload=config.cpu_offload, fp32_modules=fp32,
+                       blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
+        else:
+            apply_ddp(root, dims.dp_mesh(topology.mesh))
+            if dtype is not None:
+                apply_autocast(root, dtype, env.device.type, fp32)
+    return roots
+
+
+def attach_pipeline(model: nn.Module, topology: Topology, roots: list[nn.Module], plan: ModelPlan,
+                    config: ParallelConfig, env: DistEnv) -> Pipeline | None:
+    """The schedule runner for this rank's stages; ``model`` itself can no longer run forward."""
+    if topology.pp is None:
+        return None
+    layout, dims, mesh = topology.pp, topology.dims, topology.mesh
+    ties = tied_across_stages(layout, plan.tied_weights)
+    group = tie_group(mesh, layout, dims.pp) if ties else None
+    pipeline = Pipeline(model, layout, list(topology.stages), roots, mesh["pp"].get_group(), env.device,
+                        config.pp_schedule, config.pp_microbatches, group, ties)
+    held = ", ".join(str(s) for s in topology.stages)
+
+    def refuse(module, args, kwargs):
+        raise HfScaleConfigError(
+            f"this rank holds pipeline stage(s) {held} of {layout.num_stages}, not the whole "
+            f"{type(module).__name__}: train with model.train_step(batch) and evaluate with "
+            "model.eval_step(batch) (generate needs pp=1: save, then load without pp)."
+        )
+
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
+    return pipeline
+
+
+def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: list[nn.Module],
+               plan: ModelPlan) -> None:
+    """One line (rank 0) saying what was applied."""
+    if topology.dims is None:
+        log_rank0("running in one process (no torchrun environment): only activation checkpointing, "
+                  "mixed precision and chunked loss apply", once=True)
+        return
+    per_unit = config.blocks_per_unit or 1
+    log_rank0(
+        f"{config.strategy} over {topology.dims.describe()} on {env.device.type} ({env.backend}); "
+        f"{len(units)} blocks of {', '.join(plan.wrap_modules)}"
+        + (f" ({per_unit} per FSDP unit)" if per_unit > 1 else "")
+        + (f"; FSDP prefetch {config.fsdp_prefetch} ahead" if config.fsdp_prefetch and config.sharded else "")
+        + f"; precision {config.mixed_precision or 'fp32'}"
+        + (f"; pipeline {config.pp_schedule}, stages {_describe(topology.pp)}" if topology.pp is not None else "")
+    )
+
+
+def attach_state(model: nn.Module, state: ParallelState) -> nn.Module:
+    """Record what was applied on the model, and give it ``train_step`` / ``eval_step``."""
+    setattr(model, STATE_ATTR, state)
+    model.train_step = functools.partial(train_step, model)
+    model.eval_step = functools.partial(eval_step, model)
+    return model
+
+
+def _describe(layout: PipelineLayout) -> str:
+    return " | ".join(f"{b[0]}-{b[-1]}" for b in layout.stage_blocks)
+
+
+def _present_ties(model: nn.Module, ties, layout: PipelineLayout | None = None) -> tuple:
+    """The ties tensor parallel must restore: both ends held here and in one pipeline stage (a
+    V schedule's rank holds the embedding and its own copy of the head: they stay two)."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    split = set(tied_across_stages(layout, ties)) if layout is not None else set()
+    return tuple((t, s) for t, s in ties if t in names and s in names and (t, s) not in split)
+
+
+def _vocab_sharded(model: nn.Module, head, layout: TPLayout) -> bool:
+    names = {id(m): n for n, m in model.named_modules()}
+    return isinstance(head, nn.Linear) and layout.styles.get(names.get(id(head), "")) == "colwise_gather_output"
+
+
+def _disable_kv_cache(model: nn.Module) -> None:
+    """Turn off the KV cache in training forwards, on every sub-config (T5's decoder has its own).
+
+    A cache filled during a checkpointed forward changes what the recomputation does (T5 reads
+    cross-attention keys back from it), and it keeps every layer's keys and values alive,
+    undoing what checkpointing frees. ``generate`` still uses its generation config's cache.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
