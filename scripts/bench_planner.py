@@ -454,7 +454,7 @@ def main() -> None:
     unknown = [n for n in names if n not in LEGS]
     if unknown:
         parser.error(f"unknown legs {unknown}; known: {', '.join(LEGS)}")
-    from hf_scale.planner.cost import calibration_path, cpu_device
+    from hf_scale.planner.machine import calibration_path, cpu_device
 
     device = cpu_device(refresh=not args.no_calibrate)
     print(f"calibration ({calibration_path()}): {device}", flush=True)

@@ -182,7 +182,7 @@ def stand_in_calibration(cache_home: Path) -> dict[str, str]:
     ``XDG_CACHE_HOME=cache_home``; returns that variable for a command's environment."""
     import json
 
-    from hf_scale.planner.cost import CALIBRATION_VERSION
+    from hf_scale.planner.machine import CALIBRATION_VERSION
 
     (cache_home / "hf_scale").mkdir(parents=True, exist_ok=True)
     (cache_home / "hf_scale" / "calibration.json").write_text(

@@ -6,7 +6,8 @@ model's config alone, and the fastest layout that fits.
 - :mod:`.estimate`: bytes per rank by what holds them (parameters, gradients, optimizer state,
   activations, logits and loss, communication buffers, process overhead) for one layout.
 - :mod:`.cost`: step time (compute, collectives over links, bubble, optimizer) on a device;
-  :mod:`.calibrate` measures this machine once.
+  :mod:`.calibrate` measures this machine once (in :mod:`.helpers`' processes), :mod:`.machine`
+  caches and reads it.
 - :mod:`.choose`: every layout for a world size, rejected with reasons or ranked; the winner.
 - :mod:`.report` (``hf-scale plan --gpus``) and :mod:`.auto` (``parallelize(model, "auto")``,
   the one entry point from the library).
@@ -19,8 +20,9 @@ Usage::
 """
 
 from .choose import Candidate, choose, parse_memory
-from .cost import H100, INFINIBAND, NVLINK, Device, Link, cpu_device, step_cost
+from .cost import H100, INFINIBAND, NVLINK, Device, Link, step_cost
 from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
+from .machine import cpu_device
 from .profile import model_facts
 
 __all__ = ["H100", "INFINIBAND", "NVLINK", "Candidate", "Device", "Layout", "Link", "MemoryEstimate", "Workload",

@@ -27,14 +27,15 @@ from collections.abc import Mapping
 
 import torch
 
-from ..api import is_auto_request as is_auto  # noqa: F401 - re-exported
 from ..config import ParallelConfig, from_dict
+from ..config import is_auto_request as is_auto  # noqa: F401 - re-exported
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
 from ..mesh import ParallelDims
 from .choose import Candidate, choose
-from .cost import H100, cpu_device
+from .cost import H100
 from .estimate import GiB, Workload
+from .machine import cpu_device
 from .profile import model_facts
 
 # ParallelConfig fields the chooser varies; a value given for one of them narrows its search.

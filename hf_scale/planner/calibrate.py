@@ -7,7 +7,7 @@ reduce-scatter bus bandwidth (gloo's all-gather and reduce-scatter run at a frac
 all-reduce's), latency, and what FSDP2 costs per unit, DDP per step and tensor parallel per
 sharded module beyond their model's compute (hooks, copies, DTensor's dispatch, small
 collectives). About two minutes (bf16 on a CPU is slow); noisy on
-a busy machine (the result is cached: :func:`hf_scale.planner.cost.cpu_device`, ``refresh=True``
+a busy machine (the result is cached: :func:`hf_scale.planner.machine.cpu_device`, ``refresh=True``
 to redo it).
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 
 import torch
@@ -169,9 +168,9 @@ def _tp_overhead(world: int) -> tuple[float, int]:
 
     import transformers as tf
 
-    from ..api import parallelize
     from ..config import ParallelConfig
     from ..log import logger
+    from ..orchestrate import apply_parallelism
     from .profile import model_facts
 
     torch.manual_seed(0)
@@ -179,7 +178,7 @@ def _tp_overhead(world: int) -> tuple[float, int]:
     level = logger.level
     logger.setLevel(logging.WARNING)  # parallelize's layout line is not the calibration's to print
     try:
-        sharded = parallelize(copy.deepcopy(plain), ParallelConfig(tp=world))
+        sharded = apply_parallelism(copy.deepcopy(plain), ParallelConfig(tp=world))
     finally:
         logger.setLevel(level)
     ids = torch.randint(0, 64, (1, 8))
@@ -192,13 +191,11 @@ def _tp_overhead(world: int) -> tuple[float, int]:
     return _best(step(sharded), 20) - _best(step(plain), 20), modules
 
 
-def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
+def collectives_rank(rank: int, world: int, _arg: float = 0.0) -> dict | None:
+    """A helper process's part of :func:`collectives` (its gloo group started); rank 0 returns
+    the figures."""
     import torch.distributed as dist
 
-    from ..distributed import shutdown_distributed
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     n = 4 * 2**20  # floats: 16 MB, about one SmolLM2 block in fp32
     big, small = torch.ones(n), torch.ones(1)
     part, whole = torch.ones(n // world), torch.empty(n)
@@ -211,34 +208,27 @@ def _collectives_rank(rank: int, port: int, queue, world: int = 2) -> None:
     # the cost model charges each collective's latency itself: 2 all-gathers + 1 reduce-scatter
     # per FSDP unit, one all-reduce per DDP bucket, one per tp module
     fsdp_unit, ddp, tp_module = fsdp_unit - 3 * lat, ddp - lat, tp_step / tp_modules - lat
-    if rank == 0:  # ring bus bytes per rank: 2(n-1)/n of the tensor for all-reduce, (n-1)/n for the others
-        ring = big.nbytes * (world - 1) / world
-        queue.put({"allreduce_bus_bytes_per_s": 2 * ring / bw, "allreduce_latency_s": lat,
-                   "allgather_bus_bytes_per_s": ring / gather, "reducescatter_bus_bytes_per_s": ring / scatter,
-                   "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp),
-                   "tp_module_overhead_s": max(0.0, tp_module), "optimizer_tensor_s": tensor,
-                   "optimizer_dtensor_s": dtensor})
-    shutdown_distributed()
+    if rank != 0:
+        return None
+    ring = big.nbytes * (world - 1) / world  # ring bus bytes per rank: 2(n-1)/n for all-reduce, (n-1)/n else
+    return {"allreduce_bus_bytes_per_s": 2 * ring / bw, "allreduce_latency_s": lat,
+            "allgather_bus_bytes_per_s": ring / gather, "reducescatter_bus_bytes_per_s": ring / scatter,
+            "fsdp_unit_overhead_s": max(0.0, fsdp_unit), "ddp_overhead_s": max(0.0, ddp),
+            "tp_module_overhead_s": max(0.0, tp_module), "optimizer_tensor_s": tensor,
+            "optimizer_dtensor_s": dtensor}
 
 
 def collectives(world: int = 2) -> dict:
     """gloo between ``world`` local processes: all-reduce, all-gather and reduce-scatter bus
     bandwidth, the latency of a tiny all-reduce, and FSDP's / DDP's / tp's own cost per unit /
-    step / module."""
-    import torch.multiprocessing as mp
+    step / module. Measured in helper processes (:mod:`hf_scale.planner.helpers`)."""
+    from .helpers import run_helpers
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_collectives_rank, args=(r, port, queue, world)) for r in range(world)]
-    for p in procs:
-        p.start()
-    result = queue.get(timeout=300)
-    for p in procs:
-        p.join()
-    return result
+    return run_helpers(__spec__.name, "collectives", world, HELPER_TIMEOUT_S, f"the {world}-process gloo measurement")[0]
+
+
+# Seconds the calibration waits for one measurement's helper processes (each takes 5-60 s).
+HELPER_TIMEOUT_S = 300
 
 
 # SmolLM2's block shape (grouped key/value heads) and vocabulary, 4 blocks, 256 tokens: the rate a
@@ -246,9 +236,12 @@ def collectives(world: int = 2) -> dict:
 _SMOLLM2_SHAPE = {"seq": 256, "batch": 1, "layers": 4, "vocab": 49152, "kv_groups": 3}
 
 
-def _busy_rank(queue, barrier, overhead: float) -> None:
-    torch.set_num_threads(1)
-    queue.put(training_flops(torch.float32, overhead=overhead, barrier=barrier, **_SMOLLM2_SHAPE))
+def busy_rank(rank: int, world: int, overhead: float) -> dict:
+    """A helper process's part of :func:`busy_flops`: its rate, timed while the others compute."""
+    import torch.distributed as dist
+
+    barrier = type("Barrier", (), {"wait": staticmethod(dist.barrier)})()
+    return {"flops": training_flops(torch.float32, overhead=overhead, barrier=barrier, **_SMOLLM2_SHAPE)}
 
 
 def busy_flops(overhead: float, processes: int) -> float:
@@ -256,21 +249,15 @@ def busy_flops(overhead: float, processes: int) -> float:
     one thread each (every core busy, as under torchrun with a rank per core): shared caches,
     memory bandwidth and clock can make it lower than one process alone's. The median process's
     rate."""
-    import torch.multiprocessing as mp
+    from .helpers import run_helpers
 
-    ctx = mp.get_context("spawn")
-    queue, barrier = ctx.Queue(), ctx.Barrier(processes)
-    procs = [ctx.Process(target=_busy_rank, args=(queue, barrier, overhead)) for _ in range(processes)]
-    for p in procs:
-        p.start()
-    rates = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    return _median(rates)
+    rates = run_helpers(__spec__.name, "busy", processes, 2 * HELPER_TIMEOUT_S, f"{processes} processes computing at once",
+                        overhead)
+    return _median([r["flops"] for r in rates])
 
 
 def calibrate() -> dict:
-    """The numbers :func:`hf_scale.planner.cost.cpu_device` reads; compute with one thread, as each
+    """The numbers :func:`hf_scale.planner.machine.cpu_device` reads; compute with one thread, as each
     torchrun rank runs (``OMP_NUM_THREADS=1``)."""
     links = collectives()
     # again at 4 processes: more ranks per collective and, on a machine of 2 or 3 cores, more ranks
@@ -297,3 +284,9 @@ def calibrate() -> dict:
         result["flops_busy_ratio"] = busy_flops(overhead, min(cores, 8)) / result["flops_fp32"]
     torch.set_num_threads(threads)
     return result
+
+
+if __name__ == "__main__":  # a helper process of collectives() or busy_flops()
+    from hf_scale.planner.helpers import serve
+
+    serve({"collectives": collectives_rank, "busy": busy_rank})

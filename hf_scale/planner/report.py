@@ -10,8 +10,9 @@ Usage::
 from __future__ import annotations
 
 from .choose import Candidate, choose, parse_memory
-from .cost import H100, Device, Link, cpu_device
+from .cost import H100, Device, Link
 from .estimate import GiB, Workload
+from .machine import cpu_device
 from .profile import ModelFacts, model_facts
 
 GPUS_PER_NODE = 8  # an H100 node (DGX / HGX): the NVLink domain

@@ -1,0 +1,81 @@
+"""This machine, measured: the planner's :class:`Device` for the CPU it runs on.
+
+:mod:`hf_scale.planner.calibrate` measures the machine once (about two minutes); the figures are
+cached in :func:`calibration_path` and read by :func:`cpu_device`. Apart from
+:mod:`hf_scale.planner.cost` so the cost model never imports the measurement that uses it.
+
+Usage::
+
+    device = cpu_device()              # cached, else measured now
+    device = cpu_device(refresh=True)  # measured again
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..log import log_rank0
+from .cost import Device, Link
+
+# The figures a calibration holds; raised when calibrate() measures a new one, so a cache written
+# by an older hf_scale (where a figure it lacks would read as 0, a cost left out) is measured again.
+CALIBRATION_VERSION = 2
+
+
+def calibration_path() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "hf_scale" / "calibration.json"
+
+
+def _cached_calibration(path: Path) -> dict | None:
+    """The cached calibration, or None (with the reason logged) when it must be measured again."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        reason = f"it could not be read ({e})"
+    else:
+        if isinstance(data, dict) and data.get("version") == CALIBRATION_VERSION:
+            return data
+        reason = "an older hf_scale wrote it, without some of the figures the planner reads now"
+    log_rank0(f"re-measuring the planner's calibration {path}: {reason}")
+    return None
+
+
+def cpu_device(refresh: bool = False) -> Device:
+    """``gloo-cpu-here``: this machine measured once (a small llama's training step for FLOP/s,
+    a 2-process gloo all-reduce for bandwidth and latency), cached in ``calibration_path()``."""
+    path = calibration_path()
+    data = None if refresh else _cached_calibration(path)
+    if data is None:
+        from ..checkpoint.files import atomic_write_text
+        from .calibrate import calibrate
+
+        log_rank0(f"measuring this machine for the planner (about 2 minutes, once: cached in {path})")
+        data = {**calibrate(), "version": CALIBRATION_VERSION}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(data, indent=1))
+    def link(data: dict) -> Link:
+        return Link(bandwidth=data["allreduce_bus_bytes_per_s"], latency=data["allreduce_latency_s"], overlap=0.0,
+                    gather_bandwidth=data.get("allgather_bus_bytes_per_s"),
+                    scatter_bandwidth=data.get("reducescatter_bus_bytes_per_s"))
+
+    wider = tuple((4, link(w4), w4.get("fsdp_unit_overhead_s", 0.0), w4.get("ddp_overhead_s", 0.0),
+                   w4.get("tp_module_overhead_s", 0.0))
+                  for w4 in ([data["world4"]] if "world4" in data else []))
+    intra = link(data)
+    return Device("cpu", flops_fp32=data["flops_fp32"], flops_low=data["flops_bf16"],
+                  mem_bandwidth=data["mem_bandwidth"], intra=intra, inter=intra, host_bandwidth=data["mem_bandwidth"],
+                  cores=data["cpus"], threads=data["threads"], block_overhead=data.get("block_overhead_s", 0.0),
+                  full_ac_overhead=data.get("full_ac_overhead_s", 0.0),
+                  selective_ac_overhead=data.get("selective_ac_overhead_s", 0.0),
+                  narrow=(256, data["flops_fp32_h256"]) if "flops_fp32_h256" in data else None,
+                  fsdp_unit_overhead=data.get("fsdp_unit_overhead_s", 0.0),
+                  ddp_overhead=data.get("ddp_overhead_s", 0.0), wider=wider,
+                  tp_module_overhead=data.get("tp_module_overhead_s", 0.0),
+                  optimizer_tensor=data.get("optimizer_tensor_s", 0.0),
+                  optimizer_dtensor=data.get("optimizer_dtensor_s", 0.0),
+                  busy=data.get("flops_busy_ratio", 1.0))
