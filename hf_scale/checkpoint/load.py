@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state, parallelize, resolve_parallel_config
 from ..config import ParallelConfig
 from ..errors import HfScaleCheckpointError
-from ..ranks import rank0_first
+from ..ranks import rank0_first, run_together
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
@@ -58,7 +58,8 @@ def from_pretrained(
     Every shard's size is checked against its header (a truncated or partly copied file is an
     error). ``verify_checksums=True`` also hashes every shard against ``checksums.sha256``
     (each rank its share of the files) before loading: a full read of the checkpoint, off by
-    default as in transformers.
+    default as in transformers. A check that fails on one rank (a shard only its pipeline stage
+    reads, a bad copy on its node) fails on every rank, before any rank returns.
 
     Usage::
 
@@ -78,7 +79,6 @@ def from_pretrained(
     _init_computed_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
-    weight_map = weight_map_of(folder)
     parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
@@ -86,10 +86,8 @@ def from_pretrained(
         model = parallelize(model, parallel, plan=plan)
         device = torch.device("cpu") if parallel.cpu_offload else get_state(model).env.device
     else:
-        device = _device()
-    if verify_checksums:
-        _verify_checksums(folder, weight_map)
-    assign_from_files(model, folder, weight_map, device)
+        device = _device(parallel)
+    _load_weights(model, folder, device, verify_checksums)
     if sharded and get_state(model).dims is None and device.type != "cpu":
         model.to(device)  # one process on a GPU: FSDP never moved it; buffers are still on the CPU
     if not sharded:
@@ -128,10 +126,22 @@ def _model_class(config):
     return transformers.AutoModel
 
 
-def _device() -> torch.device:
-    from ..distributed import read_env
+def _device(parallel: ParallelConfig) -> torch.device:
+    """This rank's device for a model parallelized after loading (ddp, one process). The process
+    group starts here, as parallelize would start it, so that the load's checks are collective."""
+    from ..distributed import init_distributed
 
-    return read_env().device
+    return init_distributed(parallel.timeout_seconds).device
+
+
+def _load_weights(model: nn.Module, folder: Path, device: torch.device, verify_checksums: bool) -> None:
+    """Collective: this rank's blocks of ``folder`` into ``model``, every check of the files
+    included. Ranks read different files (pipeline stages) or copies (a disk per node), so a
+    failure on any rank is raised on every rank (:func:`hf_scale.ranks.run_together`: one small
+    all-gather) before any rank goes on to a collective it would wait in for ever."""
+    if verify_checksums:  # hashing is collective (each rank its share): every rank must reach it
+        _verify_checksums(folder, run_together(weight_map_of, folder))
+    run_together(lambda: assign_from_files(model, folder, weight_map_of(folder), device))
 
 
 def weight_map_of(folder: Path) -> dict[str, Path]:
@@ -163,6 +173,7 @@ def weight_map_of(folder: Path) -> dict[str, Path]:
 
 
 def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
+    """Collective: every shard hashed (each rank its share), the same verdict on every rank."""
     expected = read_checksums(folder)
     if not expected:
         return
@@ -183,7 +194,8 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     now, and pages count in RSS only once used. Any other block (another dtype, a device, a
     tensor-parallel slice, an unaligned offset) is read with ``pread`` into new memory. The new
     tensors are put in place with ``load_state_dict(assign=True)``, whose FSDP hook takes them as
-    the sharded storage. Real buffers keep their values; tied parameters are tied again.
+    the sharded storage. Real buffers keep their values; tied parameters are tied again. Not
+    collective: from_pretrained calls it through :func:`hf_scale.ranks.run_together`.
     """
     from ..plans import find_tied_parameters
 
@@ -257,7 +269,8 @@ def _mapped_block(path: Path, start: int, dtype, global_shape, local_shape, offs
 @torch.no_grad()
 def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
     """Read each parameter's local block straight from the files into its existing memory
-    (resuming a model that trains: the optimizer holds its parameters).
+    (resuming a model that trains: the optimizer holds its parameters). Not collective: call it
+    through :func:`hf_scale.ranks.run_together`, so that a failure on one rank fails them all.
 
     Plain ``pread`` at the offsets the safetensors header gives (an FSDP shard is one
     contiguous byte range), with no intermediate copy when dtypes match.

@@ -142,7 +142,7 @@ def load_state(
     rank, world = rank_world()
     info = json.loads((folder / TRAINER_STATE).read_text())
     model_dir = folder / "model"
-    load_owned_slices(model, model_dir, weight_map_of(model_dir))
+    run_together(lambda: load_owned_slices(model, model_dir, weight_map_of(model_dir)))  # a bad file on one rank fails all
     target = {"optimizer": optimizer_state(model, optimizer)}
     restore_ties = lambda: None
     if pipelined(model):  # a head saved as the embedding (one process): its state is the embedding's

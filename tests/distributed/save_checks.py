@@ -87,3 +87,19 @@ def full_disk_on_one_rank(root: str) -> dict:
         os.pwrite = real
     torch.distributed.barrier()
     return {"outcome": outcome, "left": sorted(os.listdir(root))}
+
+
+def refusal_cases(cases: list[dict]) -> list[dict]:
+    """from_pretrained of each case on every rank, from this rank's folder (``folders[rank]``:
+    a copy per rank stands in for a disk per node): what the rank raised (``kind`` None where it
+    returned a model). A case where one rank raised and another did not leaves the ranks out
+    of step: a later case then hangs (or fails) instead of reporting."""
+    rank = int(os.environ["RANK"])
+    out = []
+    for case in cases:
+        try:
+            hf_scale.from_pretrained(case["folders"][rank], parallel=case["config"], verify_checksums=case["verify"])
+            out.append({"kind": None, "message": ""})
+        except Exception as e:  # noqa: BLE001 - reported to the test, which judges it
+            out.append({"kind": type(e).__name__, "message": str(e)})
+    return out
