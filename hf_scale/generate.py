@@ -99,11 +99,11 @@ def model_config(opts: GenerateArgs):
 def check_before_launch(opts: GenerateArgs) -> None:
     """Fail in this process, before any worker starts: a model that does not exist, a zoo model
     that is not a causal LM, sizes ``--tp`` does not divide, more workers than the machine has."""
-    from .cli import read_model_config
     from .launch import check_local_processes
     from .plan_report import meta_model
     from .plans import resolve_plan
     from .plans.tp import tp_layout
+    from .train.model import read_model_config
     from .zoo import check_zoo_task, is_zoo
 
     cfg = model_config(opts)
