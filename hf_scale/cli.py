@@ -160,6 +160,7 @@ def plan(args: list[str]) -> int:
     from .config import PP_SCHEDULES, ParallelConfig, from_dict
     from .plan_report import format_report, plan_report
     from .train.config import ModelConfig, load_job
+    from .train.model import read_model_config
 
     parser = ArgumentParser(prog="hf-scale plan", description=plan.__doc__)
     parser.add_argument("source", help="a recipe .yaml, a Hub model id, a model folder or a config.json")
@@ -235,38 +236,6 @@ def plan(args: list[str]) -> int:
     return 0
 
 
-def read_model_config(model_cfg, sources: str = "a model folder, its config.json, a recipe .yaml, or a Hub id"):
-    """The model's config (no weights); a source transformers cannot read is one clear error
-    that lists ``sources``, what the command takes instead."""
-    from pathlib import Path
-
-    from huggingface_hub import constants
-
-    from .train.model import load_config
-
-    name = model_cfg.name_or_path
-    local = Path(name)
-    if local.is_dir() and not (local / "config.json").is_file():
-        raise HfScaleConfigError(
-            f"model folder {name!r} has no config.json: give a folder written by save_pretrained, "
-            f"or {sources.removeprefix('a model folder, ')}."
-        )
-    try:
-        return load_config(model_cfg)
-    except (OSError, ValueError) as e:
-        said = " ".join(str(e).split())
-        if local.exists() or isinstance(e, ValueError):
-            raise HfScaleConfigError(f"cannot read the model config of {name!r}: {said}") from None
-        where = (
-            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache"
-            if constants.HF_HUB_OFFLINE else f"the Hub at {constants.ENDPOINT} did not provide it ({said})"
-        )
-        raise HfScaleConfigError(
-            f"cannot find model {name!r}: it is not a local folder or config.json, and {where}. "
-            f"Give {sources} (a Hub id with network access, or downloaded before with `hf download`)."
-        ) from None
-
-
 def generate(args: list[str]) -> int:
     """Generate text with a model split over ``--tp`` processes (see ``hf_scale.generate``)."""
     from .generate import main as generate_main
@@ -302,6 +271,16 @@ def push(args: list[str]) -> int:
     from .hub import main as push_main
 
     return push_main(args)
+
+
+def __getattr__(name: str):
+    """``hf_scale.cli.read_model_config``, for scripts that imported it from here: it lives in
+    :mod:`hf_scale.train.model` (loaded on first use, so ``hf-scale --help`` imports no torch)."""
+    if name == "read_model_config":
+        from .train.model import read_model_config
+
+        return read_model_config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 if __name__ == "__main__":

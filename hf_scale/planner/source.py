@@ -25,8 +25,8 @@ def read_source(source):
         return source, None
     name = str(source)
     if name.endswith((".yaml", ".yml")):
-        from ..cli import read_model_config
         from ..train.config import load_job
+        from ..train.model import read_model_config
 
         job = load_job(name, [])
         return read_model_config(job.model), job
@@ -41,8 +41,8 @@ def read_source(source):
     from ..zoo import is_zoo
 
     if is_zoo(name):
-        from ..cli import read_model_config
         from ..train.config import ModelConfig
+        from ..train.model import read_model_config
 
         return read_model_config(ModelConfig(name_or_path=name)), None
     try:

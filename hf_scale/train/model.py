@@ -4,7 +4,9 @@
 models shipped by PyPI packages (:mod:`hf_scale.zoo`). Causal LMs in safetensors are loaded slice by slice into
 their shards (:func:`hf_scale.from_pretrained`: no rank ever holds the whole model); a
 classification head is new (randomly initialised, as transformers does), so those models are
-loaded whole on each rank and then parallelized.
+loaded whole on each rank and then parallelized. :func:`read_model_config` reads only the config,
+with one clear error for a source that is not there (``hf-scale plan`` / ``generate`` and the
+planner use it before anything is loaded).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from ..api import parallelize
 from ..checkpoint import from_pretrained
 from ..config import ParallelConfig
+from ..errors import HfScaleConfigError
 from ..zoo import check_zoo_task, is_zoo, load_whole, zoo_source
 from .config import ModelConfig
 
@@ -49,6 +52,34 @@ def load_config(cfg: ModelConfig):
     if path.endswith(".json") and Path(path).is_file():
         path = str(Path(path).parent)
     return AutoConfig.from_pretrained(path, **extra)
+
+
+def read_model_config(model_cfg, sources: str = "a model folder, its config.json, a recipe .yaml, or a Hub id"):
+    """The model's config (no weights); a source transformers cannot read is one clear error
+    that lists ``sources``, what the command takes instead."""
+    from huggingface_hub import constants
+
+    name = model_cfg.name_or_path
+    local = Path(name)
+    if local.is_dir() and not (local / "config.json").is_file():
+        raise HfScaleConfigError(
+            f"model folder {name!r} has no config.json: give a folder written by save_pretrained, "
+            f"or {sources.removeprefix('a model folder, ')}."
+        )
+    try:
+        return load_config(model_cfg)
+    except (OSError, ValueError) as e:
+        said = " ".join(str(e).split())
+        if local.exists() or isinstance(e, ValueError):
+            raise HfScaleConfigError(f"cannot read the model config of {name!r}: {said}") from None
+        where = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache"
+            if constants.HF_HUB_OFFLINE else f"the Hub at {constants.ENDPOINT} did not provide it ({said})"
+        )
+        raise HfScaleConfigError(
+            f"cannot find model {name!r}: it is not a local folder or config.json, and {where}. "
+            f"Give {sources} (a Hub id with network access, or downloaded before with `hf download`)."
+        ) from None
 
 
 def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None):

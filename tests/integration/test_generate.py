@@ -46,10 +46,12 @@ def test_tp2_prints_the_text_of_one_process(folder):
     one, two = generate(folder), generate(folder, "--tp", "2")
     assert "launching: torchrun" in two.stdout and "launching" not in one.stdout
     texts = completions(one.stdout)
-    assert len(texts) == 2 and all(texts), one.stdout
+    assert len(texts) == 2 and all(texts) and "(empty completion" not in one.stdout, one.stdout
     assert completions(two.stdout) == texts, two.stdout
     assert two.stdout.count("=== completion 1/2 ===") == 1  # rank 0 alone prints
-    speed = re.search(r"=== (\d+) new tokens in [\d.]+ s: ([\d.]+) tokens/s \(tp 2, fp32, greedy, batch 2\) ===", two.stdout)
+    # the folder's tokenizer has a chat template: the prompts went in it, without --chat
+    speed = re.search(r"=== (\d+) new tokens in [\d.]+ s: ([\d.]+) tokens/s \(tp 2, fp32, greedy, batch 2, chat template\) ===",
+                      two.stdout)
     assert speed and int(speed.group(1)) == 20 and float(speed.group(2)) > 0, two.stdout
 
 
@@ -102,3 +104,69 @@ def test_prompts_file_and_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(HfScaleConfigError, match=re.escape("--tp 2 runs 2 processes, but WORLD_SIZE=4")):
         run(opts)
+
+
+class _Echo:
+    """A stand-in causal LM for ``generate_texts``: keeps the ids it is sent and answers ``answer``
+    (token ids) after them. Its end-of-sequence tokens are ``<eos>`` and ``<|im_end|>`` (ids 1, 4)."""
+
+    def __init__(self, answer: list[int]):
+        from transformers import GenerationConfig
+
+        self.answer, self.sent = answer, []
+        self.generation_config = GenerationConfig(eos_token_id=[1, 4])
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        import torch
+
+        self.sent.append(input_ids)
+        return torch.cat([input_ids, torch.tensor([self.answer] * len(input_ids))], dim=1)
+
+
+def test_a_plain_prompt_goes_in_the_chat_template_when_the_tokenizer_has_one():
+    """Issue 26, item 3: by default a prompt goes in the tokenizer's chat template (the README's
+    SmolLM2-Instruct example sent raw ended its turn at once); --no-chat, or a tokenizer without
+    a template, sends the raw text; --chat on such a tokenizer is refused."""
+    from hf_scale.errors import HfScaleConfigError
+    from hf_scale.generate import generate_texts, parse_args
+    from tests.tiny_models import tiny_tokenizer
+
+    prompt = "What is 12 + 30?"
+    chat, plain = tiny_tokenizer(), tiny_tokenizer(chat_template=False)
+    answer = chat("42").input_ids + [4]  # then <|im_end|>
+    templated = f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+    for tokenizer, flags, sent in [(chat, [], templated), (chat, ["--chat"], templated), (chat, ["--no-chat"], prompt),
+                                   (plain, [], prompt), (plain, ["--no-chat"], prompt)]:
+        model = _Echo(answer)
+        texts = generate_texts(model, tokenizer, [prompt], parse_args(["m", "--prompt", prompt, *flags]))[0]
+        assert tokenizer.decode(model.sent[0][0]) == sent, (flags, tokenizer.chat_template is not None)
+        assert texts == ["42"], flags
+    with pytest.raises(HfScaleConfigError, match=re.escape("--chat: this model's tokenizer has no chat template")):
+        generate_texts(_Echo(answer), plain, [prompt], parse_args(["m", "--prompt", prompt, "--chat"]))
+
+
+def test_an_empty_completion_says_why(capsys):
+    """A completion that decodes to nothing prints a line naming the tokens that made it empty
+    and how the prompt was sent, in place of the blank completion."""
+    from hf_scale.generate import empty_completion_note, parse_args, print_completions
+    from tests.tiny_models import tiny_tokenizer
+
+    chat, plain = tiny_tokenizer(), tiny_tokenizer(chat_template=False)
+    opts = parse_args(["m", "--prompt", "hi", "--prompt", "ho", "--max-new-tokens", "2"])
+    first_eos = "(empty completion: the model's first token was its end-of-sequence token <|im_end|>; "
+    assert empty_completion_note(chat, [4], {1, 4}, True, opts) == (
+        first_eos + "the prompt went in the chat template (--no-chat sends the raw text))")
+    assert empty_completion_note(chat, [4], {1, 4}, False, opts) == (
+        first_eos + "the prompt went as raw text: without --no-chat it goes in the tokenizer's chat template)")
+    assert empty_completion_note(plain, [1], {1, 4}, False, opts) == (
+        "(empty completion: the model's first token was its end-of-sequence token <eos>; "
+        "the prompt went as raw text (the tokenizer has no chat template))")
+    assert empty_completion_note(chat, [3, 5], {1, 4}, True, opts) == (
+        "(empty completion: its new tokens are special tokens or whitespace only: '<|im_start|>', ' ', and "
+        "--max-new-tokens 2 stopped it before its end-of-sequence token; the prompt went in the chat template "
+        "(--no-chat sends the raw text))")
+    note = empty_completion_note(chat, [4], {1, 4}, True, opts)
+    print_completions(opts, ["", "42"], [note, None], 3, 1.0, True)
+    out = capsys.readouterr().out
+    assert completions(out) == [note, "42"], out
+    assert "(tp 1, fp32, greedy, batch 1, chat template) ===" in out, out

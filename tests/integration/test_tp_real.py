@@ -17,6 +17,7 @@ SENTENCE = ("The Eiffel Tower was built in Paris for the World's Fair of 1889, a
             "the most visited monument in France.")
 PROMPT = "The capital of France is"
 NEW_TOKENS = 16
+README_PROMPT = "What is 12 + 30?"  # the README's hf-scale generate example
 
 
 def _forward_and_generate(model, tokenizer) -> dict:
@@ -34,6 +35,21 @@ def _forward_and_generate(model, tokenizer) -> dict:
             "text": tokenizer.decode(new, skip_special_tokens=True)}
 
 
+def _readme_generate(model, tokenizer) -> dict:
+    """What ``hf-scale generate zoo:smollm2 --tp 3 --prompt "What is 12 + 30?"`` decodes (8 new
+    tokens, not 32, to keep it short), and the same with ``--no-chat`` (issue 26, item 3)."""
+    from hf_scale.generate import empty_completion_note, eos_ids, generate_texts, parse_args
+
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # as load_tokenizer does
+    out = {}
+    for name, flags in (("chat", []), ("raw", ["--no-chat"])):
+        opts = parse_args(["zoo:smollm2", "--tp", "3", "--prompt", README_PROMPT, "--max-new-tokens", "8", *flags])
+        (text,), (row,) = generate_texts(model, tokenizer, opts.prompts, opts)
+        out[name] = {"text": text, "tokens": row,
+                     "note": empty_completion_note(tokenizer, row, eos_ids(model), name == "chat", opts)}
+    return out
+
+
 def tp3_worker() -> dict:
     from torch.distributed.tensor import DTensor
 
@@ -48,6 +64,7 @@ def tp3_worker() -> dict:
         ("embed", model.model.embed_tokens.weight))}
     result = _forward_and_generate(model, tokenizer)
     result["train_logits"] = result["train_logits"] is None  # never gathered in a training forward
+    result["readme"] = _readme_generate(model, tokenizer)
     return result | {"local_shapes": local, "tp": state.dims.tp, "dp_degree": state.dp_degree,
                      "tied": model.lm_head.weight is model.model.embed_tokens.weight,
                      "all_dtensor": isinstance(attn.q_proj.weight, DTensor)}
@@ -85,6 +102,20 @@ def test_tp3_greedy_text_matches_one_process(tp3, reference):
     for rank in tp3:
         assert rank["tokens"] == reference["tokens"]
         assert rank["text"] == reference["text"]
+
+
+def test_tp3_readme_generate_example_answers(tp3):
+    """The README's generate example sends the prompt in SmolLM2-Instruct's chat template by
+    default and gets an answer; sent raw (--no-chat), the model ends its turn at once, and the
+    note printed in place of the empty completion says so."""
+    for rank in tp3:
+        chat, raw = rank["readme"]["chat"], rank["readme"]["raw"]
+        assert chat["text"].strip() and len(chat["tokens"]) > 1, chat
+        assert chat == tp3[0]["readme"]["chat"]
+        assert (raw["text"], raw["tokens"]) == ("", [2]), raw  # <|im_end|>
+        assert raw["note"] == ("(empty completion: the model's first token was its end-of-sequence token <|im_end|>; "
+                               "the prompt went as raw text: without --no-chat it goes in the tokenizer's chat "
+                               "template)"), raw["note"]
 
 
 def test_tp2_refused_before_any_worker_starts():

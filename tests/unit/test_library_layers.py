@@ -102,6 +102,15 @@ def test_library_modules_never_import_the_application():
     assert offenders == {}
 
 
+def test_no_module_imports_the_command_line():
+    """``hf_scale.cli`` is the entry point: the commands it starts (``generate``) and the planner
+    take their helpers from where those live (``read_model_config``: :mod:`hf_scale.train.model`),
+    not from the CLI, which imports them."""
+    importers = {_module_name(path) for path in PACKAGE.rglob("*.py")
+                 if any(m == "hf_scale.cli" or m.startswith("hf_scale.cli.") for m in _imports(path))}
+    assert importers - {"hf_scale.cli"} == set()
+
+
 def test_zoo_names_are_compared_only_in_zoo():
     """Zoo knowledge lives in hf_scale/zoo.py: no other module branches on a ``zoo:`` name."""
     offenders = []
