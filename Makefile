@@ -31,7 +31,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hf-scale finetune configs/quickstart.yaml --launch.nproc_per_node $(NPROC)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # Build the wheel from a copy of the tree (tracked and untracked files, nothing written here),
 # install it into a new venv (the CPU torch first, so its dependencies never pull a CUDA build),

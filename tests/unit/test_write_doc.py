@@ -74,3 +74,46 @@ def test_write_section_and_command_line(tmp_path):
     missing = subprocess.run([*script, str(doc), "nope"], input="x", text=True, check=False,
                              capture_output=True)
     assert missing.returncode != 0 and "bench:nope:start" in missing.stderr
+
+
+PAGE = (
+    "# Benchmarks\n<!-- bench:summary:start -->\nstale\n<!-- bench:summary:end -->\n"
+    "## Speed\n<!-- bench:speed:start -->\nWritten by `python scripts/x.py` on 2026-11-25 01:46 UTC; ...\n"
+    "| a | b |\n(a) FAIL: tok/s 0.95x (need >= 1.0x)\nPASS: rss 0.9x (need <= 1.0x)\n"
+    "<!-- bench:speed:end -->\nFAIL: prose outside a section is not a verdict\n"
+)
+FRONT = ("# README\n<!-- bench:summary:start -->\n<!-- bench:summary:end -->\n## Tests\n"
+         "<!-- bench:ci:start -->\n```\nPASS: make test 24.0 min (need <= 25 min)\n```\n<!-- bench:ci:end -->\n")
+
+
+def test_summaries_collect_the_verdicts_of_every_generated_section(tmp_path):
+    from write_doc import refresh_summaries, verdicts
+
+    assert [(r["section"], r["verdict"], r["date"]) for r in verdicts(PAGE)] == [
+        ("speed", "FAIL", "2026-11-25"), ("speed", "PASS", "2026-11-25")]
+    page, front = tmp_path / "benchmarks.md", tmp_path / "README.md"
+    page.write_text(PAGE)
+    front.write_text(FRONT)
+    refresh_summaries(page, front)
+    summary = page.read_text().split("<!-- bench:summary:end -->")[0]
+    assert "| speed | **no** | tok/s 0.95x (need >= 1.0x) | 2026-11-25 |" in summary
+    assert "| speed | yes | rss 0.9x (need <= 1.0x) | 2026-11-25 |" in summary
+    assert "stale" not in summary and "prose" not in summary
+    table = front.read_text().split("<!-- bench:summary:end -->")[0]
+    assert "| Speed | speed | 1 of 2 | tok/s 0.95x (need >= 1.0x) | 2026-11-25 |" in table
+    assert "| Tests | ci | 1 of 1 | - | not dated |" in table
+    refresh_summaries(page, front)
+    assert front.read_text().split("<!-- bench:summary:end -->")[0] == table  # stable
+
+
+def test_time_ci_reads_pytest_and_judges_the_limits():
+    from time_ci import pytest_summary, report, slowest
+
+    log = ("....\n=== slowest 15 durations ===\n120.50s call     tests/a.py::test_x\n3.00s setup    tests/b.py::t\n"
+           "976 passed, 2 skipped, 1 warning in 1519.12s (0:25:19)\n...\n3 passed in 4.20s\n")
+    assert pytest_summary(log) == ("976 passed, 2 skipped, 1 warning", 1519.12)
+    assert slowest(log) == ["120.50s call     tests/a.py::test_x", "3.00s setup    tests/b.py::t"]
+    text = report("abc1234", 41 * 60, 0, log)
+    assert "FAIL: make test 25.3 min (need <= 25 min)" in text
+    assert "PASS: .ci/run 41.0 min, exit 0 (need exit 0 in <= 50 min)" in text
+    assert "FAIL: .ci/run 41.0 min, exit 2" in report("abc1234", 41 * 60, 2, log)
