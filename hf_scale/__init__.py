@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from . import _moved
 from .config import ParallelConfig
 from .errors import (
     HfScaleCheckpointError,
@@ -25,6 +26,8 @@ from .errors import (
     HfScaleHubError,
     HfScalePlanError,
 )
+
+_moved.install()  # the old paths of renamed modules, for one release
 
 # public name -> the submodule that defines it, imported on first access
 _LAZY = {
@@ -103,7 +106,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above loa
     from .api import parallelize
     from .checkpoint import from_pretrained, load_state, save_pretrained, save_state
     from .hub import CardInfo, push_to_hub, write_model_card
+    from .model_plans import ModelPlan, register_plan, resolve_plan
     from .parallel.optim import build_optimizer, clip_grad_norm_, no_sync
     from .parallel.step import eval_step, train_step
-    from .plans import ModelPlan, register_plan, resolve_plan
-    from .state import ParallelState, get_state
+    from .parallel_state import ParallelState, get_state

@@ -9,9 +9,9 @@ from typing import Any
 from torch import nn
 
 from .config import ParallelConfig, as_parallel_config, is_auto_request
+from .model_plans import ModelPlan
 from .orchestrate import apply_parallelism
-from .plans import ModelPlan
-from .state import get_state  # noqa: F401 - imported from here by the checkpoint and train modules
+from .parallel_state import get_state  # noqa: F401 - imported from here by the checkpoint and train modules
 
 __all__ = ["is_auto_request", "parallelize", "resolve_parallel_config"]
 
@@ -31,7 +31,7 @@ def parallelize(
     (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the data-parallel mesh, with mixed precision
     and CPU offload as configured; the pipeline schedule. Without torchrun (world size 1) only
     activation checkpointing, mixed precision and chunked loss apply. ``config="auto"`` (or
-    ``{"strategy": "auto", ...}`` with fields to keep) asks :mod:`hf_scale.planner` for the
+    ``{"strategy": "auto", ...}`` with fields to keep) asks :mod:`hf_scale.layout_search` for the
     fastest layout that fits this world size and device memory, and logs it.
 
     Returns the same module object (its class gains the FSDP / DDP mixin), so
@@ -51,7 +51,7 @@ def resolve_parallel_config(model: nn.Module, config) -> ParallelConfig:
     choice for ``model`` (a real or meta model), decided on rank 0 for every rank, logged. The one
     way from the library into the application's planner (DESIGN)."""
     if is_auto_request(config):
-        from .planner.auto import resolve_auto
+        from .layout_search.auto import resolve_auto
 
         return resolve_auto(model, config)  # parallelize's workload: one sequence per rank
     return as_parallel_config(config)

@@ -21,8 +21,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 
-from .cli_args import ArgumentParser, unknown_argument
 from .errors import HfScaleConfigError, HfScaleError
+from .strict_args import ArgumentParser, unknown_argument
 
 COMMANDS = ("finetune", "plan", "generate", "export", "push")
 LAUNCH_FLAGS = {  # flag -> the config field it sets
@@ -158,7 +158,7 @@ def _train(job) -> None:
 def plan(args: list[str]) -> int:
     """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
     from .config import PP_SCHEDULES, ParallelConfig, from_dict
-    from .plan_report import format_report, plan_report
+    from .layout_preview import format_report, plan_report
     from .train.config import ModelConfig, load_job
     from .train.model import read_model_config
 
@@ -224,7 +224,7 @@ def plan(args: list[str]) -> int:
     links = {k: v for k, v in (("intra_gbps", ns.intra_gbps), ("inter_gbps", ns.inter_gbps),
                                ("latency_us", ns.latency_us)) if v is not None}
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
-        from .planner.report import plan_text
+        from .layout_search.ranking import plan_text
 
         job = job if ns.source.endswith((".yaml", ".yml")) else None
         print(plan_text(read_model_config(model_cfg), job, gpus=ns.gpus, gpu_memory=ns.gpu_memory, seq=ns.seq,

@@ -24,7 +24,7 @@ from typing import Any, Literal, TypeVar, Union
 from .errors import HfScaleConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
-AUTO = "auto"  # strategy: let hf_scale.planner choose the layout (fields given beside it stay fixed)
+AUTO = "auto"  # strategy: let hf_scale.layout_search choose the layout (fields given beside it stay fixed)
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
 # torch.distributed.pipelining schedules; the last three hold several stages per rank.

@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cli_args import ArgumentParser
 from .errors import HfScaleConfigError, HfScaleError
+from .strict_args import ArgumentParser
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # flag -> ModelConfig.dtype
 
@@ -100,9 +100,9 @@ def check_before_launch(opts: GenerateArgs) -> None:
     """Fail in this process, before any worker starts: a model that does not exist, a zoo model
     that is not a causal LM, sizes ``--tp`` does not divide, more workers than the machine has."""
     from .launch import check_local_processes
-    from .plan_report import meta_model
-    from .plans import resolve_plan
-    from .plans.tp import tp_layout
+    from .layout_preview import meta_model
+    from .model_plans import resolve_plan
+    from .model_plans.tp import tp_layout
     from .train.model import read_model_config
     from .zoo import check_zoo_task, is_zoo
 
@@ -195,7 +195,7 @@ def generate_ids(model, tokenizer, texts: list[str], opts: GenerateArgs, *, temp
     import torch
     import torch.distributed as dist
 
-    from .state import get_state
+    from .parallel_state import get_state
 
     state = get_state(model)
     device = state.env.device if state is not None else torch.device("cpu")

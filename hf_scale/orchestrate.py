@@ -28,14 +28,14 @@ from .distributed import DistEnv, init_distributed
 from .errors import HfScaleConfigError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
+from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .model_plans.pp import PipelineLayout, pp_layout
+from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
-from .plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
-from .plans.pp import PipelineLayout, pp_layout
-from .plans.tp import TPLayout, tp_layout
-from .state import STATE_ATTR, ParallelState, get_state
+from .parallel_state import STATE_ATTR, ParallelState, get_state
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -102,7 +102,7 @@ def hf_scale_auto():
     """``strategy: auto`` planned for this benchmark's workload (2 x 256 tokens per rank): the
     planner's choice, then ``parallelize`` with it (the planning time counts as parallelize's)."""
     import hf_scale
-    from hf_scale.planner.auto import resolve_auto
+    from hf_scale.layout_search.auto import resolve_auto
     from hf_scale.zoo import load_smollm2
 
     (model, _), load_s = _timed(load_smollm2)

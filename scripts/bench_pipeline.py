@@ -138,7 +138,7 @@ def worker(leg: str, out: Path, name: str, args) -> None:
     import torch.distributed as dist
 
     import hf_scale
-    from hf_scale.state import get_state
+    from hf_scale.parallel_state import get_state
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -1,4 +1,4 @@
-"""Benchmark: the auto-planner's predictions (hf_scale.planner) against measured runs on this machine.
+"""Benchmark: the auto-planner's predictions (hf_scale.layout_search) against measured runs on this machine.
 
 Run (one machine, gloo on CPU; each leg its own ``torchrun``, OMP_NUM_THREADS=1 per rank)::
 
@@ -106,7 +106,7 @@ SPLIT_BACKWARD = ("zero_bubble", "zbv")
 
 
 def leg_layout(name: str):
-    from hf_scale.planner.estimate import Layout
+    from hf_scale.layout_search.estimate import Layout
 
     _, _, _, batch, fields = LEGS[name]
     return Layout(**{"micro_batch": batch, **fields})
@@ -275,7 +275,7 @@ def device_tracker():
 
 
 def _dp(model) -> tuple[int, int]:
-    from hf_scale.state import get_state
+    from hf_scale.parallel_state import get_state
 
     state = get_state(model)
     if state is None or state.dims is None:
@@ -287,9 +287,9 @@ def _dp(model) -> tuple[int, int]:
 
 
 def predict(name: str, device) -> dict:
-    from hf_scale.planner.cost import step_cost
-    from hf_scale.planner.estimate import Workload, estimate_memory
-    from hf_scale.planner.profile import model_facts
+    from hf_scale.layout_search.cost import step_cost
+    from hf_scale.layout_search.estimate import Workload, estimate_memory
+    from hf_scale.layout_search.profile import model_facts
 
     _, _world, seq, batch, _ = LEGS[name]
     facts = model_facts(config_of(name))
@@ -382,9 +382,9 @@ def ranking(rows: dict) -> list[str]:
     """Issue 14's ranking target, per group of legs that train the same model on the same
     sequences and batch per data-parallel rank at one world size: the leg the planner ranks
     first is within 5% of the fastest measured. Ranked as the chooser ranks
-    (``hf_scale.planner.choose.fastest_first``): by predicted tokens/s, those within 1% of the
+    (``hf_scale.layout_search.choose.fastest_first``): by predicted tokens/s, those within 1% of the
     fastest a tie, broken toward less predicted memory."""
-    from hf_scale.planner.choose import fastest_first
+    from hf_scale.layout_search.choose import fastest_first
 
     lines = []
     for (model, world, seq, batch), names in ranking_groups([n for n, (_, m) in rows.items()
@@ -454,7 +454,7 @@ def main() -> None:
     unknown = [n for n in names if n not in LEGS]
     if unknown:
         parser.error(f"unknown legs {unknown}; known: {', '.join(LEGS)}")
-    from hf_scale.planner.machine import calibration_path, cpu_device
+    from hf_scale.layout_search.machine import calibration_path, cpu_device
 
     device = cpu_device(refresh=not args.no_calibrate)
     print(f"calibration ({calibration_path()}): {device}", flush=True)

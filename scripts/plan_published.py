@@ -50,7 +50,15 @@ def rows() -> tuple[list[list[str]], list[str]]:
     import torch
     import transformers
 
-    from hf_scale.planner import H100, Layout, Workload, choose, estimate_memory, model_facts, parse_memory
+    from hf_scale.layout_search import (
+        H100,
+        Layout,
+        Workload,
+        choose,
+        estimate_memory,
+        model_facts,
+        parse_memory,
+    )
 
     cells, notes = [], []
     for name, gpus in CASES:

@@ -171,7 +171,7 @@ def run_cli(*args: str, script: str | None = None, timeout: float = 300, check: 
     return finish_command(start_command([sys.executable, *entry, *args]), timeout, check)
 
 
-# A stand-in for this machine's planner calibration (hf_scale.planner.calibrate measures it in
+# A stand-in for this machine's planner calibration (hf_scale.layout_search.calibrate measures it in
 # seconds with a 2-process gloo run; tests use fixed numbers of this machine's order instead).
 STAND_IN_CALIBRATION = {"flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9,
                         "allreduce_bus_bytes_per_s": 5e8, "allreduce_latency_s": 4e-4, "threads": 1, "cpus": 2}
@@ -182,7 +182,7 @@ def stand_in_calibration(cache_home: Path) -> dict[str, str]:
     ``XDG_CACHE_HOME=cache_home``; returns that variable for a command's environment."""
     import json
 
-    from hf_scale.planner.machine import CALIBRATION_VERSION
+    from hf_scale.layout_search.machine import CALIBRATION_VERSION
 
     (cache_home / "hf_scale").mkdir(parents=True, exist_ok=True)
     (cache_home / "hf_scale" / "calibration.json").write_text(

@@ -4,6 +4,6 @@ from .convert import convert_pickle_checkpoint
 from .export import export_checkpoint
 from .load import from_pretrained
 from .safetensors_io import save_pretrained
-from .state import load_state, save_state
+from .training_state import load_state, save_state
 
 __all__ = ["convert_pickle_checkpoint", "export_checkpoint", "from_pretrained", "load_state", "save_pretrained", "save_state"]

@@ -21,7 +21,7 @@ def convert_pickle_checkpoint(folder: str | Path, max_shard_size: int | str = "5
     """
     from safetensors.torch import save_file
 
-    from .layout import INDEX_FILE, TensorSpec, index_json, plan_files
+    from .shard_layout import INDEX_FILE, TensorSpec, index_json, plan_files
 
     folder = Path(folder)
     if (folder / PICKLE_INDEX).exists():

@@ -11,7 +11,7 @@ from ..errors import HfScaleCheckpointError
 from ..log import log_rank0
 from ..ranks import my_share, run_together
 from .files import CHECKSUMS_FILE, mismatched, read_checksums, staged_folder
-from .state import resolve_checkpoint
+from .training_state import resolve_checkpoint
 
 
 def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, tokenizer=None) -> Path:

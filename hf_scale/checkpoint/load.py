@@ -26,8 +26,8 @@ from ..errors import HfScaleCheckpointError
 from ..ranks import rank0_first, run_together
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
-from .layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
 from .safetensors_io import checkpoint_names, reshard_all
+from .shard_layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
 from .stages import tie_aliases
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
@@ -197,7 +197,7 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     the sharded storage. Real buffers keep their values; tied parameters are tied again. Not
     collective: from_pretrained calls it through :func:`hf_scale.ranks.run_together`.
     """
-    from ..plans import find_tied_parameters
+    from ..model_plans import find_tied_parameters
 
     ties = find_tied_parameters(model)
     new = {}
@@ -286,7 +286,7 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
     """``(state key, tensor, file, byte offset of its data, file dtype, local shape, boxes of the
     local block)`` of every tensor to load, checked against the checkpoint's header. A packed
     tensor-parallel slice (fused q;k;v) is several boxes."""
-    from ..plans import find_tied_parameters
+    from ..model_plans import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
     tied = {target for target, _ in find_tied_parameters(model)}

@@ -24,11 +24,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import HfScaleCheckpointError
-from ..plans import find_tied_parameters
+from ..model_plans import find_tied_parameters
 from ..ranks import rank_world, run_together
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, share_digests, staged_folder
-from .layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
+from .shard_layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
 from .stages import global_specs, owners, pipelined, tie_aliases
 
 

@@ -28,9 +28,9 @@ from typing import Any
 from torch import nn
 
 from ..errors import HfScaleCheckpointError
+from ..parallel_state import get_state
 from ..ranks import gather, rank_world
-from ..state import get_state
-from .layout import TensorSpec
+from .shard_layout import TensorSpec
 
 
 def pipelined(model: nn.Module) -> bool:

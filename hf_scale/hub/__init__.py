@@ -8,7 +8,7 @@ Usage::
 """
 
 from .card import CardInfo, write_model_card
-from .cli import main
+from .push_command import main
 from .upload import push_to_hub
 
 __all__ = ["CardInfo", "main", "push_to_hub", "write_model_card"]

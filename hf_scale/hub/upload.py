@@ -48,8 +48,8 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import filter_repo_objects, validate_repo_id
 
 from ..checkpoint.files import CHECKSUMS_FILE, read_checksums, sha256_file
-from ..checkpoint.layout import INDEX_FILE
 from ..checkpoint.load import weight_map_of
+from ..checkpoint.shard_layout import INDEX_FILE
 from ..errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScaleHubError
 from ..log import log_rank0
 from ..ranks import rank_world

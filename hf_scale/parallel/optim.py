@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from ..state import get_state
+from ..parallel_state import get_state
 
 # The same rule as transformers.Trainer.get_decay_parameter_names.
 _NO_DECAY_NAME_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]

@@ -29,7 +29,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ..plans.pp import PipelineLayout
+from ..model_plans.pp import PipelineLayout
 
 
 class SparseModuleList(nn.ModuleList):

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
-from ..plans.pp import PipelineLayout
+from ..model_plans.pp import PipelineLayout
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import HfScaleConfigError
-from ..state import get_state
+from ..parallel_state import get_state
 
 
 def train_step(model: nn.Module, batch: dict, loss_scale: float = 1.0) -> torch.Tensor:

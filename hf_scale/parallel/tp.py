@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..plans.tp import is_conv1d, packed_parts
+from ..model_plans.tp import is_conv1d, packed_parts
 from . import tp_local
 
 

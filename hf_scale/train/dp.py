@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..state import get_state
+from ..parallel_state import get_state
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ from .config import JobConfig
 from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
 from .dp import DataParallel, pipeline_degree
 from .evaluate import evaluate
+from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .model import load_config, load_model, load_tokenizer
-from .report import finish_run
 
 
 def run(job: JobConfig) -> dict:
@@ -111,7 +111,7 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     """``job`` with ``parallel.strategy: auto`` replaced by the planner's layout, planned for the
     recipe's sequences (``max_seq_len``), batch per data-parallel rank and micro-batch (the
     recipe's ``batch_size``; ``grad_accum`` of them per step); the recipe's checks run again on it."""
-    from ..planner.auto import resolve_auto
+    from ..layout_search.auto import resolve_auto
 
     def job_accepts(layout, parallel) -> bool:  # e.g. pp microbatches must divide eval_batch_size too
         return job.refuses(parallel) is None
@@ -223,7 +223,7 @@ def _scheduler(job: JobConfig, optimizer, total_steps: int):
 
 
 def _resume(job: JobConfig, model, optimizer, scheduler, batches: ShardedBatches) -> int:
-    from ..checkpoint.state import complete_checkpoints
+    from ..checkpoint.training_state import complete_checkpoints
 
     resume = job.checkpoint.resume
     if resume == "auto":

@@ -107,7 +107,7 @@ def save_and_load(root: str, plain: dict[str, str], config: dict, archs=ARCHS) -
 
 def snapshot(model, optimizer) -> dict:
     """This rank's parameters and optimizer state, whole, by name (collective)."""
-    from hf_scale.checkpoint.state import optimizer_state
+    from hf_scale.checkpoint.training_state import optimizer_state
 
     state = optimizer_state(model, optimizer)
     optim = {name: {k: _whole(v) for k, v in sorted(values.items()) if torch.is_tensor(v)}
@@ -145,7 +145,7 @@ def straight(arch: str, config) -> list[float]:
 
 def first_half(arch: str, config, root: str, through: int = TOTAL // 2) -> dict:
     """Train TOTAL // 2 steps, save the training state; go on ``through`` the given step."""
-    from hf_scale.checkpoint.state import _state_nbytes, optimizer_state
+    from hf_scale.checkpoint.training_state import _state_nbytes, optimizer_state
 
     model, optimizer, scheduler = _setup(arch, config, seed=0)
     losses = _train(model, optimizer, scheduler, 0, TOTAL // 2)

@@ -80,7 +80,7 @@ def snapshot(model, optimizer) -> dict:
     """Whole parameters and optimizer state by name, as rank 0 sees them (a collective)."""
     from torch.distributed.tensor import DTensor
 
-    from hf_scale.checkpoint.state import optimizer_state
+    from hf_scale.checkpoint.training_state import optimizer_state
     from tests.distributed.training import full_params
 
     def whole(t):

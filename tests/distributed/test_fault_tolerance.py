@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_scale.checkpoint.state import complete_checkpoints, resolve_checkpoint
+from hf_scale.checkpoint.training_state import complete_checkpoints, resolve_checkpoint
 from tests.harness import finish_command, free_port, start_command
 
 SCRIPT = Path(__file__).with_name("elastic_train.py")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hf_scale.distributed import LAUNCHER_VARS
-from hf_scale.plans import find_tied_parameters
+from hf_scale.model_plans import find_tied_parameters
 from tests.distributed import pp_checkpoint_checks as checks
 from tests.distributed.write_observer import check_written_once
 from tests.harness import run_cli, run_ranks, to_plain

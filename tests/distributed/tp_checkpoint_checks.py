@@ -152,7 +152,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 def snapshot(model, optimizer) -> dict:
     """Whole parameters and optimizer state by name (a collective on every rank)."""
     from hf_scale.checkpoint.safetensors_io import reshard_all
-    from hf_scale.checkpoint.state import optimizer_state
+    from hf_scale.checkpoint.training_state import optimizer_state
 
     reshard_all(model)
     params = {n: _whole(p) for n, p in model.named_parameters()}

@@ -103,7 +103,7 @@ def test_custom_template(folder, tmp_path):
 
 def test_a_recipe_names_the_template_of_its_run_card(folder, tmp_path):
     from hf_scale.train.config import HubConfig, JobConfig, TrainConfig
-    from hf_scale.train.report import finish_run
+    from hf_scale.train.finish import finish_run
 
     template = tmp_path / "lab.md"
     template.write_text("---\n{{ card_data }}\n---\n# {{ model_name }}: {{ hyperparameters.steps }} steps\n")

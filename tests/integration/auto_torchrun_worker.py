@@ -21,13 +21,13 @@ from pathlib import Path
 
 
 def _dying_calibration() -> dict:
-    from hf_scale.planner.helpers import run_helpers
+    from hf_scale.layout_search.helpers import run_helpers
 
-    return run_helpers("hf_scale.planner.calibrate", "no-such-measurement", 1, 60, "a helper that dies")[0]
+    return run_helpers("hf_scale.layout_search.calibrate", "no-such-measurement", 1, 60, "a helper that dies")[0]
 
 
 def _quick_calibration() -> dict:
-    from hf_scale.planner import calibrate
+    from hf_scale.layout_search import calibrate
 
     fixed = {"flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9, "threads": 1, "cpus": 2}
     return {**fixed, **calibrate.collectives(2)}
@@ -38,8 +38,8 @@ def main(out: Path) -> None:
 
     import hf_scale
     from hf_scale.distributed import shutdown_distributed
-    from hf_scale.planner import calibrate
-    from hf_scale.planner.machine import calibration_path
+    from hf_scale.layout_search import calibrate
+    from hf_scale.layout_search.machine import calibration_path
 
     seen: dict = {"cache_before": calibration_path().exists()}
     config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -51,7 +51,7 @@ def main(out: Path) -> None:
         seen["failure"] = f"{type(e).__name__}: {e}"
     calibrate.calibrate = _quick_calibration
     model = hf_scale.parallelize(transformers.LlamaForCausalLM(config), "auto")
-    state = hf_scale.state.get_state(model)
+    state = hf_scale.parallel_state.get_state(model)
     seen["chosen"] = {"strategy": state.config.strategy, "tp": state.config.tp, "pp": state.config.pp}
     seen["cache_after"] = calibration_path().exists()
     (out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(seen))

@@ -16,7 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import ROOT, finish_command, free_port, run_cli, stand_in_calibration, start_command
+from tests.harness import (
+    ROOT,
+    finish_command,
+    free_port,
+    run_cli,
+    stand_in_calibration,
+    start_command,
+)
 from tests.integration.cli_reference import check_against_reference, logged_steps, plain_reference
 from tests.tiny_models import SEQCLS, save_tiny_checkpoint, tiny_recipe
 

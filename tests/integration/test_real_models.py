@@ -82,7 +82,7 @@ def test_minilm_plan_from_the_packaged_config():
         model = AutoModelForSequenceClassification.from_config(config)
     plan = hf_scale.resolve_plan(model)
     assert plan.model_type == "bert" and plan.wrap_modules == ("BertLayer",)
-    assert len(hf_scale.plans.wrap_units(model, plan)) == config.num_hidden_layers == 6
+    assert len(hf_scale.model_plans.wrap_units(model, plan)) == config.num_hidden_layers == 6
 
 
 def test_minilm_recipe_learns_topics(tmp_path):

@@ -16,7 +16,6 @@ from tests.harness import finish_command, free_port, start_command
 from tests.integration.cli_reference import check_against_reference, plain_reference
 from tests.tiny_models import tiny_recipe
 
-
 # What sbatch --nodes=2 --ntasks-per-node=1 puts in every process of the job (no step's variables).
 ALLOCATION = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
 BATCH_SCRIPT = {**ALLOCATION, "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}

@@ -20,9 +20,9 @@ from bench_planner import (
     table,
 )
 
+from hf_scale.layout_search.estimate import Workload, estimate_memory
+from hf_scale.layout_search.profile import model_facts
 from hf_scale.mesh import ParallelDims
-from hf_scale.planner.estimate import Workload, estimate_memory
-from hf_scale.planner.profile import model_facts
 
 
 def test_legs_cover_the_issue():

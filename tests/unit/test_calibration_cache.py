@@ -9,8 +9,8 @@ import logging
 
 import pytest
 
-from hf_scale.planner import calibrate as calibrate_module
-from hf_scale.planner.machine import CALIBRATION_VERSION, calibration_path, cpu_device
+from hf_scale.layout_search import calibrate as calibrate_module
+from hf_scale.layout_search.machine import CALIBRATION_VERSION, calibration_path, cpu_device
 from tests.harness import STAND_IN_CALIBRATION, stand_in_calibration
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 import hf_scale
 from hf_scale import HfScaleCheckpointError
 from hf_scale.checkpoint import safetensors_io
-from hf_scale.checkpoint.layout import TensorSpec, contiguous_runs, parse_size, plan_files
+from hf_scale.checkpoint.shard_layout import TensorSpec, contiguous_runs, parse_size, plan_files
 from tests.tiny_models import AUTO, tiny_batch, tiny_model
 
 

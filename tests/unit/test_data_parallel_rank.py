@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_scale.state import STATE_ATTR
+from hf_scale.parallel_state import STATE_ATTR
 from hf_scale.train.dp import DataParallel
 from hf_scale.train.loader import PadCollator, ShardedBatches, eval_batches
 from tests.tiny_models import CAUSAL, save_tiny_checkpoint, tiny_model, tiny_tokenizer
@@ -127,7 +127,7 @@ def logged():
 
 def test_sample_generations_of_the_trained_model_and_of_the_export(tmp_path, logged):
     from hf_scale.train.config import JobConfig, TrainConfig
-    from hf_scale.train.report import card_info, finish_run, held_out_prompts
+    from hf_scale.train.finish import card_info, finish_run, held_out_prompts
 
     folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL)
     from transformers import AutoModelForCausalLM

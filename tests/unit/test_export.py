@@ -36,7 +36,7 @@ def test_export_refuses_a_corrupted_shard(corrupted, tmp_path):
 
 def test_export_without_checksums_says_it_could_not_verify(corrupted, tmp_path, caplog):
     checkpoint, _ = corrupted
-    from hf_scale.checkpoint.state import resolve_checkpoint
+    from hf_scale.checkpoint.training_state import resolve_checkpoint
 
     (resolve_checkpoint(checkpoint) / "model" / "checksums.sha256").unlink()
     with caplog.at_level("WARNING", logger="hf_scale"):

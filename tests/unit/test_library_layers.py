@@ -18,10 +18,10 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_scale"
 # The application layer: it sits on top of the library and the library never imports it.
-APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.generate", "hf_scale.launch", "hf_scale.plan_report", "hf_scale.zoo",
-       "hf_scale.planner")
+APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.generate", "hf_scale.launch", "hf_scale.layout_preview", "hf_scale.zoo",
+       "hf_scale.layout_search")
 # The one way in from the library to the application: parallelize(model, "auto") asks the planner.
-ENTRY_POINTS = {("hf_scale.api", "hf_scale.planner.auto")}
+ENTRY_POINTS = {("hf_scale.api", "hf_scale.layout_search.auto")}
 HEAVY = ("torch", "transformers", "datasets", "huggingface_hub", "accelerate", "hf_scale.hub",
          "transformers.trainer", *APP)
 
@@ -203,3 +203,33 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_renamed_modules_keep_their_old_paths_for_one_release():
+    """Issue 26's renames: the old import paths give the new modules themselves, with a warning."""
+    code = (
+        "import warnings, json, sys\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from hf_scale.plans import register_plan\n"
+        "    import hf_scale.planner.cost as old_cost\n"
+        "    from hf_scale.planner.report import plan_text\n"
+        "    from hf_scale.state import get_state\n"
+        "import hf_scale.layout_search.cost as cost, hf_scale.model_plans as plans\n"
+        "import hf_scale.layout_search.ranking as ranking, hf_scale.parallel_state as state\n"
+        "print(json.dumps([old_cost is cost, register_plan is plans.register_plan, plan_text is ranking.plan_text,\n"
+        "                  get_state is state.get_state, sys.modules['hf_scale.plans'] is plans,\n"
+        "                  sorted({str(w.message).split(';')[0] for w in caught})]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    *same, warned = json.loads(out.stdout.strip().splitlines()[-1])
+    assert same == [True] * 5
+    assert warned == ["hf_scale.planner is now hf_scale.layout_search",
+                      "hf_scale.planner.cost is now hf_scale.layout_search.cost",
+                      "hf_scale.planner.report is now hf_scale.layout_search.ranking",
+                      "hf_scale.plans is now hf_scale.model_plans", "hf_scale.state is now hf_scale.parallel_state"]
+    from hf_scale._moved import MOVED
+
+    for new in MOVED.values():
+        assert (PACKAGE.parent / new.replace(".", "/")).with_suffix(".py").exists() or \
+            (PACKAGE.parent / new.replace(".", "/") / "__init__.py").exists(), new

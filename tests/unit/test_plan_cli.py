@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hf_scale.cli import main
 from hf_scale.config import ParallelConfig
-from hf_scale.plan_report import plan_report
+from hf_scale.layout_preview import plan_report
 from hf_scale.train.config import load_job
 from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 
@@ -138,8 +138,8 @@ def test_tp_layout_styles_heads_and_bytes_per_rank(tiny_folder, cli_output):
     assert ["model.embed_tokens", "embedding_rowwise", "x1"] in rows and ["lm_head", "colwise_gather_output", "x1"] in rows
     assert len(rows) == 9  # 7 per-layer patterns (layers.0/layers.1 collapsed), embedding, head
 
-    from hf_scale.train.model import load_config
     from hf_scale.train.config import ModelConfig
+    from hf_scale.train.model import load_config
 
     config = load_config(ModelConfig(name_or_path=tiny_folder))
     report = plan_report(config, ParallelConfig(tp=2), 4)

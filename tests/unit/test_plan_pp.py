@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from hf_scale.cli import main
 from hf_scale.config import ParallelConfig
-from hf_scale.plan_report import bubble_fraction, plan_report
+from hf_scale.layout_preview import bubble_fraction, plan_report
 from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from hf_scale.errors import HfScaleConfigError
-from hf_scale.planner.choose import (
+from hf_scale.layout_search.choose import (
     Candidate,
     choose,
     enumerate_layouts,
@@ -15,9 +15,9 @@ from hf_scale.planner.choose import (
     rank,
     unit_sizes,
 )
-from hf_scale.planner.cost import Device, Link
-from hf_scale.planner.estimate import GiB, Layout, Workload, estimate_memory
-from hf_scale.planner.profile import model_facts
+from hf_scale.layout_search.cost import Device, Link
+from hf_scale.layout_search.estimate import GiB, Layout, Workload, estimate_memory
+from hf_scale.layout_search.profile import model_facts
 from tests.tiny_models import tiny_config
 
 LINK = Link(bandwidth=1e9, latency=1e-5, overlap=0.5)
@@ -90,8 +90,8 @@ def test_fastest_that_fits_ties_toward_less_memory(tiny):
 
 
 def test_rank_orders_ties_by_memory():
-    from hf_scale.planner.cost import StepCost
-    from hf_scale.planner.estimate import MemoryEstimate
+    from hf_scale.layout_search.cost import StepCost
+    from hf_scale.layout_search.estimate import MemoryEstimate
 
     mem = lambda total: MemoryEstimate(total, 0, 0, 0, 0, 0, 0, 0, 0)
     cost = lambda seconds: StepCost(seconds, 0, 0, 0, 0, 0, 0, 1000)

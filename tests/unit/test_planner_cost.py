@@ -5,10 +5,10 @@ from dataclasses import replace
 
 import pytest
 
-from hf_scale.plan_report import bubble_fraction
-from hf_scale.planner.cost import Device, Link, flops_per_token, step_cost
-from hf_scale.planner.estimate import Layout, Workload, rank_params
-from hf_scale.planner.profile import model_facts
+from hf_scale.layout_preview import bubble_fraction
+from hf_scale.layout_search.cost import Device, Link, flops_per_token, step_cost
+from hf_scale.layout_search.estimate import Layout, Workload, rank_params
+from hf_scale.layout_search.profile import model_facts
 from tests.tiny_models import tiny_config
 
 LINK = Link(bandwidth=1e6, latency=0.0, overlap=0.0)

@@ -6,9 +6,9 @@ import torch
 import transformers as tf
 
 from hf_scale.errors import HfScaleConfigError
-from hf_scale.planner.estimate import Layout, Workload, estimate_memory
-from hf_scale.planner.profile import measure_activations, model_facts
-from hf_scale.planner.source import read_source
+from hf_scale.layout_search.estimate import Layout, Workload, estimate_memory
+from hf_scale.layout_search.profile import measure_activations, model_facts
+from hf_scale.layout_search.source import read_source
 from tests.tiny_models import CAUSAL, tiny_batch, tiny_config, tiny_model
 
 WORK = Workload(seq=16, batch=1)  # one micro-batch a step: no gradient accumulation
@@ -264,7 +264,7 @@ def test_interleaved_schedules_hold_torchs_warmup_plus_one():
     Zero bubble grows the warm-up by 1 per hop, not 2."""
     from types import SimpleNamespace
 
-    from hf_scale.planner.estimate import _interleaved_inflight
+    from hf_scale.layout_search.estimate import _interleaved_inflight
 
     blocks = ((0, 1, 2), (3, 4), (5, 6), (7,))  # uneven stages: 3, 2, 2 and 1 blocks
     pl = SimpleNamespace(stage_blocks=blocks, stages_of=lambda r: [r, r + 2])

@@ -4,8 +4,8 @@ import pytest
 
 from hf_scale.config import ParallelConfig
 from hf_scale.errors import HfScaleConfigError
-from hf_scale.planner.auto import auto_config, is_auto
-from hf_scale.planner.report import format_candidates, plan_candidates
+from hf_scale.layout_search.auto import auto_config, is_auto
+from hf_scale.layout_search.ranking import format_candidates, plan_candidates
 from tests.tiny_models import CAUSAL, tiny_config, tiny_model
 
 
@@ -45,9 +45,9 @@ def test_parallelize_auto_in_one_process_applies_what_the_budget_forces(tmp_path
     checkpointing and of full checkpointing, the planner must choose checkpointing, and the model
     then runs checkpointed blocks (a stand-in calibration for this machine)."""
     import hf_scale
-    from hf_scale.planner import Layout, Workload, estimate_memory, model_facts
-    from hf_scale.planner import auto as auto_module
-    from hf_scale.planner.choose import MARGIN
+    from hf_scale.layout_search import Layout, Workload, estimate_memory, model_facts
+    from hf_scale.layout_search import auto as auto_module
+    from hf_scale.layout_search.choose import MARGIN
     from tests.harness import stand_in_calibration
 
     monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path)["XDG_CACHE_HOME"])
@@ -91,7 +91,7 @@ def test_auto_is_a_strategy_of_parallel_config():
 
 
 def test_plan_text_for_gpus_from_a_config():
-    from hf_scale.planner.report import plan_text
+    from hf_scale.layout_search.ranking import plan_text
 
     text = plan_text(tiny_config("llama"), gpus=4, gpu_memory="80GB", seq=16, batch=2)
     assert "4 rank(s) of 74.5 GiB (cuda); seq 16 x batch 2" in text and "recommended:" in text
@@ -112,8 +112,8 @@ def test_plan_command_ranks_layouts_for_gpus(tmp_path, capsys):
 def test_plan_for_64_gpus_uses_nodes_of_8_and_the_links_given(capsys):
     """``--gpus 64`` is 8 nodes of 8 (not one NVLink domain): tp stays within a node; a slower
     inter-node link given with --inter-gbps changes the step time of the layouts that cross it."""
-    from hf_scale.planner.cost import H100
-    from hf_scale.planner.report import default_nodes, plan_candidates, with_links
+    from hf_scale.layout_search.cost import H100
+    from hf_scale.layout_search.ranking import default_nodes, plan_candidates, with_links
 
     assert (default_nodes(64, None), default_nodes(8, None), default_nodes(12, None), default_nodes(64, 2)) == (8, 1, 2, 2)
     config = tiny_config("llama")

@@ -6,8 +6,8 @@ import transformers as tf
 from torch import nn
 
 from hf_scale import HfScalePlanError, ModelPlan, resolve_plan
-from hf_scale.plans import base as plan_base
-from hf_scale.plans import fp32_modules, wrap_units
+from hf_scale.model_plans import base as plan_base
+from hf_scale.model_plans import fp32_modules, wrap_units
 from tests.tiny_models import AUTO, all_cases, tiny_config
 
 EXPECTED_BLOCK = {

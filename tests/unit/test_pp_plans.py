@@ -16,8 +16,8 @@ import transformers as tf
 from hf_scale.config import ParallelConfig
 from hf_scale.errors import HfScaleConfigError, HfScalePlanError
 from hf_scale.mesh import ParallelDims
-from hf_scale.plans import resolve_plan
-from hf_scale.plans.pp import pp_layout
+from hf_scale.model_plans import resolve_plan
+from hf_scale.model_plans.pp import pp_layout
 from tests.distributed.pp_checks import pp_config, pp_model
 from tests.tiny_models import AUTO, tiny_model
 

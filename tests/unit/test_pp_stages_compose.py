@@ -15,9 +15,9 @@ import torch
 import transformers
 
 from hf_scale.errors import HfScaleConfigError
+from hf_scale.model_plans import resolve_plan
+from hf_scale.model_plans.pp import pp_layout
 from hf_scale.parallel.pp import prune_to_stages, stage_module
-from hf_scale.plans import resolve_plan
-from hf_scale.plans.pp import pp_layout
 from tests.distributed.pp_checks import label_tokens, padded_batch, pp_model
 
 ARCHS = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox", "opt")

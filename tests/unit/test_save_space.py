@@ -12,7 +12,7 @@ import pytest
 
 import hf_scale
 from hf_scale import HfScaleCheckpointError
-from hf_scale.checkpoint.state import complete_checkpoints
+from hf_scale.checkpoint.training_state import complete_checkpoints
 from tests.tiny_models import tiny_batch, tiny_model
 
 NO_SPACE = r"no space left for .*: the save needs .* \(([\d,]+) bytes\), the disk of .* has .* \(([\d,]+) bytes\) free"

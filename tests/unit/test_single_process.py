@@ -8,8 +8,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import hf_scale
 from hf_scale import HfScaleConfigError
-from hf_scale.orchestrate import precision_dtype
 from hf_scale.distributed import DistEnv
+from hf_scale.orchestrate import precision_dtype
 from hf_scale.parallel.optim import parameter_groups
 from tests.tiny_models import all_cases, tiny_batch, tiny_model
 

@@ -12,8 +12,8 @@ import hf_scale
 from hf_scale.config import ParallelConfig
 from hf_scale.errors import HfScaleConfigError, HfScalePlanError
 from hf_scale.mesh import ParallelDims
-from hf_scale.plans import resolve_plan, wrap_units
-from hf_scale.plans.tp import tp_layout
+from hf_scale.model_plans import resolve_plan, wrap_units
+from hf_scale.model_plans.tp import tp_layout
 from tests.tiny_models import ARCHS, all_cases, tiny_model
 
 TP_CASES = all_cases() + [("phi3_mha", "causal"), ("llama_vocab129", "causal")]
@@ -226,8 +226,8 @@ def test_every_plan_style_has_an_engine_style():
     tables are kept apart: plans never import torch.distributed)."""
     from torch import nn
 
+    from hf_scale.model_plans.tp import _STYLES
     from hf_scale.parallel.tp import _style
-    from hf_scale.plans.tp import _STYLES
 
     for style in (*_STYLES, "packed_colwise:3"):
         if style != "replicate":  # apply_tp leaves replicated modules alone

@@ -16,7 +16,7 @@ import pytest
 from datasets import Dataset
 
 from hf_scale.errors import HfScaleConfigError
-from hf_scale.state import STATE_ATTR
+from hf_scale.parallel_state import STATE_ATTR
 from hf_scale.train.config import DataConfig, load_job
 from hf_scale.train.data import tokenize_causal_lm
 from hf_scale.train.dp import pipeline_degree

@@ -2,7 +2,7 @@
 
 A plan names module classes and parameter names; it holds no torch.distributed logic. The
 engine (``hf_scale.parallel``) reads it. Plans come from what transformers declares
-(:mod:`hf_scale.plans.from_hf`), completed by entries of the registry below, keyed by
+(:mod:`hf_scale.model_plans.from_hf`), completed by entries of the registry below, keyed by
 ``config.model_type``, where transformers declares nothing or something we cannot use.
 
 Usage::
@@ -36,7 +36,7 @@ class ModelPlan:
         tp_plan: tensor-parallel styles per module pattern, in transformers' vocabulary, with
             names from the top model (``"model.layers.*.self_attn.q_proj": "colwise"``, as
             transformers' ``model.tp_plan`` gives them); ``*`` matches one name component. Read
-            by :func:`hf_scale.plans.tp.tp_layout` and applied by the tensor-parallel engine.
+            by :func:`hf_scale.model_plans.tp.tp_layout` and applied by the tensor-parallel engine.
         tp_local_attrs: module pattern -> integer attributes its forward uses as head counts or
             split sizes (GPT-2's ``split_size``); divided by the tp degree after sharding.
         pp_plan: pipeline stages' module names and their inputs/outputs, as transformers

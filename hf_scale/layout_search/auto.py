@@ -2,7 +2,7 @@
 
 The world size comes from torchrun's environment, the memory budget from the device (a GPU's
 total memory; on CPU the machine's RAM divided among the local processes), the device's speed
-from :data:`hf_scale.planner.cost.H100` on a GPU (a stand-in: the ranking, not the seconds,
+from :data:`hf_scale.layout_search.cost.H100` on a GPU (a stand-in: the ranking, not the seconds,
 matters) or this machine's calibration on CPU. ``parallelize`` does not see a batch, so its
 workload is one sequence of ``min(max_position_embeddings, 1024)`` tokens per rank; the
 fine-tuning loop passes the recipe's ``max_seq_len``, ``batch_size`` and ``grad_accum``.

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..log import log_rank0
-from ..state import get_state
+from ..parallel_state import get_state
 from ..ranks import gather, run_together
 from ..zoo import HUB_IDS
 from .config import JobConfig

@@ -15,7 +15,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   DDP's gradient buckets (``gradient_as_bucket_view`` off: a second copy of the gradients);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
   the low-precision weight casts are saved for backward (``compute_copies``).
-- tp: each rank's parameters from :func:`hf_scale.plan_report.tp_report` (``tp_layout``); pp: the
+- tp: each rank's parameters from :func:`hf_scale.layout_preview.tp_report` (``tp_layout``); pp: the
   busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
   CPU device that is the device's own memory, where they stay counted.
@@ -172,7 +172,7 @@ def rank_params(facts: ModelFacts, layout: Layout) -> int:
 
 
 def _rank_params(facts: ModelFacts, layout: Layout) -> int:
-    from ..plan_report import tp_report
+    from ..layout_preview import tp_report
 
     params = facts.params
     if layout.tp > 1:
@@ -186,7 +186,7 @@ def pp_stages(facts: ModelFacts, layout: Layout) -> dict:
     """``plan_report.pp_report`` for the layout's pipeline, once per pp degree and schedule (the
     schedule sets the stages per rank): read its ``stages`` and ``rank_params``, which do not
     depend on the microbatch count."""
-    from ..plan_report import pp_report
+    from ..layout_preview import pp_report
 
     return facts.cached(("pp_report", layout.pp, layout.pp_schedule),
                         lambda: pp_report(facts.model, facts.plan, _pp_config(layout)))
@@ -228,7 +228,7 @@ def pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[f
 
 
 def _pipeline_shape(facts: ModelFacts, layout: Layout) -> tuple[list[int], list[float], int]:
-    from ..plans.pp import pp_layout
+    from ..model_plans.pp import pp_layout
 
     cfg = _pp_config(layout)
     pl = pp_layout(facts.model, facts.plan, layout.pp, cfg.stages_per_rank, layout.pp_schedule == "zbv")

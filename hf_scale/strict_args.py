@@ -2,7 +2,7 @@
 
 Errors are one line (an :class:`HfScaleConfigError`, which the commands print and exit 2 on),
 flags are taken only as spelled (no abbreviations), and an unknown flag names the closest known
-one. Kept apart from ``cli.py`` so the library's ``hub/cli.py`` can use it without importing the
+one. Kept apart from ``cli.py`` so the library's ``hub/push_command.py`` can use it without importing the
 application.
 
 Usage::

@@ -7,7 +7,7 @@ reduce-scatter bus bandwidth (gloo's all-gather and reduce-scatter run at a frac
 all-reduce's), latency, and what FSDP2 costs per unit, DDP per step and tensor parallel per
 sharded module beyond their model's compute (hooks, copies, DTensor's dispatch, small
 collectives). About two minutes (bf16 on a CPU is slow); noisy on
-a busy machine (the result is cached: :func:`hf_scale.planner.machine.cpu_device`, ``refresh=True``
+a busy machine (the result is cached: :func:`hf_scale.layout_search.machine.cpu_device`, ``refresh=True``
 to redo it).
 """
 
@@ -54,8 +54,8 @@ def training_seconds(config, dtype: torch.dtype, seq: int, batch: int, pick=min,
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config).to(dtype)
     if ac:
+        from ..model_plans import resolve_plan, wrap_units
         from ..parallel import apply_ac
-        from ..plans import resolve_plan, wrap_units
 
         model.config.use_cache = False  # as parallelize sets it: a recomputed block would grow the cache
         apply_ac(wrap_units(model, resolve_plan(model)), ac)
@@ -221,7 +221,7 @@ def collectives_rank(rank: int, world: int, _arg: float = 0.0) -> dict | None:
 def collectives(world: int = 2) -> dict:
     """gloo between ``world`` local processes: all-reduce, all-gather and reduce-scatter bus
     bandwidth, the latency of a tiny all-reduce, and FSDP's / DDP's / tp's own cost per unit /
-    step / module. Measured in helper processes (:mod:`hf_scale.planner.helpers`)."""
+    step / module. Measured in helper processes (:mod:`hf_scale.layout_search.helpers`)."""
     from .helpers import run_helpers
 
     return run_helpers(__spec__.name, "collectives", world, HELPER_TIMEOUT_S, f"the {world}-process gloo measurement")[0]
@@ -257,7 +257,7 @@ def busy_flops(overhead: float, processes: int) -> float:
 
 
 def calibrate() -> dict:
-    """The numbers :func:`hf_scale.planner.machine.cpu_device` reads; compute with one thread, as each
+    """The numbers :func:`hf_scale.layout_search.machine.cpu_device` reads; compute with one thread, as each
     torchrun rank runs (``OMP_NUM_THREADS=1``)."""
     links = collectives()
     # again at 4 processes: more ranks per collective and, on a machine of 2 or 3 cores, more ranks
@@ -287,6 +287,6 @@ def calibrate() -> dict:
 
 
 if __name__ == "__main__":  # a helper process of collectives() or busy_flops()
-    from hf_scale.planner.helpers import serve
+    from hf_scale.layout_search.helpers import serve
 
     serve({"collectives": collectives_rank, "busy": busy_rank})

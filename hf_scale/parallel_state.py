@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .config import ParallelConfig
     from .distributed import DistEnv
     from .mesh import ParallelDims
-    from .plans import ModelPlan
+    from .model_plans import ModelPlan
 
 STATE_ATTR = "_hf_scale_state"
 

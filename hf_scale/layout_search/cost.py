@@ -37,7 +37,7 @@
   local parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
   parameter / gradient copies over PCIe on a GPU; and a fixed cost per parameter tensor, higher
   on DTensors (measured on CPU).
-- pipeline bubble: :func:`hf_scale.plan_report.bubble_fraction` (the formulas P2 wrote there).
+- pipeline bubble: :func:`hf_scale.layout_preview.bubble_fraction` (the formulas P2 wrote there).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class StepCost:
 
 def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device, nodes: int = 1) -> StepCost:
     """The estimated step time of ``work`` under ``layout`` on ``device`` ranks."""
-    from ..plan_report import bubble_fraction
+    from ..layout_preview import bubble_fraction
 
     device = device.at_world(layout.world_size)  # CPU: measured at this many ranks, or more crowded
     d = DTYPE_BYTES[layout.precision]

@@ -29,8 +29,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import HfScalePlanError
-from ..plan_report import meta_model
-from ..plans import resolve_plan, wrap_units
+from ..layout_preview import meta_model
+from ..model_plans import resolve_plan, wrap_units
 
 _aten = torch.ops.aten
 # The outputs selective checkpointing keeps (hf_scale.parallel.activation._SAVE_OPS).
@@ -229,7 +229,7 @@ def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
 
 def _tp_styles(facts: ModelFacts) -> dict[str, str]:
     """Module name -> tensor-parallel style (none without a tp plan), expanded once per model."""
-    from ..plans.tp import tp_layout
+    from ..model_plans.tp import tp_layout
 
     def expand() -> dict[str, str]:
         if not facts.plan.tp_plan:

@@ -2,7 +2,7 @@
 
 An entry maps base-model module names, in forward order, to ``(inputs, outputs)``. The entry
 whose module is the block ``ModuleList`` splits it: entries before it run on the first stage
-only, entries after it on the last stage only (see :mod:`hf_scale.plans.pp`). Modules a plan
+only, entries after it on the last stage only (see :mod:`hf_scale.model_plans.pp`). Modules a plan
 leaves out (rotary embeddings, buffers only) run on every stage. Names may be dotted (OPT's
 blocks are ``decoder.layers`` of its base model).
 """

@@ -1,6 +1,6 @@
 """The helper processes the calibration measures in: fresh interpreters, clean of launchers.
 
-:mod:`hf_scale.planner.calibrate` times gloo collectives between 2 and 4 local processes, and
+:mod:`hf_scale.layout_search.calibrate` times gloo collectives between 2 and 4 local processes, and
 every core computing at once, in helper processes. They start as
 ``python -m MODULE KIND RANK WORLD PORT ARG`` (the module calls :func:`serve` under its
 ``__main__`` guard), not with multiprocessing's spawn, so they work from any caller:
@@ -17,7 +17,7 @@ the measurement and the helper's last words, and every helper is killed.
 
 Usage::
 
-    [result] = run_helpers("hf_scale.planner.calibrate", "collectives", world=2, timeout=300,
+    [result] = run_helpers("hf_scale.layout_search.calibrate", "collectives", world=2, timeout=300,
                            what="the 2-process gloo measurement")
 """
 

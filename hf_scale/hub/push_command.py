@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from ..cli_args import ArgumentParser
 from ..errors import HfScaleError
+from ..strict_args import ArgumentParser
 from .upload import push_to_hub
 
 

@@ -1,8 +1,8 @@
 """This machine, measured: the planner's :class:`Device` for the CPU it runs on.
 
-:mod:`hf_scale.planner.calibrate` measures the machine once (about two minutes); the figures are
+:mod:`hf_scale.layout_search.calibrate` measures the machine once (about two minutes); the figures are
 cached in :func:`calibration_path` and read by :func:`cpu_device`. Apart from
-:mod:`hf_scale.planner.cost` so the cost model never imports the measurement that uses it.
+:mod:`hf_scale.layout_search.cost` so the cost model never imports the measurement that uses it.
 
 Usage::
 

@@ -4,11 +4,11 @@ The model is built from its config on the meta device (no memory, no weights), i
 resolved exactly as :func:`hf_scale.parallelize` would, and the mesh degrees are resolved for
 the given world size, so a recipe for 8 GPUs or 4 nodes can be checked on a laptop. With
 ``parallel.tp > 1`` it adds the tensor-parallel layout the engine would apply
-(:func:`hf_scale.plans.tp.tp_layout`): each module pattern's style with its count, the query and
+(:func:`hf_scale.model_plans.tp.tp_layout`): each module pattern's style with its count, the query and
 key/value heads per rank, and the parameters and bytes each tp rank holds (sharded ones / tp,
 plus the replicated ones); a plan that does not fit the degree fails with the engine's error.
 With ``parallel.pp > 1`` it adds the pipeline split the engine would make
-(:func:`hf_scale.plans.pp.pp_layout`): each stage's pp rank, blocks, parameters and share of
+(:func:`hf_scale.model_plans.pp.pp_layout`): each stage's pp rank, blocks, parameters and share of
 the compute, and the schedule's bubble (:func:`bubble_fraction`).
 
 Usage::
@@ -26,7 +26,7 @@ import torch
 
 from .config import ParallelConfig
 from .mesh import ParallelDims
-from .plans import resolve_plan, wrap_units
+from .model_plans import resolve_plan, wrap_units
 
 # fp32 master weights + gradients + AdamW's two moments
 BYTES_PER_PARAM_TRAINING = 16
@@ -81,7 +81,7 @@ def tp_report(model, plan, tp: int) -> dict:
     """The tensor-parallel layout of ``model`` at degree ``tp``: styles per module pattern
     (``layers.N`` collapsed to ``layers.*``, with how many modules), heads per rank, and the
     parameters one tp rank holds (the largest shard where a vocabulary does not divide)."""
-    from .plans.tp import SIZE_ATTRS, shard_dim, tp_layout
+    from .model_plans.tp import SIZE_ATTRS, shard_dim, tp_layout
 
     layout = tp_layout(model, plan, tp)
     patterns: dict[str, list] = {}
@@ -165,7 +165,7 @@ def _tp_lines(tp: dict, parameters: int) -> list[str]:
 def pp_report(model, plan, parallel: ParallelConfig) -> dict:
     """The pipeline split of ``model`` for ``parallel`` (pp, schedule, stages per rank, split
     points, microbatches) as the engine would cut it, with the schedule's bubble."""
-    from .plans.pp import pp_layout
+    from .model_plans.pp import pp_layout
 
     layout = pp_layout(model, plan, parallel.pp, parallel.stages_per_rank,
                        v_shape=parallel.pp_schedule == "zbv", split_points=parallel.pp_split_points)

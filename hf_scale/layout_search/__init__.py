@@ -14,7 +14,7 @@ model's config alone, and the fastest layout that fits.
 
 Usage::
 
-    from hf_scale.planner import model_facts, choose, Workload, parse_memory, H100
+    from hf_scale.layout_search import model_facts, choose, Workload, parse_memory, H100
     best, ranked = choose(model_facts(config), Workload(seq=4096, batch=1, device="cuda"), 8,
                           parse_memory("80GB"), H100)
 """
