@@ -32,8 +32,8 @@ _moved.install()  # the old paths of renamed modules, for one release
 # public name -> the submodule that defines it, imported on first access
 _LAZY = {
     "parallelize": ".api",
-    "ParallelState": ".state",
-    "get_state": ".state",
+    "ParallelState": ".parallel_state",
+    "get_state": ".parallel_state",
     "build_optimizer": ".parallel.optim",
     "clip_grad_norm_": ".parallel.optim",
     "no_sync": ".parallel.optim",
@@ -43,9 +43,9 @@ _LAZY = {
     "save_pretrained": ".checkpoint",
     "load_state": ".checkpoint",
     "save_state": ".checkpoint",
-    "ModelPlan": ".plans",
-    "register_plan": ".plans",
-    "resolve_plan": ".plans",
+    "ModelPlan": ".model_plans",
+    "register_plan": ".model_plans",
+    "resolve_plan": ".model_plans",
     "CardInfo": ".hub",
     "push_to_hub": ".hub",
     "write_model_card": ".hub",

@@ -19,6 +19,7 @@ import warnings
 # old module path -> new; a path inside an old package moves with it (hf_scale.planner.cost)
 MOVED = {
     "hf_scale.planner.report": "hf_scale.layout_search.ranking",
+    "hf_scale.layout_search.report": "hf_scale.layout_search.ranking",  # from hf_scale.planner import report
     "hf_scale.planner": "hf_scale.layout_search",
     "hf_scale.plans": "hf_scale.model_plans",
     "hf_scale.plan_report": "hf_scale.layout_preview",

@@ -24,6 +24,7 @@ from pathlib import Path
 from bench_common import ROOT, add_write_arg, check_doc, write_doc
 
 TEST_LIMIT_MIN, CI_LIMIT_MIN = 25, 50
+MARK = ".time_ci_clone"  # in a clone this script made (the only folder --clone may replace)
 _PYTEST_LAST = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s\b", re.M)
 
 
@@ -35,7 +36,8 @@ def pytest_summary(log: str) -> tuple[str, float] | None:
 
 def slowest(log: str, count: int = 15) -> list[str]:
     """The ``--durations`` block's lines ('12.34s call tests/...::test_x')."""
-    block = log.split("slowest", 1)[1] if "slowest" in log else ""
+    found = re.search(r"^=+ slowest \d+ durations =+$", log, re.M)
+    block = log[found.end():] if found else ""
     return [line.strip() for line in block.splitlines() if re.match(r"^\s*[\d.]+s (call|setup|teardown)", line)][:count]
 
 
@@ -66,9 +68,12 @@ def main() -> int:
     args = parser.parse_args()
     check_doc(args)
     clone = Path(args.clone or tempfile.mkdtemp(prefix="hf_scale_ci_"))
-    if clone.exists():
+    if clone.exists() and any(clone.iterdir()):
+        if not (clone / MARK).exists():
+            sys.exit(f"{clone} exists and is not a clone this script made: give a new folder to --clone")
         shutil.rmtree(clone)
     subprocess.run(["git", "clone", "--quiet", str(ROOT), str(clone)], check=True)
+    (clone / MARK).touch()  # .ci/run never reads it; untracked in the clone
     commit = subprocess.run(["git", "-C", str(clone), "log", "-1", "--format=%h"], capture_output=True,
                             text=True, check=True).stdout.strip()
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state, parallelize, resolve_parallel_config
 from ..config import ParallelConfig
 from ..errors import HfScaleCheckpointError
-from ..ranks import rank0_first, run_together
+from ..ranks import rank0_first, run_together, share_from_rank0
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .safetensors_io import checkpoint_names, reshard_all
@@ -173,8 +173,9 @@ def weight_map_of(folder: Path) -> dict[str, Path]:
 
 
 def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
-    """Collective: every shard hashed (each rank its share), the same verdict on every rank."""
-    expected = read_checksums(folder)
+    """Collective: every shard hashed (each rank its share), the same verdict on every rank. The
+    expected sums are rank 0's (a node whose copy lacks the file still hashes its share)."""
+    expected = share_from_rank0(read_checksums, folder)
     if not expected:
         return
     bad = mismatched(folder, sorted({p.name for p in weight_map.values()}), expected)  # hashed in parallel

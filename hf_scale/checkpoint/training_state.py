@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
-from ..ranks import gather, rank_world, run_together
+from ..ranks import gather, rank_world, run_together, share_from_rank0
 from .dcp_boxes import checkpointable
 from .files import atomic_write_text, staged_folder
 from .load import load_owned_slices, weight_map_of
@@ -138,15 +138,16 @@ def load_state(
 
     ``path`` is a ``step_*`` folder, or ``<root>/latest`` for the newest complete one.
     """
-    folder = resolve_checkpoint(path)
+    # Every read of the files runs through run_together: a failure on one rank (a bad copy on its
+    # node) raises on every rank, before any rank waits in a collective the failed one never enters.
+    folder, info = share_from_rank0(_resolve_with_info, path)  # one folder for all: "latest" read once
     rank, world = rank_world()
-    info = json.loads((folder / TRAINER_STATE).read_text())
     model_dir = folder / "model"
-    run_together(lambda: load_owned_slices(model, model_dir, weight_map_of(model_dir)))  # a bad file on one rank fails all
+    run_together(lambda: load_owned_slices(model, model_dir, weight_map_of(model_dir)))
     target = {"optimizer": optimizer_state(model, optimizer)}
     restore_ties = lambda: None
     if pipelined(model):  # a head saved as the embedding (one process): its state is the embedding's
-        saved = dcp.FileSystemReader(str(folder / "optimizer")).read_metadata().state_dict_metadata
+        saved = run_together(lambda: dcp.FileSystemReader(str(folder / "optimizer")).read_metadata().state_dict_metadata)
         restore_ties = borrow_tied_state(model, target["optimizer"], set(saved))
     boxed, copy_back = checkpointable(target)  # packed tp slices placed box by box
     try:
@@ -165,8 +166,11 @@ def load_state(
     if scheduler is not None and info.get("scheduler") is not None:
         scheduler.load_state_dict(info["scheduler"])
     rank_file = folder / f"rank_{rank}.pt"
-    if info["world_size"] == world and rank_file.exists():
-        _restore_rank_state(torch.load(rank_file, weights_only=True), dataloader)
+    saved_here = None
+    if info["world_size"] == world:  # the same on every rank: all of them enter run_together
+        saved_here = run_together(lambda: torch.load(rank_file, weights_only=True) if rank_file.exists() else None)
+    if saved_here is not None:
+        _restore_rank_state(saved_here, dataloader)
     else:
         warnings.warn(
             f"checkpoint {folder.name} was saved by {info['world_size']} ranks, this run has {world}: "
@@ -175,6 +179,16 @@ def load_state(
             stacklevel=2,
         )
     return int(info["step"])
+
+
+def _resolve_with_info(path: str | os.PathLike) -> tuple[Path, dict]:
+    """The checkpoint folder ``path`` names and its ``trainer_state.json``."""
+    folder = resolve_checkpoint(path)
+    try:
+        return folder, json.loads((folder / TRAINER_STATE).read_text())
+    except (OSError, ValueError) as e:
+        raise HfScaleCheckpointError(f"{folder} has no readable {TRAINER_STATE} ({e}): not a complete "
+                                     "checkpoint of save_state.") from None
 
 
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:

@@ -37,12 +37,15 @@ from ..errors import HfScaleError
 
 def helper_env(rank: int, world: int, port: int) -> dict[str, str]:
     """This process's environment without any launcher's variables, with the helper group's own
-    (``LOCAL_WORLD_SIZE`` included: the helpers are one node) and one compute thread."""
+    (``LOCAL_WORLD_SIZE`` included: the helpers are one node), one compute thread, and this
+    hf_scale first on the path (the helpers run in an empty folder: no checkout there shadows it)."""
     from ..distributed import LAUNCHER_VARS
 
     drop = set(LAUNCHER_VARS) | {v for v in os.environ if v.startswith("TORCHELASTIC_")}
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    return {**env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # holds hf_scale/
+    path = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1"}
 
@@ -59,7 +62,8 @@ def run_helpers(module: str, kind: str, world: int, timeout: float, what: str, a
         outs = [files.enter_context(open(os.path.join(tmp, f"rank{r}.json"), "w+")) for r in range(world)]
         argv = [sys.executable, "-m", module, kind, "", str(world), str(port), repr(arg)]
         procs = [subprocess.Popen([*argv[:4], str(r), *argv[5:]], env=helper_env(r, world, port),
-                                  stdin=subprocess.DEVNULL, stdout=outs[r], stderr=logs[r]) for r in range(world)]
+                                  stdin=subprocess.DEVNULL, stdout=outs[r], stderr=logs[r], cwd=tmp)
+                 for r in range(world)]
         try:
             _wait(procs, logs, timeout, what)
         finally:

@@ -211,20 +211,23 @@ def test_renamed_modules_keep_their_old_paths_for_one_release():
         "import warnings, json, sys\n"
         "warnings.simplefilter('always')\n"
         "with warnings.catch_warnings(record=True) as caught:\n"
+        "    from hf_scale.planner import report as old_ranking  # first: no attribute to find yet\n"
         "    from hf_scale.plans import register_plan\n"
         "    import hf_scale.planner.cost as old_cost\n"
         "    from hf_scale.planner.report import plan_text\n"
         "    from hf_scale.state import get_state\n"
+
         "import hf_scale.layout_search.cost as cost, hf_scale.model_plans as plans\n"
         "import hf_scale.layout_search.ranking as ranking, hf_scale.parallel_state as state\n"
         "print(json.dumps([old_cost is cost, register_plan is plans.register_plan, plan_text is ranking.plan_text,\n"
-        "                  get_state is state.get_state, sys.modules['hf_scale.plans'] is plans,\n"
+        "                  get_state is state.get_state, sys.modules['hf_scale.plans'] is plans, old_ranking is ranking,\n"
         "                  sorted({str(w.message).split(';')[0] for w in caught})]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     *same, warned = json.loads(out.stdout.strip().splitlines()[-1])
-    assert same == [True] * 5
-    assert warned == ["hf_scale.planner is now hf_scale.layout_search",
+    assert same == [True] * 6
+    assert warned == ["hf_scale.layout_search.report is now hf_scale.layout_search.ranking",
+                      "hf_scale.planner is now hf_scale.layout_search",
                       "hf_scale.planner.cost is now hf_scale.layout_search.cost",
                       "hf_scale.planner.report is now hf_scale.layout_search.ranking",
                       "hf_scale.plans is now hf_scale.model_plans", "hf_scale.state is now hf_scale.parallel_state"]
@@ -233,3 +236,13 @@ def test_renamed_modules_keep_their_old_paths_for_one_release():
     for new in MOVED.values():
         assert (PACKAGE.parent / new.replace(".", "/")).with_suffix(".py").exists() or \
             (PACKAGE.parent / new.replace(".", "/") / "__init__.py").exists(), new
+
+
+def test_public_names_load_through_the_new_paths():
+    """``hf_scale.get_state``, ``hf_scale.ModelPlan``... never go through an old path's warning."""
+    code = ("import warnings\nwarnings.filterwarnings('error', message='.* is now hf_scale', category=DeprecationWarning)\n"
+            "import hf_scale\nfor name in hf_scale.__all__:\n    getattr(hf_scale, name)\n"
+            "from hf_scale.planner import report  # an old path through from-import (warns, as it may)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1 and "hf_scale.planner is now hf_scale.layout_search" in out.stderr, out.stderr[-2000:]
+    assert "__all__" not in out.stderr and "getattr(hf_scale, name)" not in out.stderr, out.stderr[-2000:]

@@ -109,7 +109,8 @@ def test_summaries_collect_the_verdicts_of_every_generated_section(tmp_path):
 def test_time_ci_reads_pytest_and_judges_the_limits():
     from time_ci import pytest_summary, report, slowest
 
-    log = ("....\n=== slowest 15 durations ===\n120.50s call     tests/a.py::test_x\n3.00s setup    tests/b.py::t\n"
+    log = ("a traceback that says slowest\n0.1s call tests/not_a_duration.py\n"
+           "....\n=== slowest 15 durations ===\n120.50s call     tests/a.py::test_x\n3.00s setup    tests/b.py::t\n"
            "976 passed, 2 skipped, 1 warning in 1519.12s (0:25:19)\n...\n3 passed in 4.20s\n")
     assert pytest_summary(log) == ("976 passed, 2 skipped, 1 warning", 1519.12)
     assert slowest(log) == ["120.50s call     tests/a.py::test_x", "3.00s setup    tests/b.py::t"]
