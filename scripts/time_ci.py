@@ -25,7 +25,7 @@ from bench_common import ROOT, add_write_arg, check_doc, write_doc
 
 TEST_LIMIT_MIN, CI_LIMIT_MIN = 25, 50
 MARK = ".time_ci_clone"  # in a clone this script made (the only folder --clone may replace)
-_PYTEST_LAST = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s\b", re.M)
+_PYTEST_LAST = re.compile(r"^=*\s*(?P<counts>\d+ (?:passed|failed).*?) in (?P<seconds>[\d.]+)s\b", re.MULTILINE)
 
 
 def pytest_summary(log: str) -> tuple[str, float] | None:
@@ -36,16 +36,16 @@ def pytest_summary(log: str) -> tuple[str, float] | None:
 
 def slowest(log: str, count: int = 15) -> list[str]:
     """The ``--durations`` block's lines ('12.34s call tests/...::test_x')."""
-    found = re.search(r"^=+ slowest \d+ durations =+$", log, re.M)
+    found = re.search(r"^=+ slowest \d+ durations =+$", log, re.MULTILINE)
     block = log[found.end():] if found else ""
     return [line.strip() for line in block.splitlines() if re.match(r"^\s*[\d.]+s (call|setup|teardown)", line)][:count]
 
 
 def report(commit: str, ci_seconds: float, exit_code: int, log: str) -> str:
     tests = pytest_summary(log)
-    lines = [f"`.ci/run` on a fresh clone of {commit}: exit {exit_code}, {ci_seconds / 60:.1f} min "
-             f"(make test, then make demo, then make wheel-check; the clone installs its own .venv)."]
-    verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
+    lines = [(f"`.ci/run` on a fresh clone of {commit}: exit {exit_code}, {ci_seconds / 60:.1f} min "
+              "(make test, then make demo, then make wheel-check; the clone installs its own .venv).")]
+    verdict = lambda ok: "PASS" if ok else "FAIL"
     if tests:
         counts, seconds = tests
         lines.append(f"make test: {counts} in {seconds / 60:.1f} min.")

@@ -72,7 +72,7 @@ def write_section(path: str | Path, name: str, body: str) -> None:
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS, README = ROOT / "docs" / "benchmarks.md", ROOT / "README.md"
 SUMMARY = "summary"
-_SECTION = re.compile(r"<!-- bench:(?P<name>[\w.-]+):start -->\r?\n(?P<body>.*?)<!-- bench:(?P=name):end -->", re.S)
+_SECTION = re.compile(r"<!-- bench:(?P<name>[\w.-]+):start -->\r?\n(?P<body>.*?)<!-- bench:(?P=name):end -->", re.DOTALL)
 _VERDICT = re.compile(r"^(?:\(\w+\) *)?(?P<verdict>PASS|FAIL)\b:? *(?P<text>.+)$")
 _WRITTEN = re.compile(r"Written by `[^`]*` on (?P<date>\d{4}-\d\d-\d\d)")
 
@@ -84,7 +84,7 @@ def verdicts(document: str) -> list[dict]:
     for match in _SECTION.finditer(document):
         if match["name"] == SUMMARY:
             continue
-        headings = re.findall(r"^## (.+)$", document[: match.start()], re.M)
+        headings = re.findall(r"^## (.+)$", document[: match.start()], re.MULTILINE)
         written = _WRITTEN.search(match["body"])
         for line in match["body"].splitlines():
             found = _VERDICT.match(line.strip())

@@ -184,7 +184,7 @@ def test_one_process_on_an_accelerator_puts_buffers_there_too(tmp_path, monkeypa
     """World 1 on a GPU under the default fsdp: parameters and buffers (BERT's position ids) all
     end on the device (the buffers stayed on the CPU). The meta device stands in for CUDA."""
     import hf_scale.checkpoint.load as load
-    import hf_scale.orchestrate as orchestrate
+    from hf_scale import orchestrate
     from hf_scale.distributed import DistEnv
 
     hf_scale.save_pretrained(hf_scale.parallelize(tiny_model("bert", "seqcls")), tmp_path / "bert")

@@ -213,7 +213,7 @@ def test_one_process_on_an_accelerator_moves_the_whole_model_there(monkeypatch):
     """World 1 on a GPU: nothing shards the model, so parallelize puts it on the device whatever
     the strategy (it stayed on the CPU under the default fsdp, found writing scripts/gpu_check.py).
     The meta device stands in for CUDA here."""
-    import hf_scale.orchestrate as orchestrate
+    from hf_scale import orchestrate
 
     monkeypatch.setattr(orchestrate, "init_distributed", lambda timeout: DistEnv(0, 1, 0, 1, torch.device("meta")))
     model = hf_scale.parallelize(tiny_model("llama", "causal"), {"strategy": "fsdp"})
