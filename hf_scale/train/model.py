@@ -19,7 +19,7 @@ from ..api import parallelize
 from ..checkpoint import from_pretrained
 from ..config import ParallelConfig
 from ..errors import HfScaleConfigError
-from ..zoo import check_zoo_task, is_zoo, load_whole, zoo_source
+from ..zoo import check_zoo_task, is_zoo, zoo_source
 from .config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -87,9 +87,6 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
     dtype = TORCH_DTYPES[cfg.dtype]
     if is_zoo(cfg.name_or_path):
         check_zoo_task(cfg.name_or_path, cfg.task)
-        whole = load_whole(cfg.name_or_path, dtype)
-        if whole is not None:
-            return parallelize(whole, parallel)
     if cfg.task == "causal_lm":
         if not cfg.trust_remote_code:
             from transformers import AutoModelForCausalLM

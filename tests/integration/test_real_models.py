@@ -100,3 +100,29 @@ def test_minilm_recipe_learns_topics(tmp_path):
     assert summary["before"]["eval_accuracy"] < 0.5 < 0.9 <= summary["after"]["eval_accuracy"]
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
     assert model.config.id2label == {0: "food", 1: "sports", 2: "weather"}
+
+
+def test_the_zoo_copy_is_the_gguf_model_and_tokenizer():
+    """zoo:smollm2 loads from its de-quantized copy (made once in the cache): every tensor, the
+    tokenizer (chat template included) and the generation config equal what transformers reads
+    from the GGUF file itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_scale.zoo import SMOLLM2_GGUF, converted_folder, smollm2_dir
+
+    model, tokenizer = load_smollm2()
+    direct = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32, gguf_file=SMOLLM2_GGUF)
+    want = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file=SMOLLM2_GGUF)
+    mine, theirs = model.state_dict(), direct.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), name
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    chat = [{"role": "user", "content": "What is 12 + 30?"}]
+    assert tokenizer.chat_template == want.chat_template
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        want.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    text = "The Eiffel Tower was built in 1889. <|im_end|> 12 + 30 = 42"
+    assert tokenizer(text).input_ids == want(text).input_ids
+    assert model.generation_config.eos_token_id == direct.generation_config.eos_token_id
+    assert not hasattr(model.config, "quantization_config") and (converted_folder("zoo:smollm2") / "model.safetensors").is_file()
