@@ -101,8 +101,9 @@ _DONE = "hf_scale_zoo.json"  # written last: a folder holding it is complete
 
 def converted_folder(name: str) -> Path:
     """The GGUF model ``name`` de-quantized to fp32 and saved with ``save_pretrained`` (its
-    tokenizer too) under ``$XDG_CACHE_HOME/hf_scale/zoo`` (default ``~/.cache``), keyed by the
-    GGUF file (path, size, time) and the transformers version. Made once: written into a
+    tokenizer too) under ``$XDG_CACHE_HOME/hf_scale/zoo`` (default ``~/.cache``; the temporary
+    folder when that cannot be written), keyed by the GGUF file (path, size, time) and the
+    transformers version. Made once: written into a
     temporary folder and renamed into place, under a file lock, so processes starting together
     (torchrun's ranks) convert it once and never read half a folder."""
     import transformers
@@ -111,15 +112,37 @@ def converted_folder(name: str) -> Path:
     gguf = _package_dir(entry) / entry.gguf_file
     stat = gguf.stat()
     key = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}|{CONVERTED_VERSION}"
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hf_scale" / "zoo"
-    folder = root / f"{name.removeprefix('zoo:')}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
-    if (folder / _DONE).is_file():
-        return folder
-    root.mkdir(parents=True, exist_ok=True)
+    copy = f"{name.removeprefix('zoo:')}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+    roots = zoo_cache_roots()
+    done = [root / copy for root in roots if (root / copy / _DONE).is_file()]
+    if done:
+        return done[0]
+    root = _writable(roots)
+    folder = root / copy
     with _locked(root / f".{folder.name}.lock"):
         if not (folder / _DONE).is_file():
             _convert(entry, gguf, folder, key)
     return folder
+
+
+def zoo_cache_roots() -> list[Path]:
+    """Where de-quantized copies live: ``$XDG_CACHE_HOME/hf_scale/zoo`` (default ``~/.cache``),
+    then the temporary folder's ``hf_scale_zoo`` (for a home that cannot be written)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return [home / "hf_scale" / "zoo", Path(tempfile.gettempdir()) / "hf_scale_zoo"]
+
+
+def _writable(roots: list[Path]) -> Path:
+    """The first of ``roots`` that exists or can be made, and can be written."""
+    for root in roots:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(root, os.W_OK | os.X_OK):
+            return root
+    raise HfScaleConfigError(f"cannot write the de-quantized zoo model to any of {[str(r) for r in roots]}: "
+                             "set XDG_CACHE_HOME to a writable folder.")
 
 
 def _convert(entry: ZooModel, gguf: Path, folder: Path, key: str) -> None:
