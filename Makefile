@@ -59,6 +59,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_planner.py
 	$(PY) scripts/plan_published.py
 	$(PY) scripts/bench_import.py
+	$(PY) scripts/bench_zoo_load.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

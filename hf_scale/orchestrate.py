@@ -15,6 +15,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -124,9 +125,9 @@ def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
     """Under pipeline parallel, this rank keeps only its stages' modules from here on."""
     if topology.pp is None:
         return topology
-    stages = tuple(topology.pp.stages_of(topology.dims.pp_rank(topology.mesh)))
-    prune_to_stages(model, topology.pp, list(stages))
-    return Topology(topology.dims, topology.mesh, topology.tp, topology.pp, stages)
+    stages = topology.pp.stages_of(topology.dims.pp_rank(topology.mesh))
+    prune_to_stages(model, topology.pp, stages)
+    return dataclasses.replace(topology, stages=tuple(stages))
 
 
 def apply_loss(model: nn.Module, config: ParallelConfig, topology: Topology) -> None:

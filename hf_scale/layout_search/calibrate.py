@@ -238,9 +238,11 @@ _SMOLLM2_SHAPE = {"seq": 256, "batch": 1, "layers": 4, "vocab": 49152, "kv_group
 
 def busy_rank(rank: int, world: int, overhead: float) -> dict:
     """A helper process's part of :func:`busy_flops`: its rate, timed while the others compute."""
+    import types
+
     import torch.distributed as dist
 
-    barrier = type("Barrier", (), {"wait": staticmethod(dist.barrier)})()
+    barrier = types.SimpleNamespace(wait=dist.barrier)  # training_seconds calls barrier.wait()
     return {"flops": training_flops(torch.float32, overhead=overhead, barrier=barrier, **_SMOLLM2_SHAPE)}
 
 

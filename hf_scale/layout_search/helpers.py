@@ -60,9 +60,9 @@ def run_helpers(module: str, kind: str, world: int, timeout: float, what: str, a
     with tempfile.TemporaryDirectory(prefix="hf_scale_calibration_") as tmp, contextlib.ExitStack() as files:
         logs = [files.enter_context(open(os.path.join(tmp, f"rank{r}.log"), "w+")) for r in range(world)]
         outs = [files.enter_context(open(os.path.join(tmp, f"rank{r}.json"), "w+")) for r in range(world)]
-        argv = [sys.executable, "-m", module, kind, "", str(world), str(port), repr(arg)]
-        procs = [subprocess.Popen([*argv[:4], str(r), *argv[5:]], env=helper_env(r, world, port),
-                                  stdin=subprocess.DEVNULL, stdout=outs[r], stderr=logs[r], cwd=tmp)
+        procs = [subprocess.Popen([sys.executable, "-m", module, kind, str(r), str(world), str(port), repr(arg)],
+                                  env=helper_env(r, world, port), stdin=subprocess.DEVNULL, stdout=outs[r],
+                                  stderr=logs[r], cwd=tmp)
                  for r in range(world)]
         try:
             _wait(procs, logs, timeout, what)
@@ -80,14 +80,14 @@ def run_helpers(module: str, kind: str, world: int, timeout: float, what: str, a
 
 def _wait(procs: list[subprocess.Popen], logs, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+        if not failed and all(code == 0 for code in codes):
+            return
         if failed or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-    if not failed and all(p.poll() == 0 for p in procs):
-        return
     if failed:
         r = failed[0]
         logs[r].seek(0)
