@@ -244,7 +244,8 @@ def generate(args: list[str]) -> int:
 
 
 def export(args: list[str]) -> int:
-    """Copy a training checkpoint's model out as a clean Hub-format folder (1..N processes)."""
+    """Copy a training checkpoint's model out as a clean Hub-format folder (1..N processes), or
+    with --merge write its LoRA adapter merged into the base model."""
     from .checkpoint.export import export_checkpoint
     from .distributed import init_distributed, shutdown_distributed
 
@@ -252,7 +253,16 @@ def export(args: list[str]) -> int:
     parser.add_argument("checkpoint", help="a step_* folder, or <root>/latest")
     parser.add_argument("out")
     parser.add_argument("--tokenizer", default=None, help="tokenizer (name or folder) to save beside the model")
+    parser.add_argument("--merge", action="store_true",
+                        help="a LoRA adapter (checkpoint or adapter folder): write the base with it merged, "
+                             "a plain Hub-format model (one process)")
+    parser.add_argument("--base", default=None, help="with --merge: the base model (default: the adapter "
+                                                     "config's base_model_name_or_path)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="with --merge: the merged model's dtype (default: the base checkpoint's)")
     ns = parser.parse_strict(args)
+    if (ns.base or ns.dtype) and not ns.merge:
+        parser.error("--base and --dtype apply with --merge only")
     init_distributed()
     try:
         tokenizer = None
@@ -260,7 +270,16 @@ def export(args: list[str]) -> int:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
-        print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
+        if ns.merge:
+            import torch
+
+            from .checkpoint.merge import merge_adapter
+
+            dtype = getattr(torch, ns.dtype) if ns.dtype else None
+            out = merge_adapter(ns.checkpoint, ns.out, base=ns.base, dtype=dtype, tokenizer=tokenizer)
+            print(f"merged into {out}")
+        else:
+            print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")
     finally:
         shutdown_distributed()
     return 0

@@ -30,6 +30,7 @@ from .errors import HfScaleConfigError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
+from .model_plans.adapters import adapter_host
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
@@ -59,7 +60,12 @@ class Topology:
 
 
 def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan | Mapping | None = None) -> nn.Module:
-    """Apply ``config`` to ``model`` in place, in the order above; returns ``model``."""
+    """Apply ``config`` to ``model`` in place, in the order above; returns ``model``.
+
+    A peft wrapper (``PeftModel``) is seen through: the steps apply to the transformers model
+    inside (:func:`adapter_host`), whose names the plans use, and both carry the state."""
+    check_not_parallelized(model)
+    outer, model = model, adapter_host(model)
     check_not_parallelized(model)
     resolved = resolve_plan(model, plan)
     env = init_distributed(config.timeout_seconds)
@@ -75,7 +81,9 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
     pipeline = attach_pipeline(model, topology, roots, resolved, config, env)
     log_layout(config, topology, env, units, resolved)
-    return attach_state(model, ParallelState(config, resolved, env, topology.dims, topology.mesh, pipeline))
+    state = ParallelState(config, resolved, env, topology.dims, topology.mesh, pipeline)
+    attach_state(model, state)
+    return attach_state(outer, state)
 
 
 def check_not_parallelized(model: nn.Module) -> None:

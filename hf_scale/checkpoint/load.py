@@ -42,6 +42,7 @@ def from_pretrained(
     plan=None,
     verify_checksums: bool = False,
     revision: str | None = None,
+    adapter=None,
 ) -> nn.Module:
     """Load a pretrained model straight into a parallel layout; call it on every rank.
 
@@ -61,9 +62,16 @@ def from_pretrained(
     default as in transformers. A check that fails on one rank (a shard only its pipeline stage
     reads, a bad copy on its node) fails on every rank, before any rank returns.
 
+    ``adapter`` trains or uses a peft LoRA adapter on the base: a peft adapter folder (read
+    slice-wise like the base) or a ``LoraConfig`` / its fields as a dict (a new adapter,
+    initialised as peft does, the same on every rank). The result is a ``PeftModel`` in the
+    layout; its base weights keep ``dtype``, its adapters fp32 (peft's default).
+
     Usage::
 
         model = hf_scale.from_pretrained("out/", parallel={"strategy": "fsdp"})
+        model = hf_scale.from_pretrained(base, {"strategy": "fsdp", "tp": 2},
+                                         adapter={"r": 16, "target_modules": "all-linear"})
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig
@@ -79,6 +87,11 @@ def from_pretrained(
     _init_computed_buffers(model)
     if hasattr(model, "tie_weights"):
         model.tie_weights()  # meta construction gives tied modules separate parameters
+    adapter_folder = None
+    if adapter is not None:
+        from .adapters import attach_adapter
+
+        model, adapter_folder = attach_adapter(model, adapter)
     parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
@@ -87,12 +100,23 @@ def from_pretrained(
         device = torch.device("cpu") if parallel.cpu_offload else get_state(model).env.device
     else:
         device = _device(parallel)
-    _load_weights(model, folder, device, verify_checksums)
+    _load_weights(model, folder, device, verify_checksums, adapter_folder if adapter is not None else False)
     if sharded and get_state(model).dims is None and device.type != "cpu":
         model.to(device)  # one process on a GPU: FSDP never moved it; buffers are still on the CPU
+    elif sharded and adapter_folder is None and adapter is not None and device.type != "cpu":
+        _move_plain_parameters(model, device)  # a new adapter's factors tp left whole, on the CPU
     if not sharded:
         model = parallelize(model, parallel, plan=plan)
     return model
+
+
+@torch.no_grad()
+def _move_plain_parameters(model: nn.Module, device: torch.device) -> None:
+    """Parameters that are neither DTensors nor on ``device`` (initialised on the CPU before the
+    layout was applied, and not sharded by it) moved to ``device``."""
+    for param in model.parameters():
+        if not isinstance(param, DTensor) and param.device != device:
+            param.data = param.data.to(device)
 
 
 def _init_computed_buffers(model: nn.Module) -> None:
@@ -134,14 +158,33 @@ def _device(parallel: ParallelConfig) -> torch.device:
     return init_distributed(parallel.timeout_seconds).device
 
 
-def _load_weights(model: nn.Module, folder: Path, device: torch.device, verify_checksums: bool) -> None:
+def _load_weights(model: nn.Module, folder: Path, device: torch.device, verify_checksums: bool,
+                  adapter_folder: Path | None | bool = False) -> None:
     """Collective: this rank's blocks of ``folder`` into ``model``, every check of the files
     included. Ranks read different files (pipeline stages) or copies (a disk per node), so a
     failure on any rank is raised on every rank (:func:`hf_scale.ranks.run_together`: one small
-    all-gather) before any rank goes on to a collective it would wait in for ever."""
+    all-gather) before any rank goes on to a collective it would wait in for ever. A peft model
+    (``adapter_folder`` not False) reads its base from ``folder`` and its adapter from
+    ``adapter_folder`` (None: a new adapter, already initialised)."""
     if verify_checksums:  # hashing is collective (each rank its share): every rank must reach it
         _verify_checksums(folder, run_together(weight_map_of, folder))
-    run_together(lambda: assign_from_files(model, folder, weight_map_of(folder), device))
+    if adapter_folder is False:
+        run_together(lambda: assign_from_files(model, folder, weight_map_of(folder), device))
+        return
+
+    def read() -> None:
+        from ..model_plans.adapters import adapter_host
+        from .adapters import adapter_load_names, adapter_weight_map, check_adapter_config
+
+        base_map = weight_map_of(folder)
+        adapter_map = None
+        if adapter_folder is not None:
+            check_adapter_config(model, adapter_folder)
+            adapter_map = adapter_weight_map(adapter_folder)
+        names = adapter_load_names(model, base_map, adapter_map)
+        assign_from_files(adapter_host(model), folder, {**base_map, **(adapter_map or {})}, device, names)
+
+    run_together(read)
 
 
 def weight_map_of(folder: Path) -> dict[str, Path]:
@@ -187,7 +230,8 @@ def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
 
 
 @torch.no_grad()
-def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path], device: torch.device) -> None:
+def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path], device: torch.device,
+                      names: dict[str, str] | None = None) -> None:
     """Give each meta parameter (sharded or not) its local block of the files, as transformers does.
 
     On the CPU an FSDP shard in the checkpoint's dtype is one contiguous byte range: it becomes a
@@ -197,12 +241,14 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     tensors are put in place with ``load_state_dict(assign=True)``, whose FSDP hook takes them as
     the sharded storage. Real buffers keep their values; tied parameters are tied again. Not
     collective: from_pretrained calls it through :func:`hf_scale.ranks.run_together`.
+    ``names`` (state key -> checkpoint name) restricts and renames what is read (an adapter
+    model: base weights from the base's files, adapters from the adapter's file).
     """
     from ..model_plans import find_tied_parameters
 
     ties = find_tied_parameters(model)
     new = {}
-    blocks = list(_blocks(model, folder, weight_map))
+    blocks = list(_blocks(model, folder, weight_map, names))
     maps_left = map_budget(len(blocks))
     for key, target, path, start, dtype, local_shape, boxes in blocks:
         if not target.is_meta:  # a real buffer saved with the model: read into it
@@ -268,7 +314,8 @@ def _mapped_block(path: Path, start: int, dtype, global_shape, local_shape, offs
 
 
 @torch.no_grad()
-def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path]) -> None:
+def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path],
+                      names: dict[str, str] | None = None) -> None:
     """Read each parameter's local block straight from the files into its existing memory
     (resuming a model that trains: the optimizer holds its parameters). Not collective: call it
     through :func:`hf_scale.ranks.run_together`, so that a failure on one rank fails them all.
@@ -277,22 +324,24 @@ def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path
     contiguous byte range), with no intermediate copy when dtypes match.
     """
     reshard_all(model)
-    for _key, target, path, start, dtype, _shape, boxes in _blocks(model, folder, weight_map):
+    for _key, target, path, start, dtype, _shape, boxes in _blocks(model, folder, weight_map, names):
         local = target.to_local() if isinstance(target, DTensor) else target.data
         if local.numel():
             _read_block(path, start, dtype, tuple(target.shape), local, boxes)
 
 
-def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path]):
+def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path], names: dict[str, str] | None = None):
     """``(state key, tensor, file, byte offset of its data, file dtype, local shape, boxes of the
-    local block)`` of every tensor to load, checked against the checkpoint's header. A packed
-    tensor-parallel slice (fused q;k;v) is several boxes."""
+    local block)`` of every tensor to load (those ``names`` lists, when given), checked against
+    the checkpoint's header. A packed tensor-parallel slice (fused q;k;v) is several boxes."""
     from ..model_plans import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
     tied = {target for target, _ in find_tied_parameters(model)}
     aliases = tie_aliases(model)  # under pp, a head on another rank than its embedding: read the source
-    if all(key in weight_map or key in tied or key in aliases for key in state):
+    if names is not None:
+        state = {key: state[key] for key in names if key in state}
+    elif all(key in weight_map or key in tied or key in aliases for key in state):
         names = {key: key for key in state}  # the checkpoint uses the module names
     else:  # transformers' renames between module and checkpoint names (a second, slow)
         names = checkpoint_names(model, dict(state))

@@ -49,7 +49,9 @@ def save_pretrained(
     share of the files after writing; ``checksums=False`` skips that read-back).
     ``max_shard_size="auto"`` (the default) makes as many files as ranks, of 100 MB to 5 GB
     each, so the ranks hash in parallel; give a size (``"5GB"``, bytes) for transformers'
-    packing. Tied weights are written once, under the name transformers keeps; names follow the
+    packing. A ``PeftModel`` saves its active adapter as peft does (``adapter_config.json`` +
+    ``adapter_model.safetensors``, every rank writing its slices into the one file peft reads;
+    :mod:`hf_scale.checkpoint.adapters`). Tied weights are written once, under the name transformers keeps; names follow the
     checkpoint format transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
     ``AutoModel*.from_pretrained``.
 
@@ -60,6 +62,10 @@ def save_pretrained(
 
         hf_scale.save_pretrained(model, "out/", tokenizer=tokenizer, max_shard_size="2GB")
     """
+    from .adapters import is_adapter_model, save_adapter
+
+    if is_adapter_model(model):  # a PeftModel: its adapter, in peft's format (the base is unchanged)
+        return save_adapter(model, save_directory, tokenizer=tokenizer, checksums=checksums)
     plan = plan_save(model, max_shard_size)
     final = Path(save_directory).resolve()
     with staged_folder(final, needed_bytes=plan.nbytes) as tmp:
@@ -81,11 +87,13 @@ class SavePlan:
         return sum(f.size for f in self.files)
 
 
-def plan_save(model: nn.Module, max_shard_size: int | str = "auto") -> SavePlan:
+def plan_save(model: nn.Module, max_shard_size: int | str = "auto",
+              state: dict[str, torch.Tensor] | None = None) -> SavePlan:
     """What to write, identical on every rank. Under pipeline parallel each rank holds only its
     stages' tensors: their names, shapes and dtypes are all-gathered (one collective), and each
-    whole tensor is owned by one of the ranks holding it."""
-    state = _checkpoint_state_dict(model)
+    whole tensor is owned by one of the ranks holding it. ``state`` (checkpoint key -> tensor)
+    defaults to the whole model's; an adapter save passes its own."""
+    state = _checkpoint_state_dict(model) if state is None else state
     specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in state.items()]
     world = rank_world()[1]
     if not pipelined(model):
@@ -97,11 +105,23 @@ def plan_save(model: nn.Module, max_shard_size: int | str = "auto") -> SavePlan:
 def write_model_folder(model: nn.Module, folder: Path, plan: SavePlan, *, tokenizer=None, checksums=True) -> None:
     """Collective: fill ``folder`` (created if needed) with the model's files, every rank
     writing its bytes; a failure on any rank (e.g. a full disk) raises on every rank."""
+    digests = write_tensor_files(folder, plan, checksums=checksums)
+    run_together(_write_metadata, model, folder, plan.files, digests, tokenizer, only_rank0=True)
+
+
+def write_tensor_files(folder: Path, plan: SavePlan, *, checksums: bool = True) -> dict[str, str]:
+    """Collective: the plan's safetensors files in ``folder``, every rank writing its bytes;
+    returns ``{file: sha256}`` on every rank (empty without ``checksums``)."""
     rank = rank_world()[0]
     run_together(_create_files, folder, plan.files, only_rank0=True)
     run_together(lambda: [_write_my_bytes(folder / f.name, f, plan.state, plan.owners, rank) for f in plan.files])
-    digests = share_digests(folder, [f.name for f in plan.files]) if checksums else {}
-    run_together(_write_metadata, model, folder, plan.files, digests, tokenizer, only_rank0=True)
+    return share_digests(folder, [f.name for f in plan.files]) if checksums else {}
+
+
+def write_checksums(folder: Path, files: list[ShardFile], digests: dict[str, str]) -> None:
+    """``checksums.sha256`` (``sha256sum -c`` format) for ``files``."""
+    if digests:
+        (folder / CHECKSUMS_FILE).write_text("".join(f"{digests[f.name]}  {f.name}\n" for f in files))
 
 
 def _create_files(folder: Path, files: list[ShardFile]) -> None:
@@ -262,5 +282,4 @@ def _write_metadata(model, folder: Path, files: list[ShardFile], digests: dict, 
         generation.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
-    if digests:
-        (folder / CHECKSUMS_FILE).write_text("".join(f"{digests[f.name]}  {f.name}\n" for f in files))
+    write_checksums(folder, files, digests)

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
 from ..ranks import gather, rank_world, run_together, share_from_rank0
+from .adapters import adapter_save_plan, is_adapter_model, load_adapter, write_adapter_folder
 from .dcp_boxes import checkpointable
 from .files import atomic_write_text, staged_folder
 from .load import load_owned_slices, weight_map_of
@@ -70,13 +71,14 @@ def save_state(
     rank, world = rank_world()
     root = Path(root).resolve()
     final = root / f"step_{step:08d}"
-    plan = plan_save(model)
+    adapter = is_adapter_model(model)  # a PeftModel: its adapter only (the base never changes)
+    plan = adapter_save_plan(model) if adapter else plan_save(model)
     optim = optimizer_state(model, optimizer)
     layout = get_state(model)
     stages = layout.pp_degree if layout else 1
     needed = plan.nbytes + _state_nbytes(optim, sharded_plain=_zero_local(optimizer) is not None, stages=stages)
     with staged_folder(final, needed_bytes=needed) as partial:
-        write_model_folder(model, partial / "model", plan)
+        (write_adapter_folder if adapter else write_model_folder)(model, partial / "model", plan)
         _dcp_save(checkpointable(optim)[0], partial / "optimizer")
         run_together(torch.save, _rank_state(dataloader), partial / f"rank_{rank}.pt")
         info = {
@@ -143,7 +145,10 @@ def load_state(
     folder, info = share_from_rank0(_resolve_with_info, path)  # one folder for all: "latest" read once
     rank, world = rank_world()
     model_dir = folder / "model"
-    run_together(lambda: load_owned_slices(model, model_dir, weight_map_of(model_dir)))
+    if is_adapter_model(model):
+        load_adapter(model, model_dir)
+    else:
+        run_together(lambda: load_owned_slices(model, model_dir, weight_map_of(model_dir)))
     target = {"optimizer": optimizer_state(model, optimizer)}
     restore_ties = lambda: None
     if pipelined(model):  # a head saved as the embedding (one process): its state is the embedding's

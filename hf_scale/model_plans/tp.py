@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import HfScalePlanError
+from .adapters import lora_tp_styles
 from .base import ModelPlan
 
 # Config attributes tp must divide: each rank holds 1/tp of the heads and of the MLP width.
@@ -78,6 +79,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
                 f"tp_plan gives {module_name!r} the style {style!r}, which hf_scale does not apply. "
                 f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
             )
+    styles = lora_tp_styles(styles, modules)  # a LoRA layer's style goes to its base and one factor
     _add_vocabulary(model, styles)
     _check_head(model, styles)
     _add_tied(model, plan, styles)

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from ..config import ParallelConfig, _check_choice, load_yaml
 from ..errors import HfScaleConfigError
@@ -186,6 +186,56 @@ class TrainConfig:
 
 
 @dataclass
+class AdapterConfig:
+    """LoRA adapters (peft) instead of a full fine-tune: the base model is frozen (in
+    ``model.dtype``), only the adapters train (fp32), and the checkpoints hold the adapter alone,
+    in peft's format. Off unless ``r`` or ``adapter`` is set.
+
+    Attributes:
+        r: the LoRA rank (e.g. 16).
+        alpha: LoRA's scaling numerator (update scale ``alpha / r``); default ``2 * r``.
+        dropout: dropout on the adapters' input.
+        target_modules: module names (or ``all-linear``: every Linear but the output head).
+        modules_to_save: modules trained whole beside the adapters (their copies are saved with
+            the adapter); not under tensor parallel.
+        adapter: a peft adapter folder to start from (its own r, alpha and targets apply).
+    """
+
+    r: Optional[int] = None
+    alpha: Optional[float] = None
+    dropout: float = 0.0
+    target_modules: Union[str, list[str]] = "all-linear"
+    modules_to_save: Optional[list[str]] = None
+    adapter: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.r is not None and self.r < 1:
+            raise HfScaleConfigError(f"peft.r={self.r}: the LoRA rank must be a positive integer (e.g. 16).")
+        if not 0.0 <= self.dropout < 1.0:
+            raise HfScaleConfigError(f"peft.dropout={self.dropout}: give a probability in [0, 1).")
+        if self.adapter is not None and self.r is not None:
+            raise HfScaleConfigError(
+                f"peft.adapter={self.adapter!r} and peft.r={self.r}: an existing adapter brings its own r, "
+                "alpha and target_modules; set one of the two."
+            )
+        if not self.enabled and (self.alpha is not None or self.modules_to_save):
+            raise HfScaleConfigError("peft.alpha / peft.modules_to_save are set but peft.r is not: set peft.r "
+                                     "(e.g. 16) to train LoRA adapters.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.r is not None or self.adapter is not None
+
+    def lora_config(self) -> dict | str:
+        """What :func:`hf_scale.from_pretrained`'s ``adapter`` takes: the folder, or LoraConfig's fields."""
+        if self.adapter is not None:
+            return self.adapter
+        return dict(r=self.r, lora_alpha=self.alpha if self.alpha is not None else 2 * self.r,
+                    lora_dropout=self.dropout, target_modules=self.target_modules,
+                    modules_to_save=self.modules_to_save, task_type="CAUSAL_LM")
+
+
+@dataclass
 class CheckpointConfig:
     """Periodic training checkpoints (model + optimizer + data position) and the final save.
 
@@ -277,6 +327,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    peft: AdapterConfig = field(default_factory=AdapterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
@@ -287,6 +338,17 @@ class JobConfig:
                 "hub.push: true needs checkpoint.save_final: true (the final model is what is pushed)."
             )
         self._check_microbatches()
+        if self.peft.enabled and self.model.task != "causal_lm":
+            raise HfScaleConfigError(
+                f"peft: LoRA adapters are supported for model.task=causal_lm so far, not {self.model.task!r}. "
+                "Remove the peft section for a full fine-tune."
+            )
+        if self.peft.modules_to_save and self.parallel.tp > 1:
+            raise HfScaleConfigError(
+                f"peft.modules_to_save={self.peft.modules_to_save} with parallel.tp={self.parallel.tp}: each "
+                "saved module is a full trained copy that tensor parallel would have to split. Use tp=1 (fsdp "
+                "shards the copies), or add those modules to peft.target_modules instead."
+            )
         # fp16 under pp is refused by ParallelConfig itself (each stage would scale its own loss)
 
     def _check_microbatches(self) -> None:

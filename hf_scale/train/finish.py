@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.adapters import ADAPTER_CONFIG
 from ..log import log_rank0
 from ..parallel_state import get_state
 from ..ranks import gather, run_together
@@ -56,7 +57,7 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
             info = card_info(job, summary, model_dir, world, dp_degree)
             write_model_card(model_dir, info, template=job.hub.card_template)
         if prompts:
-            print_generations(prompts, tokenizer, live, model_dir, world, same_on_ranks)
+            print_generations(prompts, tokenizer, live, model_dir, world, same_on_ranks, base=job.model)
 
     run_together(on_rank0, only_rank0=True)  # a card that fails to render fails every rank, not one
     if job.hub.push and model_dir is not None:
@@ -161,20 +162,32 @@ def greedy_answers(model, prompts: list[dict], pad_id: int, max_new_tokens: int 
 
 
 def print_generations(prompts: list[dict], tokenizer, live: list[list[int]] | None, model_dir: Path | None,
-                      world: int, same_on_ranks: bool) -> None:
+                      world: int, same_on_ranks: bool, base=None) -> None:
     """Print the trained model's answers (``live``) and those of the export reloaded with plain
-    transformers, beside the expected answers; say where the two differ."""
-    exported = None
+    transformers (an adapter: with peft, on ``base``, the job's model section), beside the
+    expected answers; say where the two differ."""
+    exported, reloaded = None, "transformers.AutoModelForCausalLM"
     if model_dir is not None:
         from transformers import AutoModelForCausalLM
 
-        exported = greedy_answers(AutoModelForCausalLM.from_pretrained(model_dir), prompts, tokenizer.pad_token_id)
+        if (model_dir / ADAPTER_CONFIG).is_file():
+            from peft import PeftModel
+
+            from .model import source
+
+            dtype = getattr(torch, base.dtype)
+            reloaded = "peft.PeftModel on the base model"
+            plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(source(base)[0], dtype=dtype),
+                                              str(model_dir))
+        else:
+            plain = AutoModelForCausalLM.from_pretrained(model_dir)
+        exported = greedy_answers(plain, prompts, tokenizer.pad_token_id)
     if live is not None:
         where = f"same tokens on all {world} ranks" if same_on_ranks else "RANKS GENERATED DIFFERENT TOKENS"
         log_rank0(f"greedy answers of the trained model ({where}):")
         _show(prompts, live, tokenizer)
     if exported is not None:
-        log_rank0(f"reloaded {model_dir} with transformers.AutoModelForCausalLM; greedy answers:")
+        log_rank0(f"reloaded {model_dir} with {reloaded}; greedy answers:")
         _show(prompts, exported, tokenizer)
         if live is not None:
             differ = sum(a != b for a, b in zip(live, exported))

@@ -19,8 +19,8 @@ from ..api import parallelize
 from ..checkpoint import from_pretrained
 from ..config import ParallelConfig
 from ..errors import HfScaleConfigError
-from ..zoo import check_zoo_task, is_zoo, zoo_source
-from .config import ModelConfig
+from ..zoo import HUB_IDS, check_zoo_task, is_zoo, zoo_source
+from .config import AdapterConfig, ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,11 +82,24 @@ def read_model_config(model_cfg, sources: str = "a model folder, its config.json
         ) from None
 
 
-def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None):
-    """The pretrained model for ``cfg.task``, parallelized with ``parallel``."""
+def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None,
+               adapter: AdapterConfig | None = None):
+    """The pretrained model for ``cfg.task``, parallelized with ``parallel``; with ``adapter``
+    enabled, a peft model whose LoRA adapters train on the frozen base."""
     dtype = TORCH_DTYPES[cfg.dtype]
     if is_zoo(cfg.name_or_path):
         check_zoo_task(cfg.name_or_path, cfg.task)
+    if adapter is not None and adapter.enabled:
+        if cfg.trust_remote_code:
+            raise HfScaleConfigError("peft adapters with model.trust_remote_code are not supported: the model "
+                                     "must be a transformers class to be loaded slice-wise with its adapters.")
+        from transformers import AutoModelForCausalLM
+
+        model = from_pretrained(source(cfg)[0], parallel, auto_class=AutoModelForCausalLM, dtype=dtype,
+                                revision=cfg.revision, adapter=adapter.lora_config())
+        for config in model.peft_config.values():  # the card's and peft's base: the name users know
+            config.base_model_name_or_path = HUB_IDS.get(cfg.name_or_path, cfg.name_or_path)
+        return model
     if cfg.task == "causal_lm":
         if not cfg.trust_remote_code:
             from transformers import AutoModelForCausalLM

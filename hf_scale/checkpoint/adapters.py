@@ -1,0 +1,278 @@
+"""Adapter checkpoints in peft's own format, written and read slice-wise in any layout.
+
+A peft adapter folder is ``adapter_config.json`` + ``adapter_model.safetensors``, keys as
+``get_peft_model_state_dict`` gives them (``base_model.model.model.layers.0.self_attn.q_proj.
+lora_A.weight``: the adapter's name dropped). ``PeftModel.from_pretrained(base, folder)`` reads
+it, and peft (0.21) reads one file only: the adapter is always one safetensors file, into which
+every rank writes the bytes of the slices it holds (adapters are small; the base model is never
+gathered, nor written: it is unchanged by training).
+
+The mapping between a model's state keys and the file's keys is peft's own: its
+``get_peft_model_state_dict`` is run on shape-only stand-ins of the state (:func:`adapter_keys`),
+so modules_to_save copies and any tuner follow peft's rules. The base weights of a peft model
+are read from the base checkpoint under their names without the adapter wrappers
+(``q_proj.base_layer.weight`` -> ``q_proj.weight``, :func:`base_keys`).
+
+Usage::
+
+    hf_scale.save_pretrained(peft_model, "out/adapter")      # every rank, any layout
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), "out/adapter")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import HfScaleCheckpointError
+from ..model_plans.adapters import adapter_host
+from ..ranks import run_together
+from .files import staged_folder
+from .safetensors_io import plan_save, reshard_all, write_checksums, write_tensor_files
+from .stages import pipelined
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+_WRAPPER_PARTS = ("base_layer", "original_module")  # peft's wrappers around a base module
+
+
+def is_adapter_model(model: nn.Module) -> bool:
+    """A peft wrapper with a config for its adapter (``PeftModel``), whose checkpoint is the adapter."""
+    return adapter_host(model) is not model and isinstance(getattr(model, "peft_config", None), dict)
+
+
+def active_adapter(model: nn.Module) -> str:
+    adapter = getattr(model, "active_adapter", "default")
+    if not isinstance(adapter, str):
+        raise HfScaleCheckpointError(
+            f"{type(model).__name__} has several active adapters {list(adapter)}: save one at a time "
+            "(model.set_adapter(name))."
+        )
+    return adapter
+
+
+def adapter_keys(model: nn.Module) -> dict[str, str]:
+    """State key of the model inside ``model`` (a ``PeftModel``; :func:`adapter_host`) -> key in
+    its adapter file, for the active adapter, as ``get_peft_model_state_dict`` maps them
+    (shape-only stand-ins: nothing is gathered)."""
+    from peft.utils import get_peft_model_state_dict
+
+    prefix = _host_prefix(model)
+    state = model.state_dict(keep_vars=True)
+    probes = {k: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") for k, v in state.items()}
+    by_id = {id(v): k for k, v in probes.items()}
+    picked = get_peft_model_state_dict(model, state_dict=probes, adapter_name=active_adapter(model),
+                                       save_embedding_layers=False)
+    return {by_id[id(v)].removeprefix(prefix): key for key, v in picked.items()}
+
+
+def base_keys(model: nn.Module, skip: set[str] = frozenset()) -> dict[str, str]:
+    """State key of the model inside ``model`` -> the base checkpoint's key (its name without
+    peft's wrappers: ``q_proj.base_layer.weight`` -> ``q_proj.weight``), for every key but the
+    adapter layers' own tensors (LoRA factors: not in the base) and ``skip``. A modules_to_save
+    copy starts as the base module: it reads the base weight too."""
+    host = adapter_host(model)
+    own = _adapter_only(host)
+    out = {}
+    for key in host.state_dict(keep_vars=True):
+        if key in skip or key in own:
+            continue
+        parts, kept, i = key.split("."), [], 0
+        while i < len(parts):
+            if parts[i] in _WRAPPER_PARTS:
+                i += 1
+            elif parts[i] == "modules_to_save":
+                i += 2  # modules_to_save.<adapter>
+            else:
+                kept.append(parts[i])
+                i += 1
+        out[key] = ".".join(kept)
+    return out
+
+
+def _host_prefix(model: nn.Module) -> str:
+    host = adapter_host(model)
+    name = next(name for name, m in model.named_modules() if m is host)
+    return f"{name}." if name else ""
+
+
+def _adapter_only(host: nn.Module) -> set[str]:
+    """State keys of the adapter layers' own tensors (lora_A, lora_B, magnitudes, ...)."""
+    own = set()
+    for name, module in host.named_modules():
+        for attr in getattr(module, "adapter_layer_names", ()):
+            part = getattr(module, attr, None)
+            if isinstance(part, nn.Module):
+                own.update(f"{name}.{attr}.{k}" for k in part.state_dict(keep_vars=True))
+    return own
+
+
+def save_adapter(model: nn.Module, save_directory: str | os.PathLike, *, tokenizer=None,
+                 checksums: bool = True) -> Path:
+    """Collective: ``model``'s active adapter as a peft folder (see the module docstring); a
+    previous folder is replaced only once the new one is complete."""
+    final = Path(save_directory).resolve()
+    plan = adapter_save_plan(model)
+    with staged_folder(final, needed_bytes=plan.nbytes + 65536) as tmp:
+        write_adapter_folder(model, tmp, plan, tokenizer=tokenizer, checksums=checksums)
+    return final
+
+
+def adapter_save_plan(model: nn.Module):
+    """The save plan of ``model``'s active adapter: one file, named as peft names it."""
+    reshard_all(model)
+    keys = adapter_keys(model)
+    if not keys:
+        raise HfScaleCheckpointError(f"{type(model).__name__} holds no adapter weights to save.")
+    state = adapter_host(model).state_dict()
+    tensors = {name: state[key] for key, name in keys.items()}
+    plan = plan_save(model, 1 << 62, state=tensors)  # one file: what peft reads
+    plan.files[0].name = ADAPTER_WEIGHTS
+    return plan
+
+
+def write_adapter_folder(model: nn.Module, folder: Path, plan=None, *, tokenizer=None, checksums: bool = True) -> None:
+    """Collective: fill ``folder`` with the adapter file (every rank its bytes) and config."""
+    plan = plan or adapter_save_plan(model)
+    digests = write_tensor_files(folder, plan, checksums=checksums)
+    run_together(_write_adapter_metadata, model, folder, plan, digests, tokenizer, only_rank0=True)
+
+
+def _write_adapter_metadata(model: nn.Module, folder: Path, plan, digests: dict, tokenizer) -> None:
+    config = model.peft_config[active_adapter(model)]
+    base = getattr(getattr(model, "config", None), "name_or_path", None)
+    if base and not config.base_model_name_or_path:
+        config.base_model_name_or_path = base
+    config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    write_checksums(folder, plan.files, digests)
+
+
+def adapter_weight_map(folder: Path) -> dict[str, Path]:
+    """File key -> file of an adapter folder (one safetensors file, as peft writes it)."""
+    from .load import _read_header
+
+    weights, config = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
+    if not config.is_file() or not weights.is_file():
+        missing = [p.name for p in (config, weights) if not p.is_file()]
+        hint = " (it holds adapter_model.bin: pickles are not read; re-save it with safetensors)" if (
+            folder / "adapter_model.bin").exists() else ""
+        raise HfScaleCheckpointError(f"{folder} is not a peft adapter folder: {missing} missing{hint}.")
+    return {key: weights for key in _read_header(weights)[1] if key != "__metadata__"}
+
+
+def check_adapter_config(model: nn.Module, folder: Path) -> None:
+    """The folder's adapter was made with the model's LoRA settings (same rank and targets):
+    a mismatch is one clear error (shapes are checked again as the slices are read)."""
+    saved = json.loads((folder / ADAPTER_CONFIG).read_text())
+    mine = model.peft_config[active_adapter(model)]
+    for field in ("peft_type", "r"):
+        want = getattr(mine, field, None)
+        want = getattr(want, "value", want)
+        if field in saved and saved[field] != want:
+            raise HfScaleCheckpointError(
+                f"the adapter in {folder} has {field}={saved[field]!r}, the model's adapter {field}={want!r}: "
+                f"load it into a model made with its own config (hf_scale.from_pretrained(base, adapter="
+                f"{str(folder)!r}) reads it from {ADAPTER_CONFIG})."
+            )
+
+
+def load_adapter(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Collective: read the adapter in ``folder`` into ``model``'s adapter (a ``PeftModel``,
+    parallelized or not) in place, each rank its own slices; a failure raises on every rank."""
+    from .load import load_owned_slices
+
+    folder = Path(folder)
+
+    def read() -> None:
+        check_adapter_config(model, folder)
+        weight_map = adapter_weight_map(folder)
+        keys = adapter_keys(model)
+        _check_keys(keys, weight_map, folder, whole=not pipelined(model))
+        load_owned_slices(adapter_host(model), folder, weight_map, keys)
+
+    run_together(read)
+
+
+def _check_keys(keys: dict[str, str], weight_map: dict[str, Path], folder: Path, whole: bool = True) -> None:
+    """Every adapter tensor of the model is in the file and (``whole``: this rank holds the
+    whole model, not one pipeline stage) the file holds nothing else."""
+    missing = sorted(set(keys.values()) - set(weight_map))
+    extra = sorted(set(weight_map) - set(keys.values())) if whole else []
+    if missing or extra:
+        raise HfScaleCheckpointError(
+            f"the adapter in {folder} does not fit this model: it lacks {missing[:4]} and holds "
+            f"{extra[:4]} the model has no place for. It was trained on another base model or with other "
+            "target_modules."
+        )
+
+
+def attach_adapter(model: nn.Module, adapter, *, seed: int = 0) -> tuple[nn.Module, Path | None]:
+    """Wrap ``model`` (built on the meta device) in a ``PeftModel`` for ``adapter``: a peft
+    adapter folder (returned, to be read after parallelize) or a ``LoraConfig`` / its fields as a
+    mapping (a new adapter, initialised now, on the CPU, identically on every rank from
+    ``seed``, as peft initialises it: its factors are small, and the base stays on meta)."""
+    from peft import LoraConfig, PeftConfig, get_peft_model
+
+    folder = None
+    if isinstance(adapter, (str, os.PathLike)):
+        folder = Path(adapter)
+        adapter_weight_map(folder)  # a clear error for a folder that is not an adapter
+        config = PeftConfig.from_pretrained(str(folder))
+        config.inference_mode = False  # trained further, or merged: its factors are parameters
+    elif isinstance(adapter, PeftConfig):
+        config = adapter
+    else:
+        config = LoraConfig(**dict(adapter))
+    peft_model = get_peft_model(model, config)
+    if folder is None:
+        _init_new_adapter(peft_model, seed)
+    return peft_model, folder
+
+
+@torch.no_grad()
+def _init_new_adapter(model: nn.Module, seed: int) -> None:
+    """Give the adapter layers' own parameters (left on meta beside the meta base) real CPU
+    storage and peft's initial values (``reset_lora_parameters``), the same on every rank."""
+    adapter = active_adapter(model)
+    config = model.peft_config[adapter]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in adapter_host(model).modules():
+            parts = [getattr(module, attr, None) for attr in getattr(module, "adapter_layer_names", ())]
+            parts = [p for p in parts if isinstance(p, nn.Module) and adapter in p]
+            if not parts:
+                continue
+            for part in parts:
+                part[adapter].to_empty(device="cpu")
+            reset = getattr(module, "reset_lora_parameters", None)
+            if reset is None:
+                raise HfScaleCheckpointError(
+                    f"{type(module).__name__}: hf_scale initialises new LoRA adapters on a model loaded "
+                    "slice-wise; for another peft method, build it with peft and call hf_scale.parallelize."
+                )
+            reset(adapter, config.init_lora_weights)
+
+
+def adapter_load_names(model: nn.Module, base_map: dict[str, Path], adapter_map: dict[str, Path] | None) -> dict[str, str]:
+    """What a slice-wise load of a peft model reads: state key (of the model inside) -> name in
+    the base checkpoint (transformers' renames applied where its files use them) or, with
+    ``adapter_map``, in the adapter file."""
+    from .safetensors_io import checkpoint_names
+
+    keys = adapter_keys(model) if adapter_map is not None else {}
+    names = base_keys(model, skip=set(keys))
+    if any(name not in base_map for name in names.values()):
+        host = adapter_host(model)
+        state = host.state_dict(keep_vars=True)
+        renamed = checkpoint_names(host, {names[k]: state[k] for k in names})
+        names = {k: renamed[n] for k, n in names.items()}
+    if adapter_map is not None:
+        _check_keys(keys, adapter_map, Path(next(iter(adapter_map.values()), ".")).parent,
+                    whole=not pipelined(model))
+    return {**names, **keys}
