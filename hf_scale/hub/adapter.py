@@ -2,8 +2,9 @@
 
 An adapter folder holds ``adapter_config.json`` (``peft_type``, ``base_model_name_or_path``,
 ``r``, ``lora_alpha``, ``target_modules``, ``task_type``, ...) and ``adapter_model.safetensors``,
-and no ``config.json``: the base model's weights are not in it. Its card (``hub/card.py``)
-takes the base model, the Hub task and the peft conventions (``library_name: peft``, the tags
+and no ``config.json``: the base model's weights are not in it. The push checks it with
+:func:`check_adapter` instead of the model checks, and its card (``hub/card.py``) takes the base
+model, the Hub task and the peft conventions (``library_name: peft``, the tags
 ``base_model:adapter:<base>``, ``lora``, ``transformers``, as ``PeftModel.create_or_update_model_card``
 writes them) from here.
 
@@ -19,10 +20,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..checkpoint.load import _read_header
 from ..errors import HfScaleCheckpointError
 from ..zoo import HUB_IDS
 
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # peft's task_type -> the head suffix of card.HEADS (which gives the pipeline tag and Auto class)
 TASK_HEADS = {
     "CAUSAL_LM": "ForCausalLM",
@@ -30,6 +33,8 @@ TASK_HEADS = {
     "SEQ_2_SEQ_LM": "ForConditionalGeneration",
     "TOKEN_CLS": "ForTokenClassification",
 }
+# peft's save_pretrained writes huggingface_hub's default card, every section a placeholder
+PEFT_PLACEHOLDERS = ("<!-- Provide a quick summary of what the model is/does. -->", "[More Information Needed]")
 
 
 def read_adapter_config(folder: Path) -> dict[str, Any] | None:
@@ -48,6 +53,18 @@ def read_adapter_config(folder: Path) -> dict[str, Any] | None:
             "PeftModel.save_pretrained wrote."
         )
     return config
+
+
+def check_adapter(folder: Path) -> None:
+    """Raise HfScaleCheckpointError unless ``folder`` holds a readable config and safetensors weights."""
+    read_adapter_config(folder)
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        pickle = (folder / "adapter_model.bin").is_file()
+        hint = (" It holds adapter_model.bin (pickle): save with PeftModel.save_pretrained(folder, "
+                "safe_serialization=True)." if pickle else "")
+        raise HfScaleCheckpointError(f"{folder} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}.{hint}")
+    _read_header(weights)  # a truncated or foreign file is an error here, not on the Hub
 
 
 def base_model_of(config: dict[str, Any]) -> str | None:
@@ -75,3 +92,8 @@ def template_config(config: dict[str, Any]) -> dict[str, Any]:
     targets = config.get("target_modules")
     return {**config, "target_modules": sorted(targets) if isinstance(targets, list) else targets}
 
+
+def is_peft_placeholder(readme: Path) -> bool:
+    """Whether ``readme`` is the unfilled card ``PeftModel.save_pretrained`` writes (safe to replace)."""
+    text = readme.read_text(encoding="utf-8", errors="replace")
+    return "library_name: peft" in text and all(marker in text for marker in PEFT_PLACEHOLDERS)

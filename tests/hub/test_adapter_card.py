@@ -1,6 +1,6 @@
 """The model card of a PEFT adapter folder: the Hub's adapter metadata (parsed back with
 huggingface_hub), the LoRA facts and both loading snippets in the body, the loss curve when the
-image is there."""
+image is there, and when a push writes it (peft's placeholder replaced, a card of its own kept)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,16 @@ from huggingface_hub.repocard import metadata_load
 
 import hf_scale
 from hf_scale import write_model_card
+from hf_scale.hub.upload import LOSS_CURVE, adapter_card_needed
 from tests.hub.conftest import ADAPTER_BASE, save_adapter
 from tests.tiny_models import tiny_model
 
 INFO = {"repo_id": "org/tiny-lora", "strategy": "fsdp", "tags": ["sft"], "datasets": ["yahma/alpaca-cleaned"],
-        "hyperparameters": {"lora_lr": 2e-4}, "train_metrics": {"train_loss": 0.25}, "loss_curve": "loss_curve.png"}
+        "hyperparameters": {"lora_lr": 2e-4}, "train_metrics": {"train_loss": 0.25}, "loss_curve": LOSS_CURVE}
 
 
 def test_adapter_card_metadata_and_body(adapter):
-    (adapter / "loss_curve.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (adapter / LOSS_CURVE).write_bytes(b"\x89PNG\r\n\x1a\n")
     path = write_model_card(adapter, INFO)
     meta = metadata_load(path)
     assert meta == {
@@ -37,7 +38,7 @@ def test_adapter_card_metadata_and_body(adapter):
         'model = PeftModel.from_pretrained(base, "org/tiny-lora")',
         f'hf_scale.from_pretrained("{ADAPTER_BASE}", adapter="org/tiny-lora", parallel={{"strategy": "fsdp"}})',
         "| lora_lr | `0.0002` |", "| train | train_loss | 0.25 |",
-        "![Training loss](loss_curve.png)",
+        f"![Training loss]({LOSS_CURVE})",
     ):
         assert line in text, line
 
@@ -59,3 +60,22 @@ def test_local_base_and_no_task_type(tmp_path):
     assert f'AutoModelForCausalLM.from_pretrained("{base}")' in card.text
     assert f'PeftModel.from_pretrained(base, "{folder}")' in card.text  # not pushed: the folder
     assert "| task |" not in card.text
+
+
+def test_a_card_is_written_over_peft_placeholder_only(adapter, tmp_path):
+    assert "[More Information Needed]" in (adapter / "README.md").read_text()  # what peft wrote
+    assert adapter_card_needed(adapter)
+    write_model_card(adapter, INFO)
+    assert not adapter_card_needed(adapter)  # hf_scale's card stays
+    (adapter / "README.md").write_text("---\nlibrary_name: peft\n---\n# My adapter, my words\n")
+    assert not adapter_card_needed(adapter)
+    (adapter / "README.md").unlink()
+    assert adapter_card_needed(adapter)
+    model = hf_scale.save_pretrained(tiny_model("llama", "causal"), tmp_path / "model")
+    assert not adapter_card_needed(model)  # a full model gets a card only from card=
+
+
+def test_loss_curve_name_is_the_one_runs_save():
+    from hf_scale.train.metrics import LOSS_CURVE as SAVED
+
+    assert LOSS_CURVE == SAVED
