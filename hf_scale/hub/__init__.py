@@ -1,5 +1,8 @@
 """The Hub: upload checkpoint folders (:func:`push_to_hub`) with model cards (:func:`write_model_card`).
 
+Both take a PEFT adapter folder (``PeftModel.save_pretrained``'s) too: its card follows the
+Hub's adapter conventions (``hub/adapter.py``).
+
 Usage::
 
     hf_scale.save_pretrained(model, "out/", tokenizer=tok)

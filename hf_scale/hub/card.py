@@ -9,6 +9,12 @@ pipeline tag and the tags ``hf-scale`` and the strategy. The body gives the para
 hyperparameters, training time, tokens seen, final metrics, the loss curve when its image is
 in the folder, and how to load the model.
 
+A PEFT adapter folder (``adapter_config.json``, no base weights: ``hub/adapter.py``) gets the
+Hub's adapter conventions instead, from ``templates/adapter.md``: ``library_name: peft``, the
+base model from the adapter config, the tags ``base_model:adapter:<base>``, ``lora`` and
+``transformers`` as peft's own cards have them, and a body giving the adapter (method, ``r``,
+``lora_alpha``, target modules) and how to load it on its base with peft or hf_scale.
+
 Usage::
 
     info = CardInfo(base_model="HuggingFaceTB/SmolLM2-135M", datasets=["yahma/alpaca-cleaned"],
@@ -28,9 +34,11 @@ from typing import Any
 from ..config import from_dict
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
+from .adapter import adapter_tags, base_model_of, head_names, read_adapter_config, template_config
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"  # package data (pyproject.toml)
 DEFAULT_TEMPLATE = TEMPLATES / "default.md"
+ADAPTER_TEMPLATE = TEMPLATES / "adapter.md"  # the default for a PEFT adapter folder
 VARIABLES_DOC = "model_cards/README.md in the hf_scale repository"
 
 # the model's head (from config.json's architectures) -> (pipeline tag, Auto class to load it)
@@ -49,13 +57,14 @@ class CardInfo:
 
     Attributes:
         model_name: the card's title (default: the repo name, else the folder name).
-        base_model: Hub id of the pretrained model that was fine-tuned.
+        base_model: Hub id of the pretrained model that was fine-tuned (an adapter folder's
+            default: ``base_model_name_or_path`` of its ``adapter_config.json``).
         repo_id: where the model is pushed, for the loading snippet (``push_to_hub`` fills it).
         datasets: Hub ids of the training datasets.
         license: a Hub license id (``apache-2.0``, ``mit``, ``other``, ...).
         language: language codes (``en``, ...).
         pipeline_tag: the Hub task; default: from the head in ``config.json``
-            (``...ForCausalLM`` -> ``text-generation``).
+            (``...ForCausalLM`` -> ``text-generation``), or an adapter's ``task_type``.
         tags: extra tags, added to ``hf-scale`` and the strategy.
         description: a paragraph placed under the title.
         strategy: the hf_scale strategy (``fsdp``, ``zero2``, ``zero1``, ``ddp``, ``hsdp``).
@@ -104,7 +113,8 @@ def write_model_card(
     """Render ``folder/README.md`` from ``info`` and a template; return its path.
 
     ``template`` is a Jinja file as ``ModelCard.from_template`` takes it (default:
-    :data:`DEFAULT_TEMPLATE`, shipped in the package). The Hub validates the YAML header when the card is pushed.
+    :data:`DEFAULT_TEMPLATE`, or :data:`ADAPTER_TEMPLATE` for a PEFT adapter folder; both
+    shipped in the package). The Hub validates the YAML header when the card is pushed.
 
     Usage::
 
@@ -115,15 +125,22 @@ def write_model_card(
     info, folder = as_card_info(info), Path(folder)
     if not folder.is_dir():
         raise HfScaleConfigError(f"cannot write a model card into {folder}: it is not a folder.")
-    template = check_template(template if template is not None else DEFAULT_TEMPLATE, "template=")
-    pipeline_tag, auto_class = _head(folder)
-    tags = ["hf-scale", *([info.strategy] if info.strategy else []), *info.tags]
+    adapter = read_adapter_config(folder)
+    default = ADAPTER_TEMPLATE if adapter else DEFAULT_TEMPLATE
+    template = check_template(template if template is not None else default, "template=")
+    if adapter:
+        info = dataclasses.replace(info, base_model=info.base_model or base_model_of(adapter))
+    pipeline_tag, auto_class = head_of(head_names(adapter) if adapter else _architectures(folder))
+    tags = ["hf-scale", *([info.strategy] if info.strategy else []),
+            *(adapter_tags(adapter, info.base_model) if adapter else []), *info.tags]
     data = ModelCardData(
         base_model=info.base_model, datasets=info.datasets or None, license=info.license,
-        language=info.language or None, library_name="transformers",
+        language=info.language or None, library_name="peft" if adapter else "transformers",
         pipeline_tag=info.pipeline_tag or pipeline_tag, tags=list(dict.fromkeys(tags)),
     )
-    card = ModelCard.from_template(data, template_path=str(template), **_template_vars(info, folder, auto_class))
+    variables = _template_vars(info, folder, auto_class)
+    variables["adapter_config"] = template_config(adapter) if adapter else None
+    card = ModelCard.from_template(data, template_path=str(template), **variables)
     path = folder / "README.md"
     card.save(path)
     return path
@@ -175,11 +192,15 @@ def validate_card(path: Path, endpoint: str) -> None:
         ) from None
 
 
-def _head(folder: Path) -> tuple[str | None, str]:
-    """(pipeline tag, Auto class) for the architecture named in ``folder/config.json``."""
+def _architectures(folder: Path) -> list[str]:
+    """The ``architectures`` named in ``folder/config.json`` (none without one)."""
     config = folder / "config.json"
-    architectures = json.loads(config.read_text()).get("architectures") if config.is_file() else None
-    for arch in architectures or []:
+    return (json.loads(config.read_text()).get("architectures") if config.is_file() else None) or []
+
+
+def head_of(architectures: list[str]) -> tuple[str | None, str]:
+    """(pipeline tag, Auto class) for the first class name that ends in a head of :data:`HEADS`."""
+    for arch in architectures:
         for suffix, head in HEADS.items():
             if arch.endswith(suffix):
                 return head

@@ -1,6 +1,7 @@
 """``hf-scale push FOLDER REPO_ID``: :func:`push_to_hub` from the command line.
 
-The token comes from ``HF_TOKEN`` or ``hf auth login`` (never from a flag: command lines are
+A PEFT adapter folder gets an adapter model card (``hub/card.py``) unless it has a card of its
+own. The token comes from ``HF_TOKEN`` or ``hf auth login`` (never from a flag: command lines are
 visible to other users of the machine), the Hub from ``HF_ENDPOINT``.
 
 Usage (``python -m hf_scale.hub`` runs the same)::
@@ -22,10 +23,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv``, push, print the commit URL; return 0, or 2 after a one-line error (as every hf-scale command)."""
     parser = ArgumentParser(
         prog="hf-scale push",
-        description="Upload a checkpoint folder written by hf_scale.save_pretrained to the Hub. "
-        "Resumable: files already on the Hub are not sent again.",
+        description="Upload a checkpoint folder written by hf_scale.save_pretrained, or a PEFT "
+        "adapter folder written by PeftModel.save_pretrained (given an adapter model card), to the "
+        "Hub. Resumable: files already on the Hub are not sent again.",
     )
-    parser.add_argument("folder", help="checkpoint folder (config.json, safetensors shards, ...)")
+    parser.add_argument("folder", help="checkpoint folder (config.json, safetensors shards, ...) "
+                        "or PEFT adapter folder (adapter_config.json, adapter_model.safetensors)")
     parser.add_argument("repo_id", help="Hub repo, e.g. my-org/my-finetune (created if missing)")
     parser.add_argument("--private", action="store_true", help="create the repo private")
     parser.add_argument("--revision", help="branch to push to (created from main if new)")

@@ -1,14 +1,18 @@
 """push_to_hub: upload a checkpoint folder to the Hub in a few resumable commits, from rank 0.
 
 What goes up is the folder ``hf_scale.save_pretrained`` wrote, checked complete first (config,
-every shard the index lists, every file ``checksums.sha256`` lists). It all goes through
+every shard the index lists, every file ``checksums.sha256`` lists), or a PEFT adapter folder
+``PeftModel.save_pretrained`` wrote (``adapter_config.json`` and ``adapter_model.safetensors``,
+no base weights), which gets an adapter model card (``hub/card.py``) unless it already has a
+card of its own: one hf_scale wrote, or one a person wrote (peft's unfilled placeholder is
+replaced). It all goes through
 huggingface_hub's ``HfApi`` (``create_repo``, ``create_branch``, ``preupload_lfs_files``,
 ``create_commit``), so ``HF_ENDPOINT``, ``HF_TOKEN`` / ``hf auth login`` and its LFS / xet transfer
 apply as everywhere else.
 
 * **Commits**: at most ``max_files_per_commit`` files and ``max_bytes_per_commit`` bytes each,
-  shards first and ``config.json`` / the shard index last, so until the last commit lands the
-  repo never looks like a loadable model with shards missing.
+  shards first and ``config.json`` / the shard index / ``adapter_config.json`` last, so until the
+  last commit lands the repo never looks like a loadable model with shards missing.
 * **Resumable**: the remote tree is listed first; files already there with the same content (LFS
   sha256, from ``checksums.sha256`` when listed, or git blob id) are skipped, and LFS blobs an
   interrupted push uploaded but did not commit are not sent again (the LFS batch API reports them
@@ -53,6 +57,13 @@ from ..checkpoint.shard_layout import INDEX_FILE
 from ..errors import HfScaleCheckpointError, HfScaleConfigError, HfScaleError, HfScaleHubError
 from ..log import log_rank0
 from ..ranks import rank_world
+from .adapter import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_adapter,
+    is_peft_placeholder,
+    read_adapter_config,
+)
 from .card import CardInfo, as_card_info, validate_card, write_model_card
 from .failures import hub_errors, is_transient, mask, resolve_token
 
@@ -61,8 +72,9 @@ MAX_FILES_PER_COMMIT = 100
 MAX_BYTES_PER_COMMIT = 50 * 2**30
 RETRY_BASE_SECONDS = 1.0
 RETRY_MAX_SECONDS = 60.0
-LAST_FILES = ("config.json", INDEX_FILE)  # committed last: they make the repo loadable
+LAST_FILES = ("config.json", INDEX_FILE, ADAPTER_CONFIG)  # committed last: they make the repo loadable
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json")
+LOSS_CURVE = "loss_curve.png"  # the image a fine-tuning run saves beside its weights (train.metrics.LOSS_CURVE)
 
 
 def push_to_hub(
@@ -83,8 +95,10 @@ def push_to_hub(
 
     Call it on every rank (or in one process): rank 0 creates the repo (``private`` applies
     to a new repo; an existing public repo is refused when ``private=True``), the branch
-    ``revision`` when it is new, writes ``README.md`` from ``card`` when given, and commits what
-    the Hub does not have yet (``allow_patterns``: only matching files). ``token`` defaults to
+    ``revision`` when it is new, writes ``README.md`` from ``card`` when given (for a PEFT
+    adapter folder also without ``card``, unless the folder has a card of its own: see
+    :func:`adapter_card_needed`), and commits what the Hub does not have yet
+    (``allow_patterns``: only matching files). ``token`` defaults to
     ``HF_TOKEN`` / the ``hf auth login`` cache; the Hub is ``HF_ENDPOINT``'s.
 
     Raises HfScaleCheckpointError (incomplete folder), HfScaleConfigError (bad repo id, no token,
@@ -158,6 +172,10 @@ class _Push:
         if self.card is not None:
             info = as_card_info(self.card)
             write_model_card(self.folder, dataclasses.replace(info, repo_id=info.repo_id or self.repo_id))
+        elif adapter_card_needed(self.folder):
+            loss_curve = LOSS_CURVE if (self.folder / LOSS_CURVE).is_file() else None
+            write_model_card(self.folder, CardInfo(repo_id=self.repo_id, loss_curve=loss_curve))
+            log_rank0(f"wrote the adapter's model card {self.folder / 'README.md'}")
         files = local_files(self.folder, self.allow_patterns)
         self.token = resolve_token(self.token)
         self.api = HfApi(token=self.token)
@@ -262,18 +280,38 @@ class _Push:
 
 
 def check_checkpoint(folder: Path) -> None:
-    """Raise HfScaleCheckpointError unless ``folder`` holds a complete Hub-format checkpoint."""
+    """Raise HfScaleCheckpointError unless ``folder`` holds a complete Hub-format checkpoint or
+    a PEFT adapter (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     if not folder.is_dir():
         raise HfScaleCheckpointError(f"{folder} is not a folder: pass the folder hf_scale.save_pretrained wrote.")
-    if not (folder / "config.json").is_file():
+    if (folder / ADAPTER_CONFIG).is_file():
+        check_adapter(folder)
+    elif not (folder / "config.json").is_file():
         raise HfScaleCheckpointError(
-            f"{folder} has no config.json, so it is not a complete checkpoint: push the folder "
-            "hf_scale.save_pretrained(model, folder) wrote."
+            f"{folder} has no config.json, so it is not a complete checkpoint, and no {ADAPTER_CONFIG}, "
+            f"so it is not a PEFT adapter: push the folder hf_scale.save_pretrained(model, folder) wrote "
+            f"(config.json and safetensors shards) or the one PeftModel.save_pretrained(folder) wrote "
+            f"({ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})."
         )
-    weight_map_of(folder)  # the index and every shard it lists
+    else:
+        weight_map_of(folder)  # the index and every shard it lists
     for name in read_checksums(folder):
         if not (folder / name).is_file():
             raise HfScaleCheckpointError(f"{name}, listed in {CHECKSUMS_FILE}, is missing from {folder}.")
+
+
+def adapter_card_needed(folder: Path) -> bool:
+    """Whether pushing ``folder`` without ``card=`` should write its card: yes for a PEFT adapter
+    folder without ``README.md`` or with the placeholder card peft writes; a card hf_scale or a
+    person wrote is kept (and said so)."""
+    if read_adapter_config(folder) is None:
+        return False
+    readme = folder / "README.md"
+    if readme.is_file() and not is_peft_placeholder(readme):
+        log_rank0(f"pushing the adapter with its own {readme} (for hf_scale's adapter card instead, "
+                  "delete it or pass card= to push_to_hub)")
+        return False
+    return True
 
 
 def local_files(folder: Path, allow_patterns: str | Sequence[str] | None) -> dict[str, Path]:

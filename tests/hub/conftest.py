@@ -74,3 +74,28 @@ def checkpoint(tmp_path) -> Path:
     folder = hf_scale.save_pretrained(tiny_model("llama", "causal"), tmp_path / "out", max_shard_size=12_000)
     assert len(list(folder.glob("*.safetensors"))) >= 3
     return folder
+
+
+ADAPTER_BASE = "org/tiny-base"
+
+
+def save_adapter(folder: Path, base_name: str | None = ADAPTER_BASE, task_type: str | None = "CAUSAL_LM") -> Path:
+    """A LoRA adapter (r=4, alpha=8, on q_proj and v_proj) of a tiny Llama, as peft's
+    ``save_pretrained`` writes it (its placeholder README.md included). ``base_name``: the
+    base's ``name_or_path`` (as ``from_pretrained(base_name)`` sets it), recorded by peft."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama", "causal")
+    model.name_or_path = base_name or ""
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"], task_type=task_type,
+                        init_lora_weights=False)  # random A and B: a round trip that drops weights shows
+    get_peft_model(model, config).save_pretrained(folder, save_embedding_layers=False)  # no base lookup
+    return folder
+
+
+@pytest.fixture
+def adapter(tmp_path) -> Path:
+    """A LoRA adapter folder of base :data:`ADAPTER_BASE`, saved by peft (see :func:`save_adapter`)."""
+    return save_adapter(tmp_path / "adapter")

@@ -76,17 +76,19 @@ def test_hub_validator_accepts_the_card_and_rejects_bad_metadata(hub, folder):
     assert [path for _, path in hub.requests[start:]] == ["/api/validate-yaml"]  # before any upload
 
 
-def test_default_template_ships_in_the_package_and_model_cards_is_its_copy():
+@pytest.mark.parametrize("name", ["DEFAULT_TEMPLATE", "ADAPTER_TEMPLATE"])
+def test_templates_ship_in_the_package_and_model_cards_has_their_copies(name):
     from pathlib import Path
 
-    from hf_scale.hub.card import DEFAULT_TEMPLATE
+    from hf_scale.hub import card
 
+    template = getattr(card, name)
     package = Path(hf_scale.__file__).resolve().parent
-    assert DEFAULT_TEMPLATE.is_file() and package in DEFAULT_TEMPLATE.resolve().parents
-    copy = package.parent / "model_cards" / DEFAULT_TEMPLATE.name
-    assert copy.read_text() == DEFAULT_TEMPLATE.read_text(), (
-        f"{copy} differs from {DEFAULT_TEMPLATE}, the template hf_scale uses: edit the package's "
-        f"template and copy it over (cp {DEFAULT_TEMPLATE.relative_to(package.parent)} model_cards/)"
+    assert template.is_file() and package in template.resolve().parents
+    copy = package.parent / "model_cards" / template.name
+    assert copy.read_text() == template.read_text(), (
+        f"{copy} differs from {template}, the template hf_scale uses: edit the package's "
+        f"template and copy it over (cp {template.relative_to(package.parent)} model_cards/)"
     )
 
 
