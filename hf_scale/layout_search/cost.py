@@ -265,7 +265,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         fraction, _ = bubble_fraction(layout.pp_schedule, layout.pp, _stages_per_rank(layout), m)
         bubble = compute * fraction / (1 - fraction)
     params = rank_params(facts, layout)
-    frozen = params * facts.frozen_share
+    frozen = facts.frozen_params * (params / facts.params)  # the same share of this rank's parameters
     gather_bytes = params * d if layout.precision or not frozen else (params - frozen) * d + frozen * facts.frozen_bytes
     train = params - frozen
     per_node = max(1, layout.world_size // nodes)

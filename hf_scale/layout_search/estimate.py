@@ -38,6 +38,16 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   accumulation the gradients of earlier micro-batches are there at the start of backward too.
   Checked against ``torch.distributed._tools.MemTracker`` by ``scripts/bench_planner.py``.
 - overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).
+- adapter runs (frozen parameters: a LoRA base, frozen layers; :mod:`.frozen`): a frozen weight
+  is held as stored (a bf16 base: 2 bytes), sharded or replicated as the strategy holds weights,
+  with no gradient and no optimizer state; the trainable ones as above. Gathered units hold the
+  frozen weights in the compute dtype (without mixed precision, in their own); DDP's buckets,
+  no_sync's accumulators, the root's unsharded gradient and a tied head's second gradient count
+  trainable parameters only; autocast copies no frozen weight already in the compute dtype.
+  Activations need no assumption: the meta forward runs with the model's own ``requires_grad``,
+  so what autograd saves is what backward needs (a frozen Linear whose weight makes no gradient
+  keeps no input for it; the input gradients through frozen layers still need theirs). Under tp
+  and pp a rank is assumed to hold the frozen share of the whole model among its parameters.
 """
 
 from __future__ import annotations
@@ -269,7 +279,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
     frac = params / facts.params  # this rank's share of every part (tp and pp)
-    frozen = params * facts.frozen_share  # frozen weights on this rank (0 for a full fine-tune)
+    frozen = facts.frozen_params * frac  # frozen weights on this rank (0 for a full fine-tune)
     train = params - frozen
     fb = facts.frozen_bytes  # a frozen weight's bytes as stored (bf16: 2)
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")

@@ -94,12 +94,6 @@ class ModelFacts:
         return self.params - self.frozen_params
 
     @property
-    def frozen_share(self) -> float:
-        """Frozen parameters over all: the same share of any part of the model is assumed frozen
-        where the planner scales by parameters (a tp shard, a pp stage)."""
-        return self.frozen_params / self.params
-
-    @property
     def frozen_bytes(self) -> float:
         """Bytes per frozen parameter as stored (4 when none is frozen)."""
         return self.frozen.element_bytes if self.frozen else 4.0
