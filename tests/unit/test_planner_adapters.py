@@ -135,3 +135,11 @@ def test_auto_plans_a_peft_model(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", stand_in_calibration(tmp_path)["XDG_CACHE_HOME"])
     resolved = auto_module.resolve_auto(model, "auto", seq=16)
     assert isinstance(resolved, ParallelConfig) and not resolved.auto
+
+
+def test_candidate_table_names_the_trainable_parameters(adapter):
+    from hf_scale.layout_search.ranking import format_candidates, plan_candidates
+
+    facts, best, ranked, budget, work = plan_candidates(adapter, 2, "1GiB", 16, 1)
+    header = format_candidates(facts, best, ranked, budget, work).splitlines()[0]
+    assert f"({adapter.trainable_params / 1e6:,.2f}M trainable), 2 blocks" in header
