@@ -2,7 +2,8 @@
 model's config alone, and the fastest layout that fits.
 
 - :mod:`.profile`: the model on the meta device; parameter counts per part and the activations
-  one forward saves (counted, not guessed).
+  one forward saves (counted, not guessed); :mod:`.frozen`: which parameters train (adapter
+  runs: a peft ``PeftModel`` is read as the transformers model it wraps).
 - :mod:`.estimate`: bytes per rank by what holds them (parameters, gradients, optimizer state,
   activations, logits and loss, communication buffers, process overhead) for one layout.
 - :mod:`.cost`: step time (compute, collectives over links, bubble, optimizer) on a device;

@@ -210,10 +210,13 @@ def _nothing_fits(facts, ranked, work, world_size, budget, margin, space) -> str
     parts = sorted(((v, k) for k, v in mem.as_dict().items() if k not in ("device_total", "host")), reverse=True)
     biggest = ", ".join(f"{k} {v / GiB:.2f} GiB" for v, k in parts[:3])
     hints = []
-    state = 16 * facts.params
+    # 16 bytes per trainable parameter (fp32 weight, gradient, two AdamW moments), a frozen one's weight only
+    state = int(16 * facts.trainable_params + facts.frozen_bytes * facts.frozen_params)
     room = usable - mem.overhead - mem.activations - mem.logits_loss
     if room > 0:
-        hints.append(f"at least {-(-state // int(room))} ranks to shard the 16 bytes/parameter of training state")
+        what = "the 16 bytes/parameter of training state" if not facts.frozen else \
+            "the training state (16 bytes per trainable parameter, the frozen weights')"
+        hints.append(f"at least {-(-state // int(room))} ranks to shard {what}")
     if "full" not in space.get("acs", ("full",)):
         hints.append("activation_checkpointing='full'")
     if work.device != "cpu" and True not in space.get("offloads", (True,)):

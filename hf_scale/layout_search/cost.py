@@ -1,14 +1,19 @@
 """Step time of a layout: compute at a throughput, communication over links, the pipeline bubble.
 
 - compute: ``6 x N + 12 x L x h x s`` FLOPs per token (N: matmul parameters, the head's
-  included; the attention term of Chinchilla / PaLM's MFU accounting), split over tp and the
+  included; the attention term of Chinchilla / PaLM's MFU accounting); a frozen weight (an
+  adapter run's base) costs ``4`` per token, not ``6``: backward computes its input's gradient,
+  not its own (``4 N + 2 N_trainable``; the first block's input gradient, which nothing needs
+  when the embeddings are frozen, is counted: one block in L). Split over tp and the
   pipeline stages, at the device's achieved FLOP/s for the compute dtype. Full checkpointing
   adds one forward of the blocks (``2N_blocks + 4Lhs``), the chunked loss one of the head
   (``2N_head``: each chunk is checkpointed); selective adds ``SELECTIVE_RECOMPUTE`` of the compute (the
   norms and activations it recomputes are memory-bound: an assumption, not measured).
 - communication per step, ring algorithms (bus bytes ``(n-1)/n`` per all-gather / reduce-scatter,
   ``2(n-1)/n`` per all-reduce): fsdp all-gathers the parameters in the compute dtype in forward
-  and again in backward and reduce-scatters fp32 gradients; zero2 all-gathers once; hsdp adds
+  and again in backward (frozen weights too: in the compute dtype, or without mixed precision in
+  their own) and reduce-scatters fp32 gradients (trainable parameters only: an adapter run's are
+  a small fraction); zero2 all-gathers once; hsdp adds
   the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
   residual stream once per sharded module (a row-parallel output in forward, a column-parallel
@@ -34,7 +39,7 @@
   lags"). On a CPU the host is the device and prefetching changes nothing (measured here:
   FSDP2 with explicit prefetch 1-3, async or not, within the runs' +-10% noise of the default).
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
-  local parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
+  local trainable parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
   parameter / gradient copies over PCIe on a GPU; and a fixed cost per parameter tensor, higher
   on DTensors (measured on CPU).
 - pipeline bubble: :func:`hf_scale.layout_preview.bubble_fraction` (the formulas P2 wrote there).
@@ -195,7 +200,8 @@ def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None, chunked:
     """Training FLOPs per token (forward + backward), with checkpointing's recomputation (and the
     chunked loss's: each chunk's head matmul runs again in backward)."""
     attention = 12 * facts.layers * facts.hidden * seq
-    base = 6 * facts.matmul_params + attention
+    # forward 2N, input gradients 2N, weight gradients 2N of the trainable weights only
+    base = 4 * facts.matmul_params + 2 * facts.trainable_matmul_params + attention
     extra = 2 * facts.head_params if chunked else 0
     if ac == "full":
         return base + extra + (2 * (facts.matmul_params - facts.head_params) + attention / 3)
@@ -259,12 +265,15 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         fraction, _ = bubble_fraction(layout.pp_schedule, layout.pp, _stages_per_rank(layout), m)
         bubble = compute * fraction / (1 - fraction)
     params = rank_params(facts, layout)
+    frozen = facts.frozen_params * (params / facts.params)  # the same share of this rank's parameters
+    gather_bytes = params * d if layout.precision or not frozen else (params - frozen) * d + frozen * facts.frozen_bytes
+    train = params - frozen
     per_node = max(1, layout.world_size // nodes)
     within = nodes == 1 or (layout.strategy == "hsdp" and layout.dp_shard * layout.tp <= per_node)
     dp_link = device.intra if within else device.inter
     units = fsdp_units(facts, layout)
-    comm_dp = _dp_seconds(layout, params, d, micro, units, dp_link, device)
-    exposed = _host_bound_gathers(layout, params, d, micro, dp_link, device_compute, host) if host > device_compute else 0.0
+    comm_dp = _dp_seconds(layout, gather_bytes, train, micro, units, dp_link, device)
+    exposed = _host_bound_gathers(layout, gather_bytes, micro, dp_link, device_compute, host) if host > device_compute else 0.0
     comm_dp = max(comm_dp * (1 - dp_link.overlap), exposed)
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):
@@ -289,18 +298,19 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         # each stage on this rank sends its output forward and its input's gradient back, per microbatch
         sends = 2 * _stages_per_rank(layout)
         comm_pp = sends * tokens * facts.hidden * d / link.bandwidth + sends * runs * link.latency
-    local = params // (layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1)
-    if layout.strategy == "zero1":
-        local = params // layout.dp
+    shards = layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1
+    local = int(train) // (layout.dp if layout.strategy == "zero1" else shards)  # the trainable parameters stepped here
     optimizer = 28 * local / (device.host_bandwidth if layout.cpu_offload else device.mem_bandwidth)
-    tensors = facts.tensors * blocks_here / facts.layers  # this rank's (pp: its stages'; tp shards every one)
+    # this rank's trainable tensors (pp: its stages'; tp shards every one)
+    tensors = facts.trainable_tensors * blocks_here / facts.layers
     if layout.strategy == "zero1":
         tensors /= layout.dp
     dtensors = layout.strategy in ("fsdp", "zero2", "hsdp") and layout.dp > 1 or layout.tp > 1
     optimizer += tensors * (device.optimizer_dtensor if dtensors else device.optimizer_tensor)
     offload = 0.0
     if layout.cpu_offload and device.name != "cpu":
-        offload = 2 * 4 * local / device.host_bandwidth  # parameters in, gradients out
+        # parameters in (frozen ones as stored), gradients out (trainable ones)
+        offload = (4 * local + facts.frozen_bytes * (int(frozen) // shards) + 4 * local) / device.host_bandwidth
     return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp)
 
 
@@ -322,7 +332,7 @@ def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     return max(per_rank)
 
 
-def _host_bound_gathers(layout: Layout, params: int, d: int, micro: int, link: Link, compute: float,
+def _host_bound_gathers(layout: Layout, gather_bytes: float, micro: int, link: Link, compute: float,
                         host: float) -> float:
     """Seconds of forward all-gathers a host-bound step exposes under FSDP2's default prefetch.
 
@@ -330,17 +340,21 @@ def _host_bound_gathers(layout: Layout, params: int, d: int, micro: int, link: L
     host is the bottleneck the device has by then run the previous unit's kernels, so the
     gather and the unit's compute run one after the other, beside the host's launches: per step
     ``gathers + compute - host`` is exposed. An explicit prefetch (``layout.prefetch``) issues it
-    as the previous unit's lands, behind that unit's host time: no more exposed than elsewhere."""
+    as the previous unit's lands, behind that unit's host time: no more exposed than elsewhere.
+    ``gather_bytes``: the rank's parameters as all-gathered (before sharding)."""
     n = layout.dp_shard
     if layout.prefetch or layout.strategy not in ("fsdp", "zero2", "hsdp") or n == 1:
         return 0.0
-    forward = micro * params * d * (n - 1) / n / link.gather
+    forward = micro * gather_bytes * (n - 1) / n / link.gather
     return max(0.0, forward + compute - host)
 
 
-def _dp_seconds(layout: Layout, params: int, d: int, micro: int, units: int, link: Link, device: Device) -> float:
-    """Seconds of data-parallel traffic per step (before overlap); FSDP issues its collectives per
-    unit (``units``, the root included), each paying the link's latency."""
+def _dp_seconds(layout: Layout, gather_bytes: float, train: float, micro: int, units: int, link: Link,
+                device: Device) -> float:
+    """Seconds of data-parallel traffic per step (before overlap): the rank's parameters as
+    all-gathered (``gather_bytes``, before sharding) and its ``train`` trainable parameters'
+    fp32 gradients reduced (and, under zero1, broadcast once updated). FSDP issues its
+    collectives per unit (``units``, the root included), each paying the link's latency."""
     n, r = layout.dp_shard, layout.dp_replicate
     if layout.dp == 1:
         return 0.0
@@ -348,15 +362,15 @@ def _dp_seconds(layout: Layout, params: int, d: int, micro: int, units: int, lin
         gathers = 1 if layout.strategy == "zero2" else 2
         seconds = 0.0
         if n > 1:
-            ag = gathers * micro * params * d * (n - 1) / n
-            rs = params * 4 * (n - 1) / n
+            ag = gathers * micro * gather_bytes * (n - 1) / n
+            rs = train * 4 * (n - 1) / n
             seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * units * link.latency
         if r > 1:
             inter = device.inter if layout.strategy == "hsdp" and n > 1 else link
-            seconds += params / n * 4 * 2 * (r - 1) / r / inter.bandwidth + units * inter.latency
+            seconds += train / n * 4 * 2 * (r - 1) / r / inter.bandwidth + units * inter.latency
         return seconds
-    buckets = max(1, params * 4 // DDP_BUCKET_BYTES)
-    seconds = params * 4 * 2 * (layout.dp - 1) / layout.dp / link.bandwidth + buckets * link.latency
+    buckets = max(1, int(train) * 4 // DDP_BUCKET_BYTES)
+    seconds = train * 4 * 2 * (layout.dp - 1) / layout.dp / link.bandwidth + buckets * link.latency
     if layout.strategy == "zero1":  # every rank broadcasts its updated part
-        seconds += params * 4 * (layout.dp - 1) / layout.dp / link.bandwidth + layout.dp * link.latency
+        seconds += train * 4 * (layout.dp - 1) / layout.dp / link.bandwidth + layout.dp * link.latency
     return seconds

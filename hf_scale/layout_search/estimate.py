@@ -38,6 +38,16 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   accumulation the gradients of earlier micro-batches are there at the start of backward too.
   Checked against ``torch.distributed._tools.MemTracker`` by ``scripts/bench_planner.py``.
 - overhead: a process's fixed memory, measured once per device type (``OVERHEAD``).
+- adapter runs (frozen parameters: a LoRA base, frozen layers; :mod:`.frozen`): a frozen weight
+  is held as stored (a bf16 base: 2 bytes), sharded or replicated as the strategy holds weights,
+  with no gradient and no optimizer state; the trainable ones as above. Gathered units hold the
+  frozen weights in the compute dtype (without mixed precision, in their own); DDP's buckets,
+  no_sync's accumulators, the root's unsharded gradient and a tied head's second gradient count
+  trainable parameters only; autocast copies no frozen weight already in the compute dtype.
+  Activations need no assumption: the meta forward runs with the model's own ``requires_grad``,
+  so what autograd saves is what backward needs (a frozen Linear whose weight makes no gradient
+  keeps no input for it; the input gradients through frozen layers still need theirs). Under tp
+  and pp a rank is assumed to hold the frozen share of the whole model among its parameters.
 """
 
 from __future__ import annotations
@@ -269,26 +279,42 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
     frac = params / facts.params  # this rank's share of every part (tp and pp)
+    frozen = facts.frozen_params * frac  # frozen weights on this rank (0 for a full fine-tune)
+    train = params - frozen
+    fb = facts.frozen_bytes  # a frozen weight's bytes as stored (bf16: 2)
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
     replicated = layout.strategy in ("ddp", "zero1")
-    p_bytes, g_bytes = 4 * params // n, 4 * params // n
-    opt_bytes = 8 * params // (layout.dp if layout.strategy == "zero1" else n)
-    block = max(facts.block_params) * frac if layout.pp == 1 else max(facts.block_params) / layout.tp
-    root = facts.root_params * frac if layout.pp == 1 else facts.root_params / layout.tp
+    # trainable: an fp32 master weight, its fp32 gradient, AdamW's two fp32 moments; frozen: the weight only
+    p_bytes, g_bytes = int(4 * train + fb * frozen) // n, int(4 * train) // n
+    opt_bytes = int(8 * train) // (layout.dp if layout.strategy == "zero1" else n)
+
+    def gathered(count: float, frozen_count: float) -> float:
+        """Bytes of ``count`` parameters all-gathered for compute: in the compute dtype; a frozen
+        one without mixed precision in its own (FSDP2 casts only under a ``MixedPrecisionPolicy``)."""
+        return (count - frozen_count) * d + frozen_count * (d if layout.precision else fb)
+
+    biggest, biggest_frozen = facts.largest_block()
+    scale = frac if layout.pp == 1 else 1 / layout.tp
+    block, block_frozen = biggest * scale, biggest_frozen * scale
+    root, root_frozen = facts.root_params * scale, facts.root_frozen * scale
     comm = compute = prefetched = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
-        unit = unit_blocks(facts, layout) * block * d
-        comm = int(params * d if layout.strategy == "zero2" else root * d + unit)
+        unit = unit_blocks(facts, layout) * gathered(block, block_frozen)
+        comm = int(gathered(params, frozen) if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
-            comm += 4 * params
+            comm += int(4 * train)
     elif replicated and layout.dp > 1:
-        comm = 4 * params  # DDP's gradient buckets
-    if (replicated or layout.dp == 1) and layout.precision:  # autocast: low-precision weight copies saved for backward
-        compute = int(facts.matmul_params * frac * d)
+        comm = int(4 * train)  # DDP's gradient buckets (trainable parameters only)
+    if (replicated or layout.dp == 1) and layout.precision:
+        # autocast: low-precision copies of the matmul weights saved for backward; a frozen weight
+        # already stored in the compute dtype is used as it is
+        copied = facts.trainable_matmul_params + (facts.matmul_params - facts.trainable_matmul_params
+                                                  if fb != d else 0)
+        compute = int(copied * frac * d)
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
@@ -296,9 +322,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
-    # its reduce-scatter. (Under pp the tied ends sit on two stages.)
-    tied = 4 * facts.tied_params * frac if layout.pp == 1 else 0
-    buffers = int(tied + (4 * root if sharded and layout.dp > 1 else 0))
+    # its reduce-scatter. (Under pp the tied ends sit on two stages.) Frozen weights make none.
+    tied = 4 * facts.tied_trainable * frac if layout.pp == 1 else 0
+    buffers = int(tied + (4 * (root - root_frozen) if sharded and layout.dp > 1 else 0))
     host = 0
     if layout.cpu_offload and work.device != "cpu":  # on a CPU the host memory is the device's
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
@@ -308,7 +334,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     piped = layout.pp > 1 and microbatches > max(inflight)
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
-    first_block = max(0, acts.first_block - (4 * int(block) // n if g_bytes else 0))
+    first_block = max(0, acts.first_block - (4 * int(block - block_frozen) // n if g_bytes else 0))
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import HfScalePlanError
 from ..layout_preview import meta_model
 from ..model_plans import resolve_plan, wrap_units
+from .frozen import Frozen, adapter_target, count_frozen, has_frozen, meta_copy
 
 _aten = torch.ops.aten
 # The outputs selective checkpointing keeps (hf_scale.parallel.activation._SAVE_OPS).
@@ -61,7 +62,8 @@ class ActivationProfile:
 
 @dataclass
 class ModelFacts:
-    """Parameter counts of a model's parts, and its activation profiles (cached per shape)."""
+    """Parameter counts of a model's parts, and its activation profiles (cached per shape).
+    ``frozen``: its frozen parameters (adapter runs; None: every parameter trains)."""
 
     model: nn.Module = field(repr=False)
     plan: object = field(repr=False)
@@ -75,12 +77,52 @@ class ModelFacts:
     layers: int
     tied_params: int = 0  # a head tied to the input embedding: the one weight's size
     tensors: int = 0  # parameter tensors (a tied weight once): the optimizer's per-tensor work
+    frozen: Frozen | None = None
     _profiles: dict = field(default_factory=dict, repr=False)
 
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token: every block's, and the head's."""
         return sum(self.block_params) + self.head_params
+
+    @property
+    def frozen_params(self) -> int:
+        return self.frozen.params if self.frozen else 0
+
+    @property
+    def trainable_params(self) -> int:
+        return self.params - self.frozen_params
+
+    @property
+    def frozen_bytes(self) -> float:
+        """Bytes per frozen parameter as stored (4 when none is frozen)."""
+        return self.frozen.element_bytes if self.frozen else 4.0
+
+    @property
+    def trainable_matmul_params(self) -> int:
+        """Of ``matmul_params``, those whose weight gradient backward computes."""
+        if not self.frozen:
+            return self.matmul_params
+        head = 0 if self.frozen.head else self.head_params
+        return sum(self.block_params) - sum(self.frozen.blocks) + head
+
+    @property
+    def trainable_tensors(self) -> int:
+        return self.frozen.trainable_tensors if self.frozen else self.tensors
+
+    @property
+    def tied_trainable(self) -> int:
+        """A tied head's size when it trains (its two uses make two gradients), else 0."""
+        return 0 if self.frozen and self.frozen.head else self.tied_params
+
+    def largest_block(self) -> tuple[int, int]:
+        """The largest block's parameters and, of them, the frozen ones."""
+        i = max(range(len(self.block_params)), key=self.block_params.__getitem__)
+        return self.block_params[i], self.frozen.blocks[i] if self.frozen else 0
+
+    @property
+    def root_frozen(self) -> int:
+        return self.frozen.root if self.frozen else 0
 
     def cached(self, key, compute):
         """``compute()`` once per ``key`` (tp / pp layouts of this model are reused per candidate)."""
@@ -102,8 +144,11 @@ class ModelFacts:
 
 def model_facts(source, task: str = "causal_lm") -> ModelFacts:
     """Facts of a model given as a config (``PretrainedConfig``) or a model object (a real one is
-    rebuilt on the meta device from its config: nothing of it is touched)."""
+    rebuilt on the meta device from its config, or copied there with its adapters and frozen
+    flags when it has frozen parameters: nothing of it is touched). A peft ``PeftModel`` is read
+    as the transformers model it wraps, the one hf_scale parallelizes."""
     if isinstance(source, nn.Module):
+        source = adapter_target(source)
         if getattr(source, "config", None) is None:
             raise HfScalePlanError(
                 f"{type(source).__name__} has no transformers config: the planner builds the model from its "
@@ -111,8 +156,11 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
             )
         model = source
         if any(not p.is_meta for p in source.parameters()):  # a real model: its class, on meta
-            with torch.device("meta"):
-                model = type(source)(copy.deepcopy(source.config))
+            if has_frozen(source):  # adapters, frozen flags and dtypes: as they are
+                model = meta_copy(source)
+            else:
+                with torch.device("meta"):
+                    model = type(source)(copy.deepcopy(source.config))
     else:
         model = meta_model(source, task)
     plan = resolve_plan(model)
@@ -143,6 +191,7 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
         hidden=hidden, vocab=getattr(config, "vocab_size", 0) or 0, layers=len(units),
         tied_params=head.weight.numel() if head is not None and emb is not None and head.weight is emb.weight else 0,
         tensors=len(list(model.parameters())),
+        frozen=count_frozen(model, units) if has_frozen(model) else None,
     )
 
 

@@ -39,8 +39,10 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
     rejected ones by reason (``left_out``: layouts a recipe refused before any estimate, counted
     by the recipe's reason), and the recommendation."""
     world = best.layout.world_size
+    trainable = f" ({facts.trainable_params / 1e6:,.2f}M trainable)" if facts.frozen else ""
     lines = [
-        (f"auto-planner: {type(facts.model).__name__}, {facts.params / 1e6:,.1f}M parameters, {facts.layers} blocks; "
+        (f"auto-planner: {type(facts.model).__name__}, {facts.params / 1e6:,.1f}M parameters{trainable}, "
+        f"{facts.layers} blocks; "
         f"{world} rank(s) of {budget / GiB:.1f} GiB ({work.device}); seq {work.seq} x batch {work.batch} per "
         f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"),
         ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers = peak "
