@@ -43,6 +43,8 @@ _LAZY = {
     "save_pretrained": ".checkpoint",
     "load_state": ".checkpoint",
     "save_state": ".checkpoint",
+    "load_adapter": ".checkpoint",
+    "merge_adapter": ".checkpoint",
     "ModelPlan": ".model_plans",
     "register_plan": ".model_plans",
     "resolve_plan": ".model_plans",
@@ -68,7 +70,9 @@ __all__ = [
     "eval_step",
     "from_pretrained",
     "get_state",
+    "load_adapter",
     "load_state",
+    "merge_adapter",
     "no_sync",
     "parallelize",
     "push_to_hub",
@@ -104,7 +108,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above load lazily
     from .api import parallelize
-    from .checkpoint import from_pretrained, load_state, save_pretrained, save_state
+    from .checkpoint import from_pretrained, load_adapter, load_state, merge_adapter, save_pretrained, save_state
     from .hub import CardInfo, push_to_hub, write_model_card
     from .model_plans import ModelPlan, register_plan, resolve_plan
     from .parallel.optim import build_optimizer, clip_grad_norm_, no_sync

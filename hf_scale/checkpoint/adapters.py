@@ -190,8 +190,8 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> None:
     folder = Path(folder)
 
     def read() -> None:
-        check_adapter_config(model, folder)
         weight_map = adapter_weight_map(folder)
+        check_adapter_config(model, folder)
         keys = adapter_keys(model)
         _check_keys(keys, weight_map, folder, whole=not pipelined(model))
         load_owned_slices(adapter_host(model), folder, weight_map, keys)

@@ -239,13 +239,30 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     if zero is None:
         state = get_optimizer_state_dict(model, optimizer)
         # pipeline stages name different parameters; DCP saves one rank's group lists
-        return union_param_groups(state, set(tie_aliases(model))) if pipelined(model) else state
+        state = union_param_groups(state, set(tie_aliases(model))) if pipelined(model) else state
+        return merge_equal_groups(state)
     _init_zero_state(zero)
     names = {id(p): n for n, p in model.named_parameters()}
     state = {names[id(p)]: dict(s) for p, s in zero.state.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[id(p)] for p in g["params"]]}
               for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
+    return merge_equal_groups({"state": state, "param_groups": groups})
+
+
+def merge_equal_groups(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with param groups of equal settings merged into one (their parameter names
+    joined, in order). How many groups an optimizer has depends on the layout (tensor parallel
+    keeps sharded and whole parameters in groups apart); the merged list does not, so a
+    checkpoint resumes at any layout. Loading maps each group back by its parameters' names."""
+    merged: list[dict] = []
+    for group in state["param_groups"]:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        same = next((g for g in merged if {k: v for k, v in g.items() if k != "params"} == settings), None)
+        if same is None:
+            merged.append({**settings, "params": list(group["params"])})
+        else:
+            same["params"] = same["params"] + [p for p in group["params"] if p not in same["params"]]
+    return {**state, "param_groups": merged}
 
 
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -253,13 +270,31 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
 
     zero = _zero_local(optimizer)
     if zero is None:
-        set_optimizer_state_dict(model, optimizer, state)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        current = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        set_optimizer_state_dict(model, optimizer, {**state, "param_groups": _regroup(state["param_groups"], current)})
         return
     params = dict(model.named_parameters())
     for name, values in state["state"].items():
         zero.state[params[name]] = dict(values)
-    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k != "params"})  # lr as scheduled
+    names = {id(p): n for n, p in params.items()}
+    by_name = {name: saved for saved in state["param_groups"] for name in saved["params"]}
+    for group in optimizer.param_groups:  # lr as scheduled; groups found by their parameters
+        saved = next((by_name[names[id(p)]] for p in group["params"] if names.get(id(p)) in by_name), None)
+        if saved is not None:
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _regroup(saved: list[dict], current: list[dict]) -> list[dict]:
+    """The optimizer's own groups (``current``, parameter names), each with the settings of the
+    saved group holding its parameters (:func:`merge_equal_groups` may have joined several)."""
+    by_name = {name: group for group in saved for name in group["params"]}
+    out = []
+    for group in current:
+        source = next((by_name[n] for n in group["params"] if n in by_name), group)
+        out.append({**{k: v for k, v in source.items() if k != "params"}, "params": group["params"]})
+    return out
 
 
 def _zero_local(optimizer):

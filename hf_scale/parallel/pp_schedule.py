@@ -210,6 +210,8 @@ class Pipeline:
         ends = []
         for target, source in self.ties:
             held = [p for p in (params.get(target), params.get(source)) if p is not None]
+            if any(not p.requires_grad for p in held):  # a frozen tie (a LoRA run's embedding): no gradient
+                continue
             if held and not (len(held) == 2 and held[0] is held[1]):
                 ends.append(held)
         return ends
