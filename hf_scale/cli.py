@@ -275,8 +275,12 @@ def export(args: list[str]) -> int:
 
             from .checkpoint.merge import merge_adapter
 
+            from .checkpoint.merge import adapter_folder, read_base
+            from .zoo import local_copy
+
             dtype = getattr(torch, ns.dtype) if ns.dtype else None
-            out = merge_adapter(ns.checkpoint, ns.out, base=ns.base, dtype=dtype, tokenizer=tokenizer)
+            base = local_copy(ns.base or read_base(adapter_folder(ns.checkpoint)))  # zoo models: their folder
+            out = merge_adapter(ns.checkpoint, ns.out, base=base, dtype=dtype, tokenizer=tokenizer)
             print(f"merged into {out}")
         else:
             print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")

@@ -95,6 +95,19 @@ def zoo_source(name: str) -> tuple[Path, dict]:
     return (converted_folder(name) if entry.gguf_file else _package_dir(entry)), {}
 
 
+def local_copy(name: str) -> str:
+    """A model name as something ``from_pretrained`` loads offline: ``zoo:<name>`` or the Hub id
+    of a zoo model becomes its local folder (when its package is installed); others as given."""
+    by_hub_id = {hub: zoo for zoo, hub in HUB_IDS.items()}
+    if is_zoo(name) or (name in by_hub_id and not Path(name).exists()):
+        try:
+            return str(zoo_source(by_hub_id.get(name, name))[0])
+        except HfScaleConfigError:
+            if is_zoo(name):
+                raise
+    return name
+
+
 # Raised when what converted_folder writes changes, so an older copy is made again.
 CONVERTED_VERSION = 1
 _DONE = "hf_scale_zoo.json"  # written last: a folder holding it is complete

@@ -1,11 +1,10 @@
 """Checkpoints in the Hub's own format, written in parallel by every rank."""
 
 from .convert import convert_pickle_checkpoint
-from .adapters import load_adapter
 from .export import export_checkpoint
-from .load import from_pretrained
+from .load import from_pretrained, load_adapter
 from .merge import merge_adapter
-from .safetensors_io import save_pretrained
+from .save import save_pretrained
 from .training_state import load_state, save_state
 
 __all__ = [

@@ -28,11 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import HfScaleCheckpointError
+from ..errors import HfScaleCheckpointError, HfScaleConfigError
 from ..model_plans.adapters import adapter_host
 from ..ranks import run_together
 from .files import staged_folder
 from .safetensors_io import plan_save, reshard_all, write_checksums, write_tensor_files
+from .shard_layout import read_header
 from .stages import pipelined
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -155,15 +156,13 @@ def _write_adapter_metadata(model: nn.Module, folder: Path, plan, digests: dict,
 
 def adapter_weight_map(folder: Path) -> dict[str, Path]:
     """File key -> file of an adapter folder (one safetensors file, as peft writes it)."""
-    from .load import _read_header
-
     weights, config = folder / ADAPTER_WEIGHTS, folder / ADAPTER_CONFIG
     if not config.is_file() or not weights.is_file():
         missing = [p.name for p in (config, weights) if not p.is_file()]
         hint = " (it holds adapter_model.bin: pickles are not read; re-save it with safetensors)" if (
             folder / "adapter_model.bin").exists() else ""
         raise HfScaleCheckpointError(f"{folder} is not a peft adapter folder: {missing} missing{hint}.")
-    return {key: weights for key in _read_header(weights)[1] if key != "__metadata__"}
+    return {key: weights for key in read_header(weights)[1] if key != "__metadata__"}
 
 
 def check_adapter_config(model: nn.Module, folder: Path) -> None:
@@ -182,24 +181,7 @@ def check_adapter_config(model: nn.Module, folder: Path) -> None:
             )
 
 
-def load_adapter(model: nn.Module, folder: str | os.PathLike) -> None:
-    """Collective: read the adapter in ``folder`` into ``model``'s adapter (a ``PeftModel``,
-    parallelized or not) in place, each rank its own slices; a failure raises on every rank."""
-    from .load import load_owned_slices
-
-    folder = Path(folder)
-
-    def read() -> None:
-        weight_map = adapter_weight_map(folder)
-        check_adapter_config(model, folder)
-        keys = adapter_keys(model)
-        _check_keys(keys, weight_map, folder, whole=not pipelined(model))
-        load_owned_slices(adapter_host(model), folder, weight_map, keys)
-
-    run_together(read)
-
-
-def _check_keys(keys: dict[str, str], weight_map: dict[str, Path], folder: Path, whole: bool = True) -> None:
+def check_adapter_keys(keys: dict[str, str], weight_map: dict[str, Path], folder: Path, whole: bool = True) -> None:
     """Every adapter tensor of the model is in the file and (``whole``: this rank holds the
     whole model, not one pipeline stage) the file holds nothing else."""
     missing = sorted(set(keys.values()) - set(weight_map))
@@ -229,10 +211,21 @@ def attach_adapter(model: nn.Module, adapter, *, seed: int = 0) -> tuple[nn.Modu
         config = adapter
     else:
         config = LoraConfig(**dict(adapter))
-    peft_model = get_peft_model(model, config)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as e:  # peft's message names the targets; say what the model has
+        raise HfScaleConfigError(
+            f"peft could not attach the adapter to {type(model).__name__}: {' '.join(str(e).split())[:400]} "
+            f"Its Linear layers are named {_linear_names(model)}; set target_modules to some of them "
+            "(or 'all-linear')."
+        ) from None
     if folder is None:
         _init_new_adapter(peft_model, seed)
     return peft_model, folder
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
 
 
 @torch.no_grad()
@@ -273,6 +266,6 @@ def adapter_load_names(model: nn.Module, base_map: dict[str, Path], adapter_map:
         renamed = checkpoint_names(host, {names[k]: state[k] for k in names})
         names = {k: renamed[n] for k, n in names.items()}
     if adapter_map is not None:
-        _check_keys(keys, adapter_map, Path(next(iter(adapter_map.values()), ".")).parent,
+        check_adapter_keys(keys, adapter_map, Path(next(iter(adapter_map.values()), ".")).parent,
                     whole=not pipelined(model))
     return {**names, **keys}

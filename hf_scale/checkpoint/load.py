@@ -27,7 +27,7 @@ from ..ranks import rank0_first, run_together, share_from_rank0
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
 from .safetensors_io import checkpoint_names, reshard_all
-from .shard_layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs
+from .shard_layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs, read_header
 from .stages import tie_aliases
 
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.sha256"]
@@ -192,7 +192,7 @@ def weight_map_of(folder: Path) -> dict[str, Path]:
     if (folder / INDEX_FILE).exists():
         names = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
     elif (folder / SINGLE_FILE).exists():
-        names = {k: SINGLE_FILE for k in _read_header(folder / SINGLE_FILE)[1]}
+        names = {k: SINGLE_FILE for k in read_header(folder / SINGLE_FILE)[1]}
     else:
         pickles = sorted(p.name for p in folder.glob("*.bin"))
         hint = (f" It holds pickle weights ({', '.join(pickles)}): convert them with "
@@ -356,7 +356,7 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path], names: 
             raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
         path = weight_map[name]
         if path not in headers:
-            headers[path] = _read_header(path)
+            headers[path] = read_header(path)
         data_start, entries = headers[path]
         entry = entries[name]
         if tuple(entry["shape"]) != tuple(target.shape):
@@ -388,28 +388,6 @@ def _local_shape(target: DTensor, boxes: list[Box]) -> tuple[int, ...]:
     return tuple(max(b.local[d].stop for b in boxes) for d in range(target.dim()))
 
 
-def _read_header(path: Path) -> tuple[int, dict]:
-    """(byte offset where the data starts, header entries) of a safetensors file, checked
-    against the file's size so a truncated shard is an error, not garbage."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        try:
-            entries = json.loads(fh.read(length)) if 0 < length <= size - 8 else None
-        except ValueError:
-            entries = None
-    if not entries:
-        raise HfScaleCheckpointError(f"cannot read shard {path.name}: not a safetensors file (or truncated).")
-    entries.pop("__metadata__", None)
-    needed = 8 + length + max((e["data_offsets"][1] for e in entries.values()), default=0)
-    if size < needed:
-        raise HfScaleCheckpointError(
-            f"cannot read shard {path.name}: truncated ({size} bytes, its header needs {needed})."
-        )
-    return 8 + length, entries
-
-
 def _read_block(path: Path, start: int, dtype: torch.dtype, global_shape, local: torch.Tensor, boxes) -> None:
     """Read every box of ``local``'s block from the file into it."""
     fd = os.open(path, os.O_RDONLY)
@@ -436,3 +414,22 @@ def _read_box(fd: int, path: Path, start: int, dtype: torch.dtype, global_shape,
             if got <= 0:
                 raise HfScaleCheckpointError(f"cannot read shard {path.name}: unexpected end of file.")
             done += got
+
+
+def load_adapter(model: nn.Module, folder: str | os.PathLike) -> None:
+    """Collective: read the adapter in ``folder`` into ``model``'s adapter (a ``PeftModel``,
+    parallelized or not) in place, each rank its own slices; a failure raises on every rank."""
+    from ..model_plans.adapters import adapter_host
+    from .adapters import check_adapter_keys, adapter_keys, adapter_weight_map, check_adapter_config
+    from .stages import pipelined
+
+    folder = Path(folder)
+
+    def read() -> None:
+        weight_map = adapter_weight_map(folder)
+        check_adapter_config(model, folder)
+        keys = adapter_keys(model)
+        check_adapter_keys(keys, weight_map, folder, whole=not pipelined(model))
+        load_owned_slices(adapter_host(model), folder, weight_map, keys)
+
+    run_together(read)

@@ -8,7 +8,7 @@ rank r, cheap next to reading the base), then the model is written by :func:`sav
 Usage::
 
     merge_adapter("ckpt/latest", "out/merged")                 # base from adapter_config.json
-    merge_adapter("out/adapter", "out/merged", base="zoo:smollm2", dtype=torch.bfloat16)
+    merge_adapter("out/adapter", "out/merged", base="path/to/base", dtype=torch.bfloat16)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import HfScaleCheckpointError, HfScaleError
+from ..errors import HfScaleCheckpointError
 from .adapters import ADAPTER_CONFIG, adapter_weight_map
 
 
@@ -42,34 +42,27 @@ def merge_adapter(adapter: str | os.PathLike, out: str | os.PathLike, *, base: s
                   dtype: torch.dtype | None = None, tokenizer=None) -> Path:
     """Write ``base`` with the adapter of ``adapter`` merged into ``out`` (a Hub-format model).
 
-    ``base`` defaults to the adapter config's ``base_model_name_or_path`` (a folder, a Hub id,
-    or ``zoo:<name>``); ``dtype`` to the base checkpoint's. Call it in one process.
+    ``base`` (a folder or a Hub id) defaults to the adapter config's ``base_model_name_or_path``;
+    ``dtype`` to the base checkpoint's. Call it in one process.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from .safetensors_io import save_pretrained
+    from .save import save_pretrained
 
     folder = adapter_folder(adapter)
-    source = _base_source(base or json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path"))
+    source = base or read_base(folder)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", use_safetensors=True)
     merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     return save_pretrained(merged, out, tokenizer=tokenizer)
 
 
-def _base_source(base: str | None) -> str:
-    """A loadable base: ``zoo:<name>`` becomes its local folder; nothing is a clear error."""
+def read_base(folder: Path) -> str:
+    """The adapter's base model, from its config; a clear error when it names none."""
+    base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     if not base:
         raise HfScaleCheckpointError(
-            f"the adapter's {ADAPTER_CONFIG} names no base_model_name_or_path: give the base model "
+            f"{folder / ADAPTER_CONFIG} names no base_model_name_or_path: give the base model "
             "(--base NAME_OR_FOLDER, or base=...)."
         )
-    from ..zoo import HUB_IDS, is_zoo, zoo_source
-
-    by_hub_id = {hub: name for name, hub in HUB_IDS.items()}
-    if base in by_hub_id and not Path(base).exists():
-        try:  # the zoo's copy of a model named by its Hub id (offline, as everything here)
-            return str(zoo_source(by_hub_id[base])[0])
-        except HfScaleError:  # its package is not installed: the Hub id it is
-            return base
-    return str(zoo_source(base)[0]) if is_zoo(base) else base
+    return base

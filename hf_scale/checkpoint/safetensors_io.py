@@ -32,7 +32,7 @@ from .shard_layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, in
 from .stages import global_specs, owners, pipelined, tie_aliases
 
 
-def save_pretrained(
+def save_model(
     model: nn.Module,
     save_directory: str | os.PathLike,
     *,
@@ -49,9 +49,7 @@ def save_pretrained(
     share of the files after writing; ``checksums=False`` skips that read-back).
     ``max_shard_size="auto"`` (the default) makes as many files as ranks, of 100 MB to 5 GB
     each, so the ranks hash in parallel; give a size (``"5GB"``, bytes) for transformers'
-    packing. A ``PeftModel`` saves its active adapter as peft does (``adapter_config.json`` +
-    ``adapter_model.safetensors``, every rank writing its slices into the one file peft reads;
-    :mod:`hf_scale.checkpoint.adapters`). Tied weights are written once, under the name transformers keeps; names follow the
+    packing. Tied weights are written once, under the name transformers keeps; names follow the
     checkpoint format transformers expects (e.g. GPT-NeoX's ``embed_out``). Loads with
     ``AutoModel*.from_pretrained``.
 
@@ -62,10 +60,6 @@ def save_pretrained(
 
         hf_scale.save_pretrained(model, "out/", tokenizer=tokenizer, max_shard_size="2GB")
     """
-    from .adapters import is_adapter_model, save_adapter
-
-    if is_adapter_model(model):  # a PeftModel: its adapter, in peft's format (the base is unchanged)
-        return save_adapter(model, save_directory, tokenizer=tokenizer, checksums=checksums)
     plan = plan_save(model, max_shard_size)
     final = Path(save_directory).resolve()
     with staged_folder(final, needed_bytes=plan.nbytes) as tmp:

@@ -12,6 +12,7 @@ import math
 import re
 import struct
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -171,3 +172,25 @@ def _product(shape):
     for i in range(shape[0]):
         for rest in _product(shape[1:]):
             yield (i, *rest)
+
+
+def read_header(path: Path) -> tuple[int, dict]:
+    """(byte offset where the data starts, header entries) of a safetensors file, checked
+    against the file's size so a truncated shard is an error, not garbage."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        raw = fh.read(8)
+        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        try:
+            entries = json.loads(fh.read(length)) if 0 < length <= size - 8 else None
+        except ValueError:
+            entries = None
+    if not entries:
+        raise HfScaleCheckpointError(f"cannot read shard {path.name}: not a safetensors file (or truncated).")
+    entries.pop("__metadata__", None)
+    needed = 8 + length + max((e["data_offsets"][1] for e in entries.values()), default=0)
+    if size < needed:
+        raise HfScaleCheckpointError(
+            f"cannot read shard {path.name}: truncated ({size} bytes, its header needs {needed})."
+        )
+    return 8 + length, entries

@@ -35,10 +35,10 @@ from torch.distributed.tensor import DTensor
 from ..api import get_state
 from ..errors import HfScaleCheckpointError
 from ..ranks import gather, rank_world, run_together, share_from_rank0
-from .adapters import adapter_save_plan, is_adapter_model, load_adapter, write_adapter_folder
+from .adapters import adapter_save_plan, is_adapter_model, write_adapter_folder
 from .dcp_boxes import checkpointable
 from .files import atomic_write_text, staged_folder
-from .load import load_owned_slices, weight_map_of
+from .load import load_adapter, load_owned_slices, weight_map_of
 from .safetensors_io import plan_save, write_model_folder
 from .stages import borrow_tied_state, pipelined, tie_aliases, union_param_groups
 

@@ -20,12 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint.load import _read_header
+from ..checkpoint.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from ..checkpoint.shard_layout import read_header
 from ..errors import HfScaleCheckpointError
-from ..zoo import HUB_IDS
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # peft's task_type -> the head suffix of card.HEADS (which gives the pipeline tag and Auto class)
 TASK_HEADS = {
     "CAUSAL_LM": "ForCausalLM",
@@ -64,14 +62,13 @@ def check_adapter(folder: Path) -> None:
         hint = (" It holds adapter_model.bin (pickle): save with PeftModel.save_pretrained(folder, "
                 "safe_serialization=True)." if pickle else "")
         raise HfScaleCheckpointError(f"{folder} has {ADAPTER_CONFIG} but no {ADAPTER_WEIGHTS}.{hint}")
-    _read_header(weights)  # a truncated or foreign file is an error here, not on the Hub
+    read_header(weights)  # a truncated or foreign file is an error here, not on the Hub
 
 
 def base_model_of(config: dict[str, Any]) -> str | None:
-    """The base model the adapter was trained on (``base_model_name_or_path``; a ``zoo:`` name
-    becomes the Hub id it ships, as for full-model cards; a local path is kept as it is)."""
-    base = config.get("base_model_name_or_path") or None
-    return HUB_IDS.get(base, base) if base else None
+    """The base model the adapter was trained on (``base_model_name_or_path``, as it is: the
+    fine-tuning job writes the Hub id of a ``zoo:`` model there; a local path is kept)."""
+    return config.get("base_model_name_or_path") or None
 
 
 def head_names(config: dict[str, Any]) -> list[str]:

@@ -7,8 +7,8 @@ gradient of its input still flows through it). It is kept in the dtype it is sto
 LoRA base is usually loaded in bf16), where the trainable parameters' master copy is fp32.
 
 A peft ``PeftModel`` wraps the transformers model that hf_scale parallelizes
-(``peft_model.base_model.model``, adapters injected in place); the planner reads that one
-(found by peft's own ``get_base_model``: no import of peft). A real (not meta) model with
+(``peft_model.base_model.model``, adapters injected in place); the planner reads that one,
+found as the engine finds it (:func:`hf_scale.model_plans.adapters.adapter_host`). A real (not meta) model with
 frozen parameters is copied to the meta device as it is (:func:`meta_copy`): rebuilding it
 from its config, as a fully trainable one is, would lose its adapters and its frozen flags.
 
@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..model_plans.adapters import adapter_host
+
 
 @dataclass(frozen=True)
 class Frozen:
@@ -46,13 +48,8 @@ class Frozen:
 
 def adapter_target(model: nn.Module) -> nn.Module:
     """The module hf_scale parallelizes: a ``PeftModel``'s transformers model (adapters injected
-    in place), or ``model`` itself."""
-    get_base = getattr(model, "get_base_model", None)
-    if hasattr(model, "peft_config") and callable(get_base):
-        inner = get_base()
-        if isinstance(inner, nn.Module) and inner is not model:
-            return inner
-    return model
+    in place), or ``model`` itself (the engine's own rule, :func:`adapter_host`)."""
+    return adapter_host(model)
 
 
 def has_frozen(model: nn.Module) -> bool:

@@ -42,7 +42,7 @@ from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
-from .model import load_config, load_model, load_tokenizer
+from .model import load_config, load_model, load_tokenizer, meta_model
 
 
 def run(job: JobConfig) -> dict:
@@ -116,7 +116,8 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     def job_accepts(layout, parallel) -> bool:  # e.g. pp microbatches must divide eval_batch_size too
         return job.refuses(parallel) is None
 
-    parallel = resolve_auto(lambda: load_config(job.model), job.parallel, seq=job.data.max_seq_len,
+    source = (lambda: meta_model(job.model, job.peft)) if job.peft.enabled else (lambda: load_config(job.model))
+    parallel = resolve_auto(source, job.parallel, seq=job.data.max_seq_len,
                             batch=job.train.batch_size * job.train.grad_accum, micro_batch=job.train.batch_size,
                             keep=job_accepts)
     return dataclasses.replace(job, parallel=parallel)

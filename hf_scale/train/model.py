@@ -119,3 +119,15 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
     if pad_id is not None and getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = pad_id
     return parallelize(model, parallel)
+
+
+def meta_model(cfg: ModelConfig, adapter: AdapterConfig):
+    """The job's causal LM on the meta device, in ``model.dtype``, with its LoRA adapters (what
+    the planner sizes a LoRA run by: a frozen base and trainable adapters)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..checkpoint.adapters import attach_adapter
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(cfg), dtype=TORCH_DTYPES[cfg.dtype])
+    return attach_adapter(model, adapter.lora_config())[0]

@@ -126,3 +126,41 @@ def test_the_zoo_copy_is_the_gguf_model_and_tokenizer():
     assert tokenizer(text).input_ids == want(text).input_ids
     assert model.generation_config.eos_token_id == direct.generation_config.eos_token_id
     assert not hasattr(model.config, "quantization_config") and (converted_folder("zoo:smollm2") / "model.safetensors").is_file()
+
+
+def test_smollm2_lora_recipe_end_to_end(tmp_path):
+    """configs/quickstart-lora.yaml on the real SmolLM2 (a few steps): the run trains LoRA
+    adapters under fsdp, checkpoints and saves them in peft's format, peft loads the result on
+    the base model, and hf-scale export --merge turns it into a plain model that gives the same
+    logits."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.zoo import zoo_source
+    from tests.harness import ROOT, run_cli
+
+    out = tmp_path / "lora"
+    run_cli("finetune", str(ROOT / "configs" / "quickstart-lora.yaml"), "--train.output_dir", str(out),
+            "--train.max_steps", "3", "--train.batch_size", "4", "--data.max_eval_samples", "16",
+            "--train.eval_batch_size", "8", "--train.sample_generations", "0", "--train.progress", "false",
+            "--checkpoint.every_steps", "2", timeout=900)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["final_loss"] is not None
+    folder = out / "model"
+    assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and config["r"] == 16
+    assert (out / "checkpoints" / "step_00000002" / "model" / "adapter_model.safetensors").is_file()
+    base = zoo_source("zoo:smollm2")[0]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder))
+    trained = [n for n, p in peft_model.named_parameters() if "lora_B" in n and p.abs().sum() > 0]
+    assert trained, "every lora_B is still zero: the adapters did not train"
+    merged_dir = tmp_path / "merged"
+    run_cli("export", "--merge", str(folder), str(merged_dir), timeout=600)
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    ids = torch.tensor([[1, 422, 2000, 30, 9]])
+    with torch.no_grad():
+        want, got = peft_model(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), float((got - want).abs().max())
