@@ -148,7 +148,12 @@ def _write_adapter_metadata(model: nn.Module, folder: Path, plan, digests: dict,
     base = getattr(getattr(model, "config", None), "name_or_path", None)
     if base and not config.base_model_name_or_path:
         config.base_model_name_or_path = base
-    config.save_pretrained(folder)
+    training = config.inference_mode
+    config.inference_mode = True  # as peft's own save writes it (loading for training sets it back)
+    try:
+        config.save_pretrained(folder)
+    finally:
+        config.inference_mode = training
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     write_checksums(folder, plan.files, digests)

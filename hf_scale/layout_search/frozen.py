@@ -71,8 +71,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def count_frozen(model: nn.Module, units: list[nn.Module]) -> Frozen:
-    """Frozen parameters per block (``units``, the plan's blocks), outside them, and their bytes."""
+def block_counts(units: list[nn.Module], frozen_only: bool = False) -> tuple[list[int], set[int]]:
+    """Parameters per block (a parameter shared by two blocks counted in the first; only the
+    frozen ones with ``frozen_only``), and the ids of every block parameter."""
     seen: set[int] = set()
     blocks = []
     for unit in units:
@@ -80,8 +81,14 @@ def count_frozen(model: nn.Module, units: list[nn.Module]) -> Frozen:
         for p in unit.parameters():
             if id(p) not in seen:
                 seen.add(id(p))
-                count += 0 if p.requires_grad else p.numel()
+                count += 0 if frozen_only and p.requires_grad else p.numel()
         blocks.append(count)
+    return blocks, seen
+
+
+def count_frozen(model: nn.Module, units: list[nn.Module]) -> Frozen:
+    """Frozen parameters per block (``units``, the plan's blocks), outside them, and their bytes."""
+    blocks, seen = block_counts(units, frozen_only=True)
     unique = {id(p): p for p in model.parameters()}.values()
     frozen = [p for p in unique if not p.requires_grad]
     root = sum(p.numel() for p in frozen if id(p) not in seen)

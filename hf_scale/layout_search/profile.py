@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import HfScalePlanError
 from ..layout_preview import meta_model
 from ..model_plans import resolve_plan, wrap_units
-from .frozen import Frozen, adapter_target, count_frozen, has_frozen, meta_copy
+from .frozen import Frozen, adapter_target, block_counts, count_frozen, has_frozen, meta_copy
 
 _aten = torch.ops.aten
 # The outputs selective checkpointing keeps (hf_scale.parallel.activation._SAVE_OPS).
@@ -170,15 +170,7 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
             f"{type(model).__name__} has no repeated blocks (plan.wrap_modules finds none): the planner "
             "estimates per block. Give plan={'wrap_modules': [...]} or register_plan()."
         )
-    seen: set[int] = set()
-    blocks = []
-    for unit in units:
-        count = 0
-        for p in unit.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                count += p.numel()
-        blocks.append(count)
+    blocks, _ = block_counts(units)
     total = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None

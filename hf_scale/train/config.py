@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -218,6 +219,9 @@ class AdapterConfig:
                 f"peft.adapter={self.adapter!r} and peft.r={self.r}: an existing adapter brings its own r, "
                 "alpha and target_modules; set one of the two."
             )
+        if self.enabled and importlib.util.find_spec("peft") is None:
+            raise HfScaleConfigError("the peft section trains LoRA adapters with the peft package, which is not "
+                                     "installed: pip install 'hf-scale[peft]' (or pip install peft).")
         if not self.enabled and (self.alpha is not None or self.modules_to_save):
             raise HfScaleConfigError("peft.alpha / peft.modules_to_save are set but peft.r is not: set peft.r "
                                      "(e.g. 16) to train LoRA adapters.")
