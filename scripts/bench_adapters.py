@@ -5,7 +5,12 @@ Run (one machine, 2 CPU cores; the script launches every leg itself, 2 ranks eac
 
     python scripts/bench_adapters.py                       # 1 warm-up + 4 measured steps a leg
     python scripts/bench_adapters.py --legs "TRL lora,hf_scale lora ddp" --steps 10
-    python scripts/bench_adapters.py --write docs/benchmarks.md    # and into its doc section
+    python scripts/bench_adapters.py --rounds 2            # A B A B: a machine others use too
+    python scripts/bench_adapters.py --env MALLOC_MMAP_THRESHOLD_=65536   # RSS nearer live memory
+    python scripts/bench_adapters.py --write docs/benchmarks.md    # into its section (markers
+                                                                   # <!-- bench:adapters:start/end -->)
+
+The four default legs take ~5 min on 2 quiet cores (a LoRA step ~6-9 s, a full one ~14 s).
 
 Every leg trains the real SmolLM2-135M-Instruct (fp32, ``hf_scale.zoo.load_smollm2``) on the
 quickstart recipe's data (``configs/quickstart.yaml``: generated arithmetic, chat template, loss
@@ -30,24 +35,36 @@ Legs:
   pre-tokenized dataset (``skip_prepare_dataset``, so the rows are hf_scale's; a sequential
   sampler over the rows reordered as ``bench_finetune.py`` does), fp32 (``bf16=False``), no
   gradient checkpointing (TRL's default is on; hf_scale's quickstart runs without), its default
-  fused AdamW and fused LM head (log-probs of the labeled positions in chunks, no full logits).
+  fused AdamW and fused LM head (log-probs in chunks, no full logits; off Triton devices it
+  scores every position, with the entropy and top-1 its metrics log).
   Loss per step: Trainer's logged loss with ``logging_steps=1`` (the mean over ranks of each
   rank's loss scaled by the ranks, i.e. the mean over all label tokens of the global batch).
 * **hf_scale lora ddp** / **hf_scale lora fsdp**: the PeftModel through
   ``hf_scale.parallelize(model, {"strategy": ..., "loss_labeled_only": True})`` (the
-  quickstart's loss setting), ``hf_scale.build_optimizer``, and the steps of ``hf-scale
+  quickstart's loss setting; where parallelize refuses it for a PeftModel, as at 52c863f, the
+  leg runs with the full logits and its line says so), ``hf_scale.build_optimizer``, and the
+  steps of ``hf-scale
   finetune``'s loop with the library API: ``hf_scale.train_step`` with each rank's loss scaled
   by its share of the global label tokens, ``hf_scale.clip_grad_norm_``, the optimizer, the
   schedule (the CLI's ``peft:`` section is not there yet).
 * **hf_scale full fsdp**: the same without LoRA (every parameter trained), under fsdp.
+* **hf_scale lora ddp base-loss** / **hf_scale lora fsdp base-loss** (not run by default): the
+  labeled-only loss put by this script on the PeftModel's base model before ``parallelize``
+  (``hf_scale.parallel.loss.apply_chunked_loss``): what the LoRA legs give once parallelize
+  accepts ``loss_labeled_only`` for a PeftModel.
 
 Measured the same way on every leg, over the measured steps (the first ``--warmup`` skipped):
 
-* tokens/s: non-padding tokens of all ranks over the measured steps / their wall time (rank 0,
-  from one step's end to the next: data, forward, backward, reduction, optimizer, logging);
-* peak RSS: ``ru_maxrss`` of each rank at the end (loading included), the largest rank; and
-  the RSS of the largest rank just before step 1 (model, adapter, optimizer built), to tell
-  loading from training;
+* tokens/s: the median over the measured steps of (non-padding tokens of all ranks / the step's
+  wall time on rank 0, from one step's end to the next: data, forward, backward, reduction,
+  optimizer, logging); and tokens per CPU-second (the same tokens over the CPU time of all
+  ranks' processes in those steps), which depends less on what else the machine runs; and how
+  busy the machine's other processes kept its CPUs meanwhile (cores, the largest round);
+* peak RSS: ``ru_maxrss`` of each rank at the end (loading included), the largest rank, and the
+  step it was reached in; and the RSS of the largest rank just before step 1 (model, adapter,
+  optimizer built), to tell loading from training. With glibc's default (dynamic) mmap
+  threshold, freed activations stay in the heap: the peak counts ~1 GiB more than the live
+  tensors on every leg here (``--env MALLOC_MMAP_THRESHOLD_=65536`` to see live memory);
 * loss per step, and its largest absolute difference from TRL's;
 * evidence of what a step moves: trainable parameters, optimizer state elements, frozen
   parameters left holding a ``.grad``, and bytes all-reduced per step by DDP (a counting
@@ -66,6 +83,7 @@ import hashlib
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -74,6 +92,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
     add_write_arg,
+    busy_cpu_seconds,
     check_doc,
     failure_reason,
     launch_ranks,
@@ -158,6 +177,14 @@ def _model_facts(model, optimizer) -> dict:
             "frozen_with_grad": sum(1 for p in params if not p.requires_grad and p.grad is not None)}
 
 
+def _mark(record: dict) -> None:
+    """A step's end (or the first one's start): wall time, this process's CPU time, peak RSS."""
+    record["step_end"].append(time.perf_counter())
+    record["cpu"].append(time.process_time())
+    record["max_rss"].append(_max_rss_bytes())
+    record.setdefault("busy", []).append(busy_cpu_seconds())
+
+
 def _write(out: str, name: str, rank: int, record: dict) -> None:
     (Path(out) / f"{name}.rank{rank}.json").write_text(json.dumps({"status": "ok", **record}))
 
@@ -201,8 +228,9 @@ def hf_scale_worker(args) -> None:
     note = f"strategy {args.strategy}; {loss_note}; {torch.get_num_threads()} torch thread(s)"
     record = {"rank": rank, "ran_as": ran_as(model, note)[0],
               "rss_setup": _rss_bytes(), "max_rss_setup": _max_rss_bytes(),
-              "step_end": [], "tokens": [], "digests": [], "loss": [], "allreduce_bytes": []}
-    record["step_end"].append(time.perf_counter())  # the start of step 1
+              "step_end": [], "cpu": [], "max_rss": [], "tokens": [], "digests": [], "loss": [],
+              "allreduce_bytes": []}
+    _mark(record)  # the start of step 1
     for _ in range(total):
         batch = next(stream)
         record["digests"].append(_digest(batch))
@@ -222,7 +250,7 @@ def hf_scale_worker(args) -> None:
         dp.all_reduce(loss_sum)
         record["loss"].append(float(loss_sum))
         record["tokens"].append(int(batch["attention_mask"].sum()))
-        record["step_end"].append(time.perf_counter())
+        _mark(record)
         if counter is not None:
             record["allreduce_bytes"].append(counter.bytes)
             counter.bytes = 0
@@ -291,8 +319,8 @@ def trl_worker(args) -> None:
     for position in range(total * t.grad_accum):
         epoch, batch = divmod(position, len(shards[0]))
         order += [i for s in shards for i in s.indices(epoch, batch)]
-    record = {"rank": rank, "step_end": [], "tokens": [], "digests": [], "loss": [],
-              "allreduce_bytes": []}
+    record = {"rank": rank, "step_end": [], "cpu": [], "max_rss": [], "tokens": [], "digests": [],
+              "loss": [], "allreduce_bytes": []}
     counter = AllReduceCounter()
 
     class CountedIterator:
@@ -318,10 +346,10 @@ def trl_worker(args) -> None:
             if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
                 wrapped.register_comm_hook(counter, counting_allreduce)
             record.update(rss_setup=_rss_bytes(), max_rss_setup=_max_rss_bytes(), ran_as=describe())
-            record["step_end"].append(time.perf_counter())
+            _mark(record)
 
         def on_step_end(self, *a, **kw):
-            record["step_end"].append(time.perf_counter())
+            _mark(record)
             record["allreduce_bytes"].append(counter.bytes)
             counter.bytes = 0
 
@@ -390,6 +418,7 @@ def run_leg(args, out: Path, name: str, round_: int = 0) -> dict:
                    "--steps", str(args.steps), "--warmup", str(args.warmup))
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.update(item.split("=", 1) for item in args.env)
     ranks, error = launch_ranks(cmd, out, tag, WORLD, args.timeout, env=env)
     if error and "ChildFailedError" in error:  # torchrun's last words: find the rank's own error
         log = (out / f"{tag}.log").read_text(errors="replace").splitlines()
@@ -400,8 +429,12 @@ def run_leg(args, out: Path, name: str, round_: int = 0) -> dict:
     r0, w = ranks[0], args.warmup
     tokens = [sum(step) for step in zip(*(r["tokens"] for r in ranks))]
     step_s = [b - a for a, b in zip(r0["step_end"], r0["step_end"][1:])]
-    return {"status": "ok", "tok_s": sum(tokens[w:]) / sum(step_s[w:]), "step_s": step_s[w:],
-            "measured": (sum(tokens[w:]), sum(step_s[w:])), "rounds": 1,
+    cpu_s = sum(r["cpu"][-1] - r["cpu"][w] for r in ranks)  # the measured steps, all ranks
+    wall, busy = r0["step_end"][-1] - r0["step_end"][w], r0["busy"][-1] - r0["busy"][w]
+    rates = [n / s for n, s in zip(tokens[w:], step_s[w:])]
+    return {"status": "ok", "tok_s": statistics.median(rates), "rates": rates, "step_s": step_s[w:],
+            "cpu": (sum(tokens[w:]), cpu_s), "rounds": 1, "others": [(busy - cpu_s) / wall],
+            "peak_step": 1 + next(i for i, m in enumerate(r0["max_rss"][1:]) if m == r0["max_rss"][-1]),
             "tokens": tokens, "loss": r0["loss"], "digests": [r["digests"] for r in ranks],
             "peak": max(r["max_rss_end"] for r in ranks) / 2**30,
             "setup": max(r["rss_setup"] for r in ranks) / 2**30,
@@ -411,13 +444,16 @@ def run_leg(args, out: Path, name: str, round_: int = 0) -> dict:
 
 
 def merge(rounds: list[dict]) -> dict:
-    """One leg's rounds as one: tokens/s over every measured step of every round, the largest
+    """One leg's rounds as one: the median tokens/s over every measured step of every round, the largest
     peak RSS, the last round's losses (each round trains the same steps)."""
     ok = [r for r in rounds if r["status"] == "ok"]
     if not ok:
         return rounds[-1]
-    tokens, seconds = (sum(r["measured"][i] for r in ok) for i in (0, 1))
-    return {**ok[-1], "tok_s": tokens / seconds, "step_s": [x for r in ok for x in r["step_s"]],
+    rates = [x for r in ok for x in r["rates"]]
+    cpu = tuple(sum(r["cpu"][i] for r in ok) for i in (0, 1))
+    return {**ok[-1], "tok_s": statistics.median(rates), "rates": rates, "cpu": cpu,
+            "others": [x for r in ok for x in r["others"]],
+            "step_s": [x for r in ok for x in r["step_s"]],
             "peak": max(r["peak"] for r in ok), "setup": max(r["setup"] for r in ok), "rounds": len(ok),
             "same_loss_every_round": all(r["loss"] == ok[0]["loss"] for r in ok)}
 
@@ -428,7 +464,8 @@ def report(legs: dict, args) -> tuple[str, str, str]:
     ok = {name: leg for name, leg in legs.items() if leg["status"] == "ok"}
     anchor, full = legs.get(ANCHOR, none), legs.get(FULL, none)
     header = ["leg", "tok/s vs TRL", "peak RSS vs TRL", "tok/s vs full fsdp", "peak RSS vs full fsdp",
-              "tokens/s", "median step (s)", "peak RSS (GiB)", "RSS before step 1 (GiB)",
+              "tokens/s", "tokens per CPU-second", "median step (s)", "peak RSS (GiB; reached in)",
+              "RSS before step 1 (GiB)", "other processes' CPU (cores)",
               "max loss diff vs TRL", "trainable params", "optimizer state (elements)",
               "all-reduced per step (MB)"]
     rows = []
@@ -444,8 +481,10 @@ def report(legs: dict, args) -> tuple[str, str, str]:
         sent = f"{sum(leg['allreduce']) / len(leg['allreduce']) / 1e6:.1f}" if any(leg["allreduce"]) else "-"
         steps = sorted(leg["step_s"])
         rows.append([name, ratio(anchor, "tok_s"), ratio(anchor, "peak"), ratio(full, "tok_s"),
-                     ratio(full, "peak"), f"{leg['tok_s']:.1f}", f"{steps[len(steps) // 2]:.2f}",
-                     f"{leg['peak']:.2f}", f"{leg['setup']:.2f}", _loss_diff(leg, anchor),
+                     ratio(full, "peak"), f"{leg['tok_s']:.1f}", f"{leg['cpu'][0] / leg['cpu'][1]:.1f}",
+                     f"{statistics.median(steps):.2f}",
+                     f"{leg['peak']:.2f} (step {leg['peak_step']})", f"{leg['setup']:.2f}",
+                     f"{max(leg['others']):.2f}", _loss_diff(leg, anchor),
                      f"{facts.get('trainable', 0) / 1e6:.2f}M of {facts.get('total', 0) / 1e6:.1f}M",
                      f"{facts.get('optimizer_state', 0) / 1e6:.2f}M", sent])
     ran = "\n".join(f"  {name}: {leg['cmd']}\n    {leg['ran_as']}" for name, leg in ok.items())
@@ -467,13 +506,19 @@ def _loss_diff(leg: dict, anchor: dict) -> str:
     return f"{max(abs(a - b) for a, b in zip(leg['loss'], anchor['loss'])):.1e}"
 
 
+def _per_cpu(leg: dict, base: dict) -> str:
+    a, b = (x["cpu"][0] / x["cpu"][1] for x in (leg, base))
+    return f"{a:.1f} vs {b:.1f} = {a / b:.2f}x"
+
+
 def _verdicts(legs: dict, none: dict) -> list[str]:
     lines = []
     lora, anchor = legs.get(LORA_VS_TRL, none), legs.get(ANCHOR, none)
     if lora["status"] == "ok" and anchor["status"] == "ok":
         r = lora["tok_s"] / anchor["tok_s"]
         lines.append(f"{'PASS' if r >= 1.2 else 'FAIL'}: hf_scale LoRA (ddp) tokens/s >= 1.2x TRL SFTTrainer "
-                     f"+ peft ({lora['tok_s']:.1f} vs {anchor['tok_s']:.1f} = {r:.2f}x)")
+                     f"+ peft ({lora['tok_s']:.1f} vs {anchor['tok_s']:.1f} = {r:.2f}x; per CPU-second "
+                     f"{_per_cpu(lora, anchor)})")
         r = lora["peak"] / anchor["peak"]
         lines.append(f"{'PASS' if r <= 1.0 else 'FAIL'}: hf_scale LoRA (ddp) peak RSS <= 1.0x TRL's "
                      f"({lora['peak']:.2f} vs {anchor['peak']:.2f} GiB = {r:.2f}x)")
@@ -490,7 +535,8 @@ def _verdicts(legs: dict, none: dict) -> list[str]:
                      f"fine-tune (fsdp) ({lora['peak']:.2f} vs {full['peak']:.2f} GiB = {r:.2f}x)")
         r = lora["tok_s"] / full["tok_s"]
         lines.append(f"{'PASS' if r >= 1.3 else 'FAIL'}: hf_scale LoRA (fsdp) tokens/s >= 1.3x hf_scale full "
-                     f"fine-tune (fsdp) ({lora['tok_s']:.1f} vs {full['tok_s']:.1f} = {r:.2f}x)")
+                     f"fine-tune (fsdp) ({lora['tok_s']:.1f} vs {full['tok_s']:.1f} = {r:.2f}x; per CPU-second "
+                     f"{_per_cpu(lora, full)})")
     else:
         lines.append(f"n/a: hf_scale LoRA vs full fine-tune ({LORA_VS_FULL} {lora['status']}, {FULL} {full['status']})")
     return lines
@@ -505,6 +551,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the legs this many times, in turn (A B A B: a machine whose speed drifts)")
     parser.add_argument("--out", help="folder for logs and results (default: a temp dir)")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in every leg's environment, e.g. MALLOC_MMAP_THRESHOLD_=65536 (glibc "
+                        "then returns freed activations to the system: RSS closer to live memory)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per leg")
     add_write_arg(parser, "adapters")
     parser.add_argument("--worker", choices=["trl", "hf_scale"], help=argparse.SUPPRESS)
@@ -517,8 +566,10 @@ def main() -> None:
         return (trl_worker if args.worker == "trl" else hf_scale_worker)(args)
     check_doc(args)
     names = [n.strip() for n in args.legs.split(",") if n.strip()]
-    if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or set(names) - set(LEGS):
-        parser.error(f"--steps, --warmup and --rounds must be >= 1, --legs among {', '.join(LEGS)}")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1 or set(names) - set(LEGS) or any(
+            "=" not in item for item in args.env):
+        parser.error(f"--steps, --warmup and --rounds must be >= 1, --legs among {', '.join(LEGS)}, "
+                     "--env KEY=VALUE")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_adapters_"))
     out.mkdir(parents=True, exist_ok=True)
     import peft
@@ -533,7 +584,8 @@ def main() -> None:
           f"logs in {out}", flush=True)
     title = (f"SmolLM2-135M-Instruct fp32, {configs_note()}; LoRA r={LORA['r']} alpha {LORA['lora_alpha']} "
              f"dropout {LORA['lora_dropout']} on {LORA['target_modules']}; {args.warmup} warm-up + "
-             f"{args.steps} measured steps per leg, {args.rounds} round(s); {versions}; hf_scale at {revision()}")
+             f"{args.steps} measured steps per leg, {args.rounds} round(s)"
+             + "".join(f"; {item}" for item in args.env) + f"; {versions}; hf_scale at {revision()}")
     start = time.perf_counter()
     if any("lora" in n for n in names):
         make_adapter(out / "init_adapter")
@@ -543,7 +595,8 @@ def main() -> None:
             load, began = os.getloadavg()[0], time.perf_counter()
             row = run_leg(args, out, name, i)
             runs[name].append(row)
-            shown = f"{row['tok_s']:.1f} tok/s" if row["status"] == "ok" else row["status"]
+            shown = (f"{row['tok_s']:.1f} tok/s, {row['cpu'][0] / row['cpu'][1]:.1f} per CPU-s, other "
+                     f"processes busy {row['others'][0]:.2f} cores" if row["status"] == "ok" else row["status"])
             print(f"  round {i} {name}: {shown} ({time.perf_counter() - began:.0f} s; load average "
                   f"{load:.2f} before, {os.getloadavg()[0]:.2f} after)", flush=True)
     legs = {name: merge(rows) for name, rows in runs.items()}
