@@ -50,9 +50,12 @@ wheel-check:
 	$(WHEEL_RUN) HF_SCALE_WHEEL_CHECK=1 ../venv/bin/python -m pytest -q -p no:cacheprovider test_installed_package.py
 
 bench: $(STAMP)
+	# the anchors' packages (TRL), kept out of make install: CI and the tests do not need them
+	$(PY) -m pip install --quiet -e '.[gguf,test,bench]'
 	$(PY) scripts/bench_parallelize.py
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_finetune.py
+	$(PY) scripts/bench_adapters.py
 	$(PY) scripts/bench_step_parts.py
 	$(PY) scripts/bench_tensor_parallel.py
 	$(PY) scripts/bench_pipeline.py
