@@ -41,17 +41,19 @@ Legs:
   rank's loss scaled by the ranks, i.e. the mean over all label tokens of the global batch).
 * **hf_scale lora ddp** / **hf_scale lora fsdp**: the PeftModel through
   ``hf_scale.parallelize(model, {"strategy": ..., "loss_labeled_only": True})`` (the
-  quickstart's loss setting; where parallelize refuses it for a PeftModel, as at 52c863f, the
-  leg runs with the full logits and its line says so), ``hf_scale.build_optimizer``, and the
-  steps of ``hf-scale
+  quickstart's loss setting, applied to the transformers model inside the PeftModel; where
+  parallelize refuses it, as before the adapter work (52c863f), the leg runs with the full
+  logits and its line says so), ``hf_scale.build_optimizer``, and the steps of ``hf-scale
   finetune``'s loop with the library API: ``hf_scale.train_step`` with each rank's loss scaled
   by its share of the global label tokens, ``hf_scale.clip_grad_norm_``, the optimizer, the
-  schedule (the CLI's ``peft:`` section is not there yet).
+  schedule (``--recipes`` runs the CLI itself, ``configs/quickstart-lora.yaml``).
 * **hf_scale full fsdp**: the same without LoRA (every parameter trained), under fsdp.
 * **hf_scale lora ddp base-loss** / **hf_scale lora fsdp base-loss** (not run by default): the
   labeled-only loss put by this script on the PeftModel's base model before ``parallelize``
-  (``hf_scale.parallel.loss.apply_chunked_loss``): what the LoRA legs give once parallelize
-  accepts ``loss_labeled_only`` for a PeftModel.
+  (``hf_scale.parallel.loss.apply_chunked_loss``), as the LoRA legs had to be measured before
+  parallelize saw through the PeftModel; now the same as those legs.
+* ``--recipes``: both quickstart recipes end to end with ``hf-scale finetune`` (LoRA and full),
+  held-out exact match before and after training.
 
 Measured the same way on every leg, over the measured steps (the first ``--warmup`` skipped):
 
@@ -73,7 +75,8 @@ Measured the same way on every leg, over the measured steps (the first ``--warmu
 Targets (issue "PEFT adapters (LoRA) under every layout"): hf_scale LoRA (ddp, the layout TRL
 runs) tokens/s >= 1.2x TRL's, peak RSS <= 1.0x TRL's, the same loss at every step (within
 1e-4); hf_scale LoRA under fsdp against hf_scale's full fine-tune under fsdp: peak RSS <= 0.6x,
-tokens/s >= 1.3x.
+tokens/s >= 1.3x; ``hf-scale finetune configs/quickstart-lora.yaml`` improves held-out exact match
+over the base model (``--recipes``, beside the full fine-tune's figures).
 """
 
 from __future__ import annotations
@@ -555,6 +558,9 @@ def main() -> None:
                         help="set in every leg's environment, e.g. MALLOC_MMAP_THRESHOLD_=65536 (glibc "
                         "then returns freed activations to the system: RSS closer to live memory)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per leg")
+    parser.add_argument("--recipes", action="store_true",
+                        help="also run both quickstart recipes (LoRA and full) end to end: held-out exact "
+                        "match before and after (~12 min)")
     add_write_arg(parser, "adapters")
     parser.add_argument("--worker", choices=["trl", "hf_scale"], help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
@@ -601,10 +607,50 @@ def main() -> None:
                   f"{load:.2f} before, {os.getloadavg()[0]:.2f} after)", flush=True)
     legs = {name: merge(rows) for name, rows in runs.items()}
     ran, table, verdicts = report(legs, args)
-    print(f"\n{title}\n\nwhat each leg ran:\n{ran}\n\n{table}\n\n{verdicts}")
+    recipes = ""
+    if args.recipes:
+        recipe_table, recipe_lines = run_recipes(out, args.timeout)
+        verdicts = "\n".join([*recipe_lines, verdicts])
+        recipes = f"\n\nThe quickstart recipes end to end (200 held-out questions):\n\n{recipe_table}"
+    print(f"\n{title}\n\nwhat each leg ran:\n{ran}\n\n{table}{recipes}\n\n{verdicts}")
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
-    write_doc(args, f"{title}.\n\nWhat each leg ran:\n\n```\n{ran}\n```\n\n{table}\n\n```\n{verdicts}\n```",
+    write_doc(args, f"{title}.\n\nWhat each leg ran:\n\n```\n{ran}\n```\n\n{table}{recipes}\n\n```\n{verdicts}\n```",
               "Tokens/s depend on what else the machine runs (load average in this line); losses do not.")
+
+
+RECIPES = {"LoRA (configs/quickstart-lora.yaml)": "quickstart-lora.yaml",
+           "full fine-tune (configs/quickstart.yaml)": "quickstart.yaml"}
+
+
+def run_recipes(out: Path, timeout: int) -> tuple[str, list[str]]:
+    """Both quickstart recipes end to end with ``hf-scale finetune`` (as shipped: every step,
+    evaluation before and after): held-out exact match before/after, train time, the table
+    and the verdict that LoRA improves on the base model."""
+    import subprocess
+
+    rows, summaries = [], {}
+    for name, recipe in RECIPES.items():
+        folder = out / recipe.removesuffix(".yaml")
+        cmd = [sys.executable, "-m", "hf_scale.cli", "finetune", str(ROOT / "configs" / recipe),
+               "--train.output_dir", str(folder), "--train.progress", "false", "--train.sample_generations", "0"]
+        began = time.perf_counter()
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        (out / f"{folder.name}.log").write_text(run.stdout + run.stderr)
+        if run.returncode != 0:
+            rows.append([name, f"failed ({failure_reason(run.stdout + run.stderr, run.returncode)})"])
+            continue
+        summary = summaries[name] = json.loads((folder / "summary.json").read_text())
+        rows.append([name, f"{summary['before']['eval_exact_match']:.3f}", f"{summary['after']['eval_exact_match']:.3f}",
+                     f"{summary['train_time_s']:.0f}", f"{time.perf_counter() - began:.0f}",
+                     " ".join(cmd[2:]).replace(str(ROOT) + "/", "")])
+    table = markdown_table(["recipe", "exact match before", "exact match after", "train time (s)", "wall (s)",
+                            "command"], rows)
+    lora = summaries.get(next(iter(RECIPES)))
+    if lora is None:
+        return table, ["n/a: the LoRA recipe did not finish"]
+    before, after = lora["before"]["eval_exact_match"], lora["after"]["eval_exact_match"]
+    return table, [f"{'PASS' if after > before else 'FAIL'}: hf-scale finetune configs/quickstart-lora.yaml "
+                   f"improves held-out exact match over the base model ({before:.3f} -> {after:.3f})"]
 
 
 def configs_note() -> str:

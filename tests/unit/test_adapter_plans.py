@@ -82,3 +82,21 @@ def test_peft_section_bad_input(tmp_path, peft, extra, message):
     path.write_text(f"model:\n  name_or_path: zoo:smollm2\n{model_extra}{body}peft:\n{peft}")
     with pytest.raises(HfScaleConfigError, match=message):
         load_job(str(path))
+
+
+def test_injected_adapters_without_the_wrapper():
+    """inject_adapter_in_model gives the transformers model itself with LoRA layers: the same
+    plan and styles, and parallelize (one process) keeps it a plain model that trains only them."""
+    from peft import inject_adapter_in_model
+
+    model = inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "down_proj"]),
+                                    tiny_model("llama", "causal"))
+    assert adapter_host(model) is model and has_adapters(model)
+    styles = tp_layout(model, hf_scale.resolve_plan(model), 2).styles
+    assert styles["model.layers.1.self_attn.q_proj.lora_B.default"] == "colwise"
+    assert styles["model.layers.1.mlp.down_proj.lora_A.default"] == "rowwise"
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    model = hf_scale.parallelize(model)
+    optimizer = hf_scale.build_optimizer(model, lr=1e-3)
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == 8  # 2 layers x 2 targets x (A, B)
