@@ -116,15 +116,27 @@ def _state_nbytes(state: dict[str, Any], sharded_plain: bool, stages: int = 1) -
 
 def _dcp_save(state: dict[str, Any], folder: Path) -> None:
     """``dcp.save`` (collective; it raises on every rank when one fails), a full disk on any
-    rank raised as ``OSError(ENOSPC)``, which :func:`staged_folder` reports clearly."""
+    rank raised as ``OSError(ENOSPC)``, which :func:`staged_folder` reports clearly. A disk that
+    fills inside ``torch.save`` (DCP writes non-tensor items, such as the param groups, with it)
+    surfaces as its zip writer's ``RuntimeError: ... unexpected pos`` (a short write): with the
+    disk full at that moment, that is the same ENOSPC."""
     try:
         dcp.save({"optimizer": state}, checkpoint_id=str(folder))
     except CheckpointException as e:
         for failure in e.failures.values():
             cause = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            short_write = isinstance(cause, RuntimeError) and "unexpected pos" in str(cause)
+            if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or (
+                    short_write and _disk_full(folder)):
                 raise OSError(errno.ENOSPC, f"optimizer state: {cause}") from None
         raise
+
+
+def _disk_full(folder: Path) -> bool:
+    """Less than 64 KiB left where ``folder`` lives, as the file system reports it now."""
+    probe = folder if folder.exists() else folder.parent
+    stat = os.statvfs(probe)
+    return stat.f_bavail * stat.f_frsize < 65536
 
 
 def load_state(
