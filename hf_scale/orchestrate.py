@@ -38,6 +38,7 @@ from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
 from .parallel_state import STATE_ATTR, ParallelState, get_state
+from .ranks import gather
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,6 +73,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     dtype = precision_dtype(config, env)
     topology = build_topology(model, resolved, config, env)
     topology = keep_own_stages(model, topology)
+    check_stages_train(model, topology)
     units = wrap_units(model, resolved)
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
     apply_loss(model, config, topology)
@@ -136,6 +138,22 @@ def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
     stages = topology.pp.stages_of(topology.dims.pp_rank(topology.mesh))
     prune_to_stages(model, topology.pp, stages)
     return dataclasses.replace(topology, stages=tuple(stages))
+
+
+def check_stages_train(model: nn.Module, topology: Topology) -> None:
+    """Collective under pipeline parallel: a stage whose weights are all frozen (LoRA targets
+    that miss its blocks) while others train would get no optimizer and no gradient sync on its
+    ranks only; refused on every rank, naming the stages."""
+    if topology.pp is None:
+        return
+    held = gather([(list(topology.stages), any(p.requires_grad for p in model.parameters()))])
+    idle = sorted({s for stages, trains in held if not trains for s in stages})
+    if idle and any(trains for _, trains in held):
+        raise HfScaleConfigError(
+            f"pipeline stage(s) {idle} hold no trainable parameter (every weight there is frozen, e.g. "
+            "LoRA target_modules or layers_to_transform that miss their blocks): give every stage "
+            "something to train, or move the cut with pp_split_points."
+        )
 
 
 def apply_loss(model: nn.Module, config: ParallelConfig, topology: Topology) -> None:

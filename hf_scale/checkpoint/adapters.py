@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import HfScaleCheckpointError, HfScaleConfigError
-from ..model_plans.adapters import adapter_host
+from ..model_plans.adapters import adapter_host, is_modules_to_save
 from ..ranks import run_together
 from .files import staged_folder
 from .safetensors_io import plan_save, reshard_all, write_checksums, write_tensor_files
@@ -102,9 +102,12 @@ def _host_prefix(model: nn.Module) -> str:
 
 
 def _adapter_only(host: nn.Module) -> set[str]:
-    """State keys of the adapter layers' own tensors (lora_A, lora_B, magnitudes, ...)."""
+    """State keys of the adapter layers' own tensors (lora_A, lora_B, magnitudes, ...); a
+    modules_to_save copy is not one of them (it starts as, and is read from, the base module)."""
     own = set()
     for name, module in host.named_modules():
+        if is_modules_to_save(module):
+            continue
         for attr in getattr(module, "adapter_layer_names", ()):
             part = getattr(module, attr, None)
             if isinstance(part, nn.Module):
@@ -126,12 +129,12 @@ def save_adapter(model: nn.Module, save_directory: str | os.PathLike, *, tokeniz
 def adapter_save_plan(model: nn.Module):
     """The save plan of ``model``'s active adapter: one file, named as peft names it."""
     reshard_all(model)
-    keys = adapter_keys(model)
-    if not keys:
-        raise HfScaleCheckpointError(f"{type(model).__name__} holds no adapter weights to save.")
+    keys = adapter_keys(model)  # under pp, a stage may hold none: checked on the whole plan
     state = adapter_host(model).state_dict()
     tensors = {name: state[key] for key, name in keys.items()}
-    plan = plan_save(model, 1 << 62, state=tensors)  # one file: what peft reads
+    plan = plan_save(model, 1 << 62, state=tensors)  # one file: what peft reads (identical on all ranks)
+    if not any(f.tensors for f in plan.files):
+        raise HfScaleCheckpointError(f"{type(model).__name__} holds no adapter weights to save.")
     plan.files[0].name = ADAPTER_WEIGHTS
     return plan
 
@@ -171,11 +174,12 @@ def adapter_weight_map(folder: Path) -> dict[str, Path]:
 
 
 def check_adapter_config(model: nn.Module, folder: Path) -> None:
-    """The folder's adapter was made with the model's LoRA settings (same rank and targets):
-    a mismatch is one clear error (shapes are checked again as the slices are read)."""
+    """The folder's adapter was made with the model's LoRA settings (type, rank, scaling: alpha
+    and rsLoRA, DoRA): a mismatch is one clear error, not an adapter silently scaled otherwise
+    (the targets are checked by key, shapes as the slices are read)."""
     saved = json.loads((folder / ADAPTER_CONFIG).read_text())
     mine = model.peft_config[active_adapter(model)]
-    for field in ("peft_type", "r"):
+    for field in ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora"):
         want = getattr(mine, field, None)
         want = getattr(want, "value", want)
         if field in saved and saved[field] != want:
@@ -216,6 +220,8 @@ def attach_adapter(model: nn.Module, adapter, *, seed: int = 0) -> tuple[nn.Modu
         config = adapter
     else:
         config = LoraConfig(**dict(adapter))
+    if folder is None:
+        _check_new_on_meta(config)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:  # peft's message names the targets; say what the model has
@@ -233,28 +239,62 @@ def _linear_names(model: nn.Module) -> list[str]:
     return sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
 
 
+def _check_new_on_meta(config) -> None:
+    """A new adapter is initialised while the base is still on the meta device (it is read after
+    the layout is applied): initialisations that read the base weights cannot run there."""
+    init = getattr(config, "init_lora_weights", True)
+    if getattr(config, "use_dora", False) or isinstance(init, str) or type(config).__name__ != "LoraConfig":
+        what = ("DoRA (its magnitudes are the base weights' norms)" if getattr(config, "use_dora", False)
+                else f"init_lora_weights={init!r}" if isinstance(init, str) else type(config).__name__)
+        raise HfScaleConfigError(
+            f"a new adapter with {what} is computed from the base weights, which from_pretrained reads "
+            "only after the layout is applied. Build it on the loaded model with peft "
+            "(get_peft_model(AutoModelForCausalLM.from_pretrained(...), config)) and call hf_scale.parallelize, "
+            "or start from a saved adapter folder."
+        )
+
+
 @torch.no_grad()
 def _init_new_adapter(model: nn.Module, seed: int) -> None:
     """Give the adapter layers' own parameters (left on meta beside the meta base) real CPU
-    storage and peft's initial values (``reset_lora_parameters``), the same on every rank."""
+    storage and peft's initial values, the same on every rank from ``seed``: nn.Linear's own
+    init (peft's ``init_lora_weights=False``), then peft's ``reset_lora_parameters``. A
+    modules_to_save copy is left on meta: it is read from the base checkpoint like the original."""
     adapter = active_adapter(model)
     config = model.peft_config[adapter]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for module in adapter_host(model).modules():
+            if is_modules_to_save(module):
+                continue
             parts = [getattr(module, attr, None) for attr in getattr(module, "adapter_layer_names", ())]
-            parts = [p for p in parts if isinstance(p, nn.Module) and adapter in p]
+            parts = [p for p in parts if isinstance(p, (nn.ModuleDict, nn.ParameterDict)) and adapter in p]
             if not parts:
                 continue
             for part in parts:
-                part[adapter].to_empty(device="cpu")
+                if isinstance(part, nn.ParameterDict):
+                    old = part[adapter]
+                    part[adapter] = nn.Parameter(torch.empty_like(old, device="cpu"), requires_grad=old.requires_grad)
+                else:
+                    part[adapter].to_empty(device="cpu")
+                    if hasattr(part[adapter], "reset_parameters"):
+                        part[adapter].reset_parameters()  # what peft's init_lora_weights=False keeps
             reset = getattr(module, "reset_lora_parameters", None)
             if reset is None:
-                raise HfScaleCheckpointError(
+                raise HfScaleConfigError(
                     f"{type(module).__name__}: hf_scale initialises new LoRA adapters on a model loaded "
                     "slice-wise; for another peft method, build it with peft and call hf_scale.parallelize."
                 )
             reset(adapter, config.init_lora_weights)
+
+
+def _base_ties(model: nn.Module) -> dict[str, str]:
+    """Tied weights of the model inside ``model``, by their base checkpoint names."""
+    from ..model_plans import find_tied_parameters
+
+    host = adapter_host(model)
+    strip = base_keys(model)
+    return {strip.get(t, t): strip.get(s, s) for t, s in find_tied_parameters(host)}
 
 
 def adapter_load_names(model: nn.Module, base_map: dict[str, Path], adapter_map: dict[str, Path] | None) -> dict[str, str]:
@@ -265,6 +305,8 @@ def adapter_load_names(model: nn.Module, base_map: dict[str, Path], adapter_map:
 
     keys = adapter_keys(model) if adapter_map is not None else {}
     names = base_keys(model, skip=set(keys))
+    ties = _base_ties(model)  # a modules_to_save copy of a tied head reads the embedding
+    names = {k: ties[n] if n not in base_map and ties.get(n) in base_map else n for k, n in names.items()}
     if any(name not in base_map for name in names.values()):
         host = adapter_host(model)
         state = host.state_dict(keep_vars=True)

@@ -43,7 +43,9 @@ def _merge(target: Any, loaded: Any) -> None:
     keys = target.keys() if isinstance(target, dict) else range(len(target))
     for k in keys:
         old, new = target[k], loaded[k]
-        if isinstance(old, (dict, list)):
+        if isinstance(old, list) and not any(isinstance(x, (dict, list, torch.Tensor)) for x in old):
+            target[k] = new  # a list of plain values (a param group's names): the saved one, whole
+        elif isinstance(old, (dict, list)):
             _merge(old, new)
         elif not isinstance(old, torch.Tensor):
             target[k] = new

@@ -43,6 +43,7 @@ def from_pretrained(
     verify_checksums: bool = False,
     revision: str | None = None,
     adapter=None,
+    adapter_seed: int = 0,
 ) -> nn.Module:
     """Load a pretrained model straight into a parallel layout; call it on every rank.
 
@@ -64,7 +65,7 @@ def from_pretrained(
 
     ``adapter`` trains or uses a peft LoRA adapter on the base: a peft adapter folder (read
     slice-wise like the base) or a ``LoraConfig`` / its fields as a dict (a new adapter,
-    initialised as peft does, the same on every rank). The result is a ``PeftModel`` in the
+    initialised as peft does, the same on every rank, from ``adapter_seed``). The result is a ``PeftModel`` in the
     layout; its base weights keep ``dtype``, its adapters fp32 (peft's default).
 
     Usage::
@@ -91,7 +92,7 @@ def from_pretrained(
     if adapter is not None:
         from .adapters import attach_adapter
 
-        model, adapter_folder = attach_adapter(model, adapter)
+        model, adapter_folder = attach_adapter(model, adapter, seed=adapter_seed)
     parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
@@ -420,7 +421,7 @@ def load_adapter(model: nn.Module, folder: str | os.PathLike) -> None:
     """Collective: read the adapter in ``folder`` into ``model``'s adapter (a ``PeftModel``,
     parallelized or not) in place, each rank its own slices; a failure raises on every rank."""
     from ..model_plans.adapters import adapter_host
-    from .adapters import check_adapter_keys, adapter_keys, adapter_weight_map, check_adapter_config
+    from .adapters import adapter_keys, adapter_weight_map, check_adapter_config, check_adapter_keys
     from .stages import pipelined
 
     folder = Path(folder)

@@ -285,6 +285,8 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         current = get_optimizer_state_dict(model, optimizer)["param_groups"]
+        if pipelined(model):
+            current = union_param_groups({"param_groups": current, "state": {}}, set(tie_aliases(model)))["param_groups"]
         set_optimizer_state_dict(model, optimizer, {**state, "param_groups": _regroup(state["param_groups"], current)})
         return
     params = dict(model.named_parameters())
@@ -298,13 +300,17 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
             group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def _regroup(saved: list[dict], current: list[dict]) -> list[dict]:
-    """The optimizer's own groups (``current``, parameter names), each with the settings of the
-    saved group holding its parameters (:func:`merge_equal_groups` may have joined several)."""
-    by_name = {name: group for group in saved for name in group["params"]}
+def _regroup(loaded: list[dict], current: list[dict]) -> list[dict]:
+    """The optimizer's own groups (``current``, parameter names), each with the settings loaded
+    into the merged group it belongs to (``loaded`` has the shape of
+    ``merge_equal_groups(current)``: the load target). A checkpoint written before groups were
+    merged (two groups of equal settings saved apart) fills the merged group from its first
+    such group, whose settings the others shared."""
+    merged = merge_equal_groups({"param_groups": current})["param_groups"]
     out = []
     for group in current:
-        source = next((by_name[n] for n in group["params"] if n in by_name), group)
+        index = next((i for i, m in enumerate(merged) if group["params"] and group["params"][0] in m["params"]), None)
+        source = loaded[index] if index is not None and index < len(loaded) else group
         out.append({**{k: v for k, v in source.items() if k != "params"}, "params": group["params"]})
     return out
 

@@ -57,7 +57,8 @@ def run(job: JobConfig) -> dict:
     tokenizer = load_tokenizer(job.model)
     check_seq_len(job.data.max_seq_len, load_config(job.model))
     train_ds, eval_ds, labels = _datasets(job, tokenizer)
-    model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft)
+    model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,
+                       seed=job.train.seed)
     device = get_state(model).env.device
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
     collate = PadCollator(tokenizer.pad_token_id)

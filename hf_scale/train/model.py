@@ -83,7 +83,7 @@ def read_model_config(model_cfg, sources: str = "a model folder, its config.json
 
 
 def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None,
-               adapter: AdapterConfig | None = None):
+               adapter: AdapterConfig | None = None, seed: int = 0):
     """The pretrained model for ``cfg.task``, parallelized with ``parallel``; with ``adapter``
     enabled, a peft model whose LoRA adapters train on the frozen base."""
     dtype = TORCH_DTYPES[cfg.dtype]
@@ -96,7 +96,7 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
         from transformers import AutoModelForCausalLM
 
         model = from_pretrained(source(cfg)[0], parallel, auto_class=AutoModelForCausalLM, dtype=dtype,
-                                revision=cfg.revision, adapter=adapter.lora_config())
+                                revision=cfg.revision, adapter=adapter.lora_config(), adapter_seed=seed)
         for config in model.peft_config.values():  # the card's and peft's base: the name users know
             config.base_model_name_or_path = HUB_IDS.get(cfg.name_or_path, cfg.name_or_path)
         return model

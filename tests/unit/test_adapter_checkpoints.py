@@ -80,7 +80,7 @@ def test_new_adapter_is_peft_initialised_and_seeded(trained):
         assert torch.equal(p, dict(b.named_parameters())[name]), name
 
 
-def test_merge_equals_peft_merge_and_unload(trained, tmp_path):
+def test_merge_equals_peft_merge_and_unload_and_the_formula(trained, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -90,11 +90,19 @@ def test_merge_equals_peft_merge_and_unload(trained, tmp_path):
     want = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(folder)).merge_and_unload()
     got, ref = merged.state_dict(), want.state_dict()
     assert sorted(got) == sorted(ref) and not any("lora" in k for k in got)
-    changed = 0
     for key, value in ref.items():
         assert torch.equal(got[key], value), key
-        changed += not torch.equal(value, AutoModelForCausalLM.from_pretrained(base).state_dict()[key]) if "q_proj" in key else 0
-    assert changed, "the merge changed no weight: the adapter did nothing"
+    # and by LoRA's own formula, not peft's code: W + alpha / r * B @ A
+    from safetensors.torch import load_file
+
+    factors = load_file(folder / "adapter_model.safetensors")
+    plain = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    for layer in range(2):
+        key = f"model.layers.{layer}.self_attn.q_proj"
+        a, b = (factors[f"base_model.model.{key}.lora_{x}.weight"] for x in "AB")
+        want = plain[f"{key}.weight"] + LORA["lora_alpha"] / LORA["r"] * b @ a
+        assert not torch.equal(want, plain[f"{key}.weight"])
+        torch.testing.assert_close(got[f"{key}.weight"], want, rtol=1e-6, atol=1e-6)
 
 
 def test_export_merge_cli(trained, tmp_path):
@@ -123,3 +131,51 @@ def test_bad_adapter_inputs(trained, tmp_path):
     fewer = hf_scale.from_pretrained(base, adapter={"r": 4, "target_modules": ["q_proj"]})
     with pytest.raises(HfScaleCheckpointError, match="does not fit this model"):
         hf_scale.load_adapter(fewer, folder)
+
+
+@pytest.mark.parametrize("init", [True, False])
+def test_new_adapter_init_follows_peft_and_the_seed(trained, init):
+    """init_lora_weights=False keeps nn.Linear's random init (lora_B non-zero too), not the
+    uninitialised memory of a meta tensor made real; another seed gives another adapter."""
+    _, base, _, _ = trained
+    adapter = {"r": 4, "target_modules": ["q_proj"], "init_lora_weights": init}
+    one = dict(hf_scale.from_pretrained(base, adapter=adapter, adapter_seed=1).named_parameters())
+    again = dict(hf_scale.from_pretrained(base, adapter=adapter, adapter_seed=1).named_parameters())
+    other = dict(hf_scale.from_pretrained(base, adapter=adapter, adapter_seed=2).named_parameters())
+    for name, p in one.items():
+        if "lora_" not in name:
+            continue
+        assert torch.equal(p, again[name]), name
+        bound = 1 / p.shape[1] ** 0.5  # nn.Linear's kaiming_uniform(a=sqrt(5)) bound; peft's A uses the same
+        assert p.abs().max() <= bound + 1e-6, f"{name}: {float(p.abs().max())} is not an initialised value"
+        if "lora_A" in name or not init:
+            assert p.abs().sum() > 0 and not torch.equal(p, other[name]), name
+        else:
+            assert not p.any(), name
+
+
+def test_modules_to_save_copy_starts_as_the_base_module(trained):
+    """A recipe's modules_to_save: the trained copy is read from the base checkpoint (here the
+    tied head, whose weights are the embedding's)."""
+    _, base, _, _ = trained
+    model = hf_scale.from_pretrained(base, adapter={"r": 4, "target_modules": ["q_proj"],
+                                                    "modules_to_save": ["lm_head"]})
+    params = dict(model.named_parameters())
+    copy = next(p for n, p in params.items() if "lm_head.modules_to_save" in n)
+    embed = next(p for n, p in params.items() if n.endswith("embed_tokens.weight"))
+    assert copy.requires_grad and torch.equal(copy, embed)
+
+
+def test_new_adapters_computed_from_the_base_are_refused(trained):
+    _, base, _, _ = trained
+    with pytest.raises(HfScaleConfigError, match="DoRA"):
+        hf_scale.from_pretrained(base, adapter={"r": 4, "target_modules": ["q_proj"], "use_dora": True})
+    with pytest.raises(HfScaleConfigError, match="pissa"):
+        hf_scale.from_pretrained(base, adapter={"r": 4, "target_modules": ["q_proj"], "init_lora_weights": "pissa"})
+
+
+def test_adapter_of_another_alpha_is_refused(trained):
+    _, base, folder, _ = trained
+    other = hf_scale.from_pretrained(base, adapter={"r": 4, "lora_alpha": 16, "target_modules": "all-linear"})
+    with pytest.raises(HfScaleCheckpointError, match="lora_alpha"):
+        hf_scale.load_adapter(other, folder)
