@@ -108,7 +108,14 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names above load lazily
     from .api import parallelize
-    from .checkpoint import from_pretrained, load_adapter, load_state, merge_adapter, save_pretrained, save_state
+    from .checkpoint import (
+        from_pretrained,
+        load_adapter,
+        load_state,
+        merge_adapter,
+        save_pretrained,
+        save_state,
+    )
     from .hub import CardInfo, push_to_hub, write_model_card
     from .model_plans import ModelPlan, register_plan, resolve_plan
     from .parallel.optim import build_optimizer, clip_grad_norm_, no_sync

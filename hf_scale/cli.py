@@ -273,9 +273,7 @@ def export(args: list[str]) -> int:
         if ns.merge:
             import torch
 
-            from .checkpoint.merge import merge_adapter
-
-            from .checkpoint.merge import adapter_folder, read_base
+            from .checkpoint.merge import adapter_folder, merge_adapter, read_base
             from .zoo import local_copy
 
             dtype = getattr(torch, ns.dtype) if ns.dtype else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import struct
 from pathlib import Path
 from typing import Any, Mapping
 
