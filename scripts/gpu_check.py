@@ -12,6 +12,11 @@ Usage::
     python scripts/gpu_check.py                       # on a machine with a CUDA GPU
     python scripts/gpu_check.py --write docs/benchmarks.md
     python scripts/gpu_check.py --device cpu --model tiny --steps 2   # the script's own logic, here
+    python scripts/gpu_check.py --model smollm2-random   # SmolLM2-135M's architecture, random
+                                                         # weights: a GPU machine without the weights
+
+After each leg it also checks placement: every parameter, gradient, optimizer state and buffer
+of the trained model is on the device the run chose (``cuda:0`` here).
 
 Exit status 0 when every check passes, 1 otherwise.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import sys
 import tempfile
 import time
@@ -39,7 +45,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Distributed training split
         "devices so that each one holds only a part of the weights, gradients and optimizer state. ")
 
 
-def load(model_name: str):
+def load(model_name: str, seq: int = 256):
     """(model in fp32 on the CPU, a batch of token ids) for SmolLM2 or a tiny Llama."""
     if model_name == "tiny":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -47,7 +53,16 @@ def load(model_name: str):
         torch.manual_seed(0)
         config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, vocab_size=256, tie_word_embeddings=True)
-        return LlamaForCausalLM(config), torch.randint(0, 256, (4, 256))
+        return LlamaForCausalLM(config), torch.randint(0, 256, (4, seq))
+    if model_name == "smollm2-random":  # SmolLM2-135M-Instruct's published config, random weights
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                             num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                             max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                             tie_word_embeddings=True)
+        return LlamaForCausalLM(config), torch.randint(0, 49152, (4, seq))
     from hf_scale.zoo import load_smollm2
 
     model, tokenizer = load_smollm2(torch.float32)
@@ -66,22 +81,50 @@ def train(model, batch, device, steps: int, plain: bool) -> list[float]:
 
     optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-4) if plain
                  else hf_scale.build_optimizer(model, lr=1e-4))
+    model.placement_probe = optimizer  # read by misplaced(); the attribute dies with the model
     losses = []
     for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)  # first: the last step's gradients stay for misplaced()
         with torch.autocast(device.type, torch.bfloat16, enabled=plain):
             loss = model(input_ids=batch, labels=batch).loss
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
+
+
+def misplaced(model, device: torch.device) -> list[str]:
+    """Names of the parameters, gradients, optimizer states and buffers not on ``device`` (the
+    local shard of a DTensor is what the device holds)."""
+
+    def where(tensor):
+        local = getattr(tensor, "_local_tensor", tensor)
+        return local.device
+
+    want = device if device.type == "cpu" else torch.device(device.type, device.index or 0)
+    bad = []
+    for name, param in model.named_parameters():
+        if where(param) != want:
+            bad.append(f"parameter {name} on {where(param)}")
+        if param.grad is not None and where(param.grad) != want:
+            bad.append(f"gradient of {name} on {where(param.grad)}")
+    for name, buffer in model.named_buffers():
+        if where(buffer) != want:
+            bad.append(f"buffer {name} on {where(buffer)}")
+    optimizer = getattr(model, "placement_probe", None)
+    for state in (optimizer.state.values() if optimizer is not None else ()):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and where(value) != want:
+                bad.append(f"optimizer state {key!r} on {where(value)}")
+    return bad
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--model", default="smollm2", choices=["smollm2", "tiny"])
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-random", "tiny"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=256, help="tokens per row of the random batch (tiny, smollm2-random)")
     add_write_arg(parser, "gpu")
     args = parser.parse_args()
     check_doc(args)
@@ -91,7 +134,7 @@ def main() -> int:
         print("no CUDA device: this check needs a GPU (use --device cpu to run its logic here)")
         return 1
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
-    base, batch = load(args.model)
+    base, batch = load(args.model, args.seq)
     batch = batch.to(device)
     rows, failures = [], []
 
@@ -103,15 +146,23 @@ def main() -> int:
         losses = train(model, batch, device, args.steps, plain)
         return losses, peak_memory(device), time.perf_counter() - start
 
+    train(copy.deepcopy(base).to(device), batch, device, 1, plain=True)  # warm-up: CUDA context, kernels
     reference, ref_mem, ref_time = leg(copy.deepcopy(base).to(device), plain=True)
     rows.append(["plain transformers + autocast bf16", "1.00x", "-", " ".join(f"{x:.4f}" for x in reference),
                  f"{ref_mem:.0f}", f"{ref_time:.1f}"])
     trained = None
     for name, config in LEGS.items():
+        trained = model = None  # the last leg's model, gradients and optimizer state must not count in this leg's peak
+        gc.collect()
         model = hf_scale.parallelize(copy.deepcopy(base), config)
         if device.type == "cuda" and next(model.parameters()).device != device:
             failures.append(f"{name}: parallelize left the model on {next(model.parameters()).device}")
         losses, mem, took = leg(model, plain=False)
+        wrong = misplaced(model, device)
+        if wrong:
+            failures.append(f"{name}: {len(wrong)} tensors off {device}: {wrong[:4]}")
+        del model.placement_probe  # the optimizer, with its state
+        model.zero_grad(set_to_none=True)
         diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
         if diff > RTOL:
             failures.append(f"{name}: losses {losses} vs transformers {reference} (max rel diff {diff:.3g} > {RTOL})")

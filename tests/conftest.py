@@ -8,6 +8,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped (never passed) without one")
+    # The suite runs on the CPU (gloo), on a GPU machine too: its inputs are built on the CPU, and
+    # `parallelize` in one process would move the model to cuda:0. Only `pytest -m gpu` (the
+    # tests that need CUDA) sees the GPUs. Set before anything asks torch for a device.
+    markexpr = config.option.markexpr or ""
+    if "gpu" not in markexpr or "not gpu" in markexpr:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_collection_modifyitems(config, items):
