@@ -26,3 +26,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    harness = sys.modules.get("tests.harness")
+    if harness is not None:
+        harness.close_pools()  # the pooled ranks of each world size

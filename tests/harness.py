@@ -6,6 +6,12 @@ numpy arrays). A rank that raises fails the call with its traceback; ranks that 
 within ``timeout`` seconds (a hung collective) are killed and the call raises, so a hang fails
 one test instead of CI.
 
+The ranks of a world size are started once per test session and reused by every call with
+torchrun's variables (a pool: spawning and importing torch + transformers costs 5-10 s per
+group on 2 cores); each call still gets a new process group on a new port, torn down after it,
+and the environment as it was. A call that fails or hangs ends its pool: the next call starts
+fresh processes. Calls with their own ``env`` or ``launcher`` get fresh processes, as before.
+
 Usage::
 
     results = run_ranks(my_module.worker, 2, case_list, timeout=300)   # one entry per rank
@@ -81,24 +87,77 @@ def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) ->
         shutdown_distributed()
 
 
+def _pool_child(rank, world, tasks, results) -> None:
+    """A pooled rank: run each task (fn, port, args, the caller's environment) as :func:`_child`
+    would, until None."""
+    import torch
+
+    torch.set_num_threads(1)
+    while (task := tasks.get()) is not None:
+        fn, port, args, environ = task
+        os.environ.clear()
+        os.environ.update(environ)
+        _child(fn, rank, world, port, args, {}, results)
+
+
+class _Pool:
+    """``world`` ranks started once, each with its own task queue; one shared result queue."""
+
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.procs = [ctx.Process(target=_pool_child, args=(r, world, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def close(self, kill: bool) -> None:
+        for q, p in zip(self.tasks, self.procs):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0.5 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def close_pools() -> None:
+    """End every pooled rank (the session's end; conftest calls it)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close(kill=False)
+
+
 def run_ranks(
     fn: Callable, world_size: int, *args: Any, timeout: float = 600, env: dict | None = None,
-    launcher: Callable[[int, int, int], dict] = torchrun_vars,
+    launcher: Callable[[int, int, int], dict] = torchrun_vars, fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return each rank's result, rank order.
 
     ``launcher(rank, world, port)`` gives each process its variables: torchrun's by default,
-    :func:`mpirun_vars` to start the ranks as mpirun would."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    :func:`mpirun_vars` to start the ranks as mpirun would. ``fresh``: new processes rather than
+    the pool's (for code that reads the environment when first imported, e.g. the Hub's address)."""
     port = free_port()
-    procs = [
-        ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), results, launcher),
-                    daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
+    pool = None
+    if not fresh and env is None and launcher is torchrun_vars:
+        pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _Pool(world_size))
+        results, procs = pool.results, pool.procs
+        for q in pool.tasks:
+            q.put((fn, port, args, dict(os.environ)))
+    else:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [
+            ctx.Process(target=_child, args=(fn, r, world_size, port, args, dict(env or {}), results, launcher),
+                        daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
@@ -122,11 +181,16 @@ def run_ranks(
                 raise RuntimeError(f"rank {rank} of {world_size} failed:\n{value}")
             out[rank] = value
     finally:
-        for p in procs:
-            p.join(timeout=10 if len(out) == world_size else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        if pool is not None:
+            if len(out) < world_size:  # a rank failed or hung: the others may wait in a collective
+                _POOLS.pop(world_size, None)
+                pool.close(kill=True)
+        else:
+            for p in procs:
+                p.join(timeout=10 if len(out) == world_size else 0.5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
     return [out[r] for r in range(world_size)]
 
 

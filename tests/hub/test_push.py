@@ -73,7 +73,9 @@ def test_round_trip_from_two_fsdp_ranks(hub, tmp_path):
     from huggingface_hub import snapshot_download
     from transformers import AutoModelForCausalLM
 
-    ranks = run_ranks(push_ranks.save_and_push, 2, str(tmp_path), REPO, "hf_wrong_" + TOKEN, timeout=300)
+    # fresh ranks: huggingface_hub reads the endpoint (this test's server) when first imported
+    ranks = run_ranks(push_ranks.save_and_push, 2, str(tmp_path), REPO, "hf_wrong_" + TOKEN, timeout=300,
+                      fresh=True)
     folder = tmp_path / "out"
     assert ranks[0]["url"] == ranks[1]["url"] and ranks[0]["url"].startswith(f"{hub.url}/{REPO}/commit/")
     assert ranks[0]["errors"] == ranks[1]["errors"]  # the same error, raised on every rank
