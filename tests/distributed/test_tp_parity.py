@@ -55,8 +55,15 @@ def _composed(layout: dict, name: str, options: dict) -> list[dict]:
             for key, opt in options.items()]
 
 
+# tp2 x fsdp2 composes the same per-architecture plans with FSDP over the other mesh dimension: a
+# sample with one architecture per plan source (transformers' plan, a fused Conv1D qkv, a packed
+# qkv, the encoder and encoder-decoder registry plans, an uneven vocabulary); tp=2 itself runs on
+# every architecture above and in scripts/scan_architectures.py.
+WORLD4_ARCHS = [("llama", "causal"), ("gpt2", "causal"), ("phi3_mha", "causal"), ("bert", "seqcls"),
+                ("t5", "seq2seq"), ("llama_vocab129", "causal")]
 WORLD2 = _cases(TP2, "tp2") + _composed(TP2, "tp2", COMPOSE2)
-WORLD4 = _cases(TP2_FSDP2, "tp2xfsdp2") + _composed(TP2_FSDP2, "tp2xfsdp2", COMPOSE4)
+WORLD4 = ([c for c in _cases(TP2_FSDP2, "tp2xfsdp2") if (c["arch"], c["head"]) in WORLD4_ARCHS]
+          + _composed(TP2_FSDP2, "tp2xfsdp2", COMPOSE4))
 
 EXTRA2 = {
     "llama_layout": ("layout_facts", ("llama", "causal", TP2), {}),
