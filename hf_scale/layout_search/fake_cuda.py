@@ -196,7 +196,8 @@ def fake_tensors() -> Iterator[None]:
 
     - ``DeviceMesh``: a mesh is a small tensor of ranks that it reads back (``tolist``), which a
       fake tensor cannot give (torch's own fake-process-group tests build their meshes outside
-      the mode): its methods that build or slice one run with the mode set aside;
+      the mode): its methods that build or slice one, and DTensor's offset of a rank's shard,
+      which computes on it, run with the mode set aside;
     - ``param.data = moved`` (FSDP2 moves a module's states so): a fake tensor keeps its old
       device unless told; the setter also tells it;
     - ``torch.tensor(data, device="cuda")`` is made on the host, then made fake, when no GPU is
@@ -205,7 +206,11 @@ def fake_tensors() -> Iterator[None]:
       host tensor stands for the pinned one;
     - DDP checks that every rank's parameters have the same shapes by reading their data in C++
       (``_verify_param_shape_across_processes``): one simulated rank has no peers to compare
-      with, and no data; the check is skipped;
+      with, and no data; the check is skipped. DDP's C++ all-reduce reads the fake process
+      group's result, which has none: each DDP gets a comm hook that returns the bucket as
+      reduced (what an all-reduce in place leaves, without the arithmetic), and keeps its first
+      buckets (their rebuild in forward order agrees on the order by a broadcast of real data:
+      the same buckets, another order), and logs no runtime statistics (they time CUDA events);
     - ``nn.Module.to`` swaps a fake parameter for its moved copy (``swap_tensors``), which refuses
       a tensor the mode remembers by a weak reference: the mode forgets both first.
     """
@@ -248,30 +253,79 @@ def fake_tensors() -> Iterator[None]:
     pin_op = torch.ops.aten._pin_memory.default
     saved_pin = fake_impls.op_implementations_dict.get(pin_op)
     saved_verify = ddp._verify_param_shape_across_processes
+    ddp_init = ddp.DistributedDataParallel.__init__
+
+    def ddp_with_hook(self, *args, **kwargs):
+        ddp_init(self, *args, **kwargs)
+        self.register_comm_hook(None, _reduced_in_place)
+        self.reducer = _KeptBuckets(self.reducer)
+        self.logger = _NoRuntimeStats(self.logger)
+    from torch.distributed.tensor import _utils as dtensor_utils
+
     mesh = device_mesh.DeviceMesh
     saved = {name: vars(mesh)[name] for name in _MESH_METHODS if name in vars(mesh)}
+    saved_utils = {name: getattr(dtensor_utils, name) for name in _DTENSOR_OFFSETS if hasattr(dtensor_utils, name)}
     saved_init = device_mesh.init_device_mesh
     try:
         for name, fn in saved.items():
             setattr(mesh, name, real(fn))
         device_mesh.init_device_mesh = real(saved_init)
+        for name, fn in saved_utils.items():
+            setattr(dtensor_utils, name, real(fn))
         FakeTensor.data = property(data.__get__, set_data)
         torch.utils.swap_tensors = swap_forgotten
         fake_impls.op_implementations_dict[pin_op] = pin_memory
         ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
+        ddp.DistributedDataParallel.__init__ = ddp_with_hook
         with _SimulatedFakeTensorMode(allow_non_fake_inputs=True):
             yield
     finally:
         for name, fn in saved.items():
             setattr(mesh, name, fn)
         device_mesh.init_device_mesh = saved_init
+        for name, fn in saved_utils.items():
+            setattr(dtensor_utils, name, fn)
         del FakeTensor.data
         torch.utils.swap_tensors = swap
         ddp._verify_param_shape_across_processes = saved_verify
+        ddp.DistributedDataParallel.__init__ = ddp_init
         if saved_pin is None:
             fake_impls.op_implementations_dict.pop(pin_op, None)
         else:
             fake_impls.op_implementations_dict[pin_op] = saved_pin
+
+
+class _KeptBuckets:
+    """A DDP reducer that keeps its first buckets (see :func:`fake_tensors`)."""
+
+    def __init__(self, reducer) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self._reducer, name)
+
+
+class _NoRuntimeStats:
+    """A DDP logger without runtime statistics (see :func:`fake_tensors`)."""
+
+    def __init__(self, logger) -> None:
+        self._logger = logger
+
+    def set_runtime_stats_and_log(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return getattr(self._logger, name)
+
+
+def _reduced_in_place(state, bucket):
+    """A DDP comm hook: the bucket's gradients as an all-reduce in place leaves them (no peers)."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 def _real_gpu() -> bool:
@@ -294,6 +348,7 @@ class _SimulatedFakeTensorMode:
 
 
 _MESH_METHODS = ("__init__", "__getitem__", "_flatten", "get_coordinate", "get_local_rank", "size")
+_DTENSOR_OFFSETS = ("compute_local_shape_and_global_offset", "_compute_local_shape_and_global_offset")
 _LOADED: dict[str, ctypes.CDLL] = {}
 
 

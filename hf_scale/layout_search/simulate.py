@@ -32,6 +32,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import time
 from collections import Counter
@@ -125,13 +126,14 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
            "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", BACKEND_VAR: "fake"}
     start = time.perf_counter()
+    estimate = _estimate(source, layout, seq, batch, task)
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
     with _environ(env), fake_cuda(local), fake_tensors():
         try:
             result = _run(meta.to_empty(device="cpu"), layout, world_size, rank, local, seq, batch, steps)
         finally:
             shutdown_distributed()
-    result.estimate = _estimate(source, layout, seq, batch, task)
+    result.estimate = estimate
     result.seconds = time.perf_counter() - start
     return result
 
@@ -207,7 +209,8 @@ def _meta_model(source, task: str) -> nn.Module:
     """``source``: a config (its model built on the meta device), or a model on the meta device."""
     from ..layout_preview import meta_model
 
-    model = source if isinstance(source, nn.Module) else meta_model(source, task)
+    # a copy of the config: parallelize may change the model's (activation checkpointing turns off its cache)
+    model = source if isinstance(source, nn.Module) else meta_model(copy.deepcopy(source), task)
     if any(not p.is_meta for p in model.parameters()):
         raise HfScaleConfigError(
             f"simulate() needs a config or a model on the meta device; this {type(model).__name__} holds real "
