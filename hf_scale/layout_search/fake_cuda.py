@@ -211,10 +211,16 @@ def fake_tensors() -> Iterator[None]:
       reduced (what an all-reduce in place leaves, without the arithmetic), and keeps its first
       buckets (their rebuild in forward order agrees on the order by a broadcast of real data:
       the same buckets, another order), and logs no runtime statistics (they time CUDA events);
+    - ``F.scaled_dot_product_attention`` on a fake CUDA tensor would take the math path (the
+      kernel choice asks the device), saving the ``T x T`` scores no GPU keeps: it runs torch's
+      fused kernels' own ops instead, as a GPU picks them (flash attention for fp16 / bf16
+      without a mask, memory-efficient attention otherwise), so what they save for backward is
+      what the GPU's kernels save (grouped key/value heads are repeated first, as the efficient
+      kernel needs);
     - ``nn.Module.to`` swaps a fake parameter for its moved copy (``swap_tensors``), which refuses
       a tensor the mode remembers by a weak reference: the mode forgets both first.
     """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
     from torch.distributed import device_mesh
 
     def real(fn):
@@ -250,6 +256,14 @@ def fake_tensors() -> Iterator[None]:
             pinned = torch.empty_like(tensor)
         return FakeTensor(fake_mode, pinned, torch.device("cpu"))
 
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fused_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not (isinstance(q, FakeTensor) and q.device.type == "cuda"):
+            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                        enable_gqa=enable_gqa)
+        return _fused_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+
     pin_op = torch.ops.aten._pin_memory.default
     saved_pin = fake_impls.op_implementations_dict.get(pin_op)
     saved_verify = ddp._verify_param_shape_across_processes
@@ -274,6 +288,7 @@ def fake_tensors() -> Iterator[None]:
             setattr(dtensor_utils, name, real(fn))
         FakeTensor.data = property(data.__get__, set_data)
         torch.utils.swap_tensors = swap_forgotten
+        torch.nn.functional.scaled_dot_product_attention = fused_sdpa
         fake_impls.op_implementations_dict[pin_op] = pin_memory
         ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
         ddp.DistributedDataParallel.__init__ = ddp_with_hook
@@ -287,6 +302,7 @@ def fake_tensors() -> Iterator[None]:
             setattr(dtensor_utils, name, fn)
         del FakeTensor.data
         torch.utils.swap_tensors = swap
+        torch.nn.functional.scaled_dot_product_attention = sdpa
         ddp._verify_param_shape_across_processes = saved_verify
         ddp.DistributedDataParallel.__init__ = ddp_init
         if saved_pin is None:
@@ -326,6 +342,19 @@ def _reduced_in_place(state, bucket):
     done = torch.futures.Future()
     done.set_result(bucket.buffer())
     return done
+
+
+def _fused_attention(q, k, v, mask, dropout_p: float, is_causal: bool, scale):
+    """SDPA through the fused kernel a GPU picks (see :func:`fake_tensors`)."""
+    if k.shape[-3] != q.shape[-3]:  # grouped key/value heads
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    if mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
+    if mask is not None and mask.dtype == torch.bool:  # the efficient kernel adds a float bias
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, mask, q.requires_grad, dropout_p, is_causal, scale=scale)[0]
 
 
 def _real_gpu() -> bool:

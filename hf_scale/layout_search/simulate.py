@@ -107,9 +107,9 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     (e.g. with peft adapters). ``parallel`` is a planner :class:`Layout` (its ``micro_batch``
     sequences per forward) or a ``ParallelConfig``; ``batch`` sequences per data-parallel rank
     per step; ``local_world_size`` GPUs per node (default ``min(8, world_size)``)."""
-    from ..distributed import BACKEND_VAR, shutdown_distributed
-
     import torch.distributed as dist
+
+    from ..distributed import BACKEND_VAR, shutdown_distributed
 
     layout = as_layout(parallel, world_size)
     local = local_world_size or min(MAX_DEVICES, world_size)
@@ -162,13 +162,14 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
          steps: int) -> Simulation:
     """``model`` (fake tensors on the host, as ``from_pretrained`` leaves it) parallelized and trained."""
-    import hf_scale
+    from ..api import parallelize
+    from ..parallel.optim import build_optimizer, no_sync
     from ..parallel_state import get_state
 
-    model = hf_scale.parallelize(model, layout.parallel_config())
+    model = parallelize(model, layout.parallel_config())
     state = get_state(model)
     device = state.env.device
-    optimizer = hf_scale.build_optimizer(model, lr=1e-5)
+    optimizer = build_optimizer(model, lr=1e-5)
     inputs = _record_inputs(model, state)
     micro = max(1, min(layout.micro_batch, batch)) if layout.pp == 1 else batch
     vocab = model.config.vocab_size
@@ -177,7 +178,7 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
         for i in range(batch // micro):
             ids = torch.randint(vocab, (micro, seq), device=device)
             last = i == batch // micro - 1
-            with hf_scale.no_sync(model, enabled=not last) if batch > micro else contextlib.nullcontext():
+            with no_sync(model, enabled=not last) if batch > micro else contextlib.nullcontext():
                 model.train_step({"input_ids": ids, "labels": ids})
         if grads is not None:
             grads += [(n, _local(p.grad).device) for n, p in model.named_parameters() if p.grad is not None]
