@@ -217,10 +217,13 @@ def fake_tensors() -> Iterator[None]:
       without a mask, memory-efficient attention otherwise), so what they save for backward is
       what the GPU's kernels save (grouped key/value heads are repeated first, as the efficient
       kernel needs);
+    - the mode's dispatch cache (one for the process) keeps each output's device: ``"cuda"``
+      without an index resolves to the current device, another one in the next simulation; it
+      is emptied on entry and exit;
     - ``nn.Module.to`` swaps a fake parameter for its moved copy (``swap_tensors``), which refuses
       a tensor the mode remembers by a weak reference: the mode forgets both first.
     """
-    from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
     from torch.distributed import device_mesh
 
     def real(fn):
@@ -292,9 +295,11 @@ def fake_tensors() -> Iterator[None]:
         fake_impls.op_implementations_dict[pin_op] = pin_memory
         ddp._verify_param_shape_across_processes = lambda *args, **kwargs: None
         ddp.DistributedDataParallel.__init__ = ddp_with_hook
+        FakeTensorMode.cache.clear()
         with _SimulatedFakeTensorMode(allow_non_fake_inputs=True):
             yield
     finally:
+        FakeTensorMode.cache.clear()
         for name, fn in saved.items():
             setattr(mesh, name, fn)
         device_mesh.init_device_mesh = saved_init
