@@ -112,6 +112,13 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     from ..distributed import BACKEND_VAR, shutdown_distributed
 
     layout = as_layout(parallel, world_size)
+    if layout.pp > 1:
+        raise HfScaleConfigError(
+            f"pp={layout.pp}: pipeline parallel is not simulated yet. torch.distributed.pipelining's stages "
+            "agree on their mode and infer their inputs' shapes by exchanging values over point-to-point "
+            "messages (a vote, tensor metadata), which torch's fake process group does not carry. Plan a "
+            "pipeline with `hf-scale plan --pp N` (stages, bubble, the planner's estimate) instead."
+        )
     local = local_world_size or min(MAX_DEVICES, world_size)
     if not 0 <= rank < world_size or world_size % local:
         raise HfScaleConfigError(
@@ -128,7 +135,7 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     start = time.perf_counter()
     estimate = _estimate(source, layout, seq, batch, task)
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
-    with _environ(env), fake_cuda(local), fake_tensors():
+    with _environ(env), fake_cuda(local), fake_tensors(), _symmetric_objects():
         try:
             result = _run(meta.to_empty(device="cpu"), layout, world_size, rank, local, seq, batch, steps)
         finally:
@@ -318,6 +325,35 @@ def _estimate(source, layout: Layout, seq: int, batch: int, task: str) -> Memory
 
     work = Workload(seq=seq, batch=batch, device="cuda")
     return estimate_memory(model_facts(source, task), layout, work)
+
+
+@contextlib.contextmanager
+def _symmetric_objects() -> Iterator[None]:
+    """Object collectives as if every rank held what this one holds: the fake process group moves
+    no data, and a gathered list of pickled objects would be unreadable. (``parallelize`` gathers
+    such facts to fail on every rank alike; one simulated rank sees its own.)"""
+    import torch.distributed as dist
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * len(object_gather_list)
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        pass  # the source's objects: this rank's
+
+    replaced = {"all_gather_object": all_gather_object, "gather_object": gather_object,
+                "broadcast_object_list": broadcast_object_list}
+    saved = {name: getattr(dist, name) for name in replaced}
+    try:
+        for name, fn in replaced.items():
+            setattr(dist, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
 
 
 @contextlib.contextmanager

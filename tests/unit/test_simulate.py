@@ -131,3 +131,8 @@ def test_the_placement_check_finds_a_tensor_off_its_gpu():
 def test_more_gpus_per_node_than_the_fake_device_guard_knows(config):
     with pytest.raises(HfScaleConfigError, match="at most 8"):
         simulate(config, world_size=32, local_world_size=16, parallel=Layout("fsdp", dp_shard=32), seq=SEQ)
+
+
+def test_pipeline_parallel_is_refused_with_what_is_missing(config):
+    with pytest.raises(HfScaleConfigError, match="pp=2: pipeline parallel is not simulated yet"):
+        simulate(config, world_size=4, parallel=Layout("fsdp", dp_shard=2, pp=2), seq=SEQ)
