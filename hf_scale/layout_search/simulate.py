@@ -101,12 +101,14 @@ class Simulation:
 
 def simulate(source, world_size: int, rank: int = 0, parallel: Layout | ParallelConfig | None = None, *,
              seq: int = 1024, batch: int = 1, local_world_size: int | None = None, steps: int = 2,
-             task: str = "causal_lm") -> Simulation:
+             task: str = "causal_lm", device: str = "cuda") -> Simulation:
     """Run ``parallelize`` and ``steps`` training steps as rank ``rank`` of ``world_size`` on fake
     CUDA devices (module doc); ``source`` is a transformers config or a model on the meta device
     (e.g. with peft adapters). ``parallel`` is a planner :class:`Layout` (its ``micro_batch``
     sequences per forward) or a ``ParallelConfig``; ``batch`` sequences per data-parallel rank
-    per step; ``local_world_size`` GPUs per node (default ``min(8, world_size)``)."""
+    per step; ``local_world_size`` GPUs per node (default ``min(8, world_size)``). ``device="cpu"``
+    simulates CPU processes (gloo's placement: every tensor on the host), to compare with runs
+    measured on this machine."""
     import torch.distributed as dist
 
     from ..distributed import BACKEND_VAR, shutdown_distributed
@@ -133,9 +135,12 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
            "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", BACKEND_VAR: "fake"}
     start = time.perf_counter()
-    estimate = _estimate(source, layout, seq, batch, task)
+    estimate = _estimate(source, layout, seq, batch, task, device)
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
-    with _environ(env), fake_cuda(local), fake_tensors(), _symmetric_objects():
+    if device not in ("cuda", "cpu"):
+        raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
+    runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
+    with _environ(env), runtime, fake_tensors(), _symmetric_objects():
         try:
             result = _run(meta.to_empty(device="cpu"), layout, world_size, rank, local, seq, batch, steps)
         finally:
@@ -320,10 +325,10 @@ def _device_tracker():
     return DeviceTracker()
 
 
-def _estimate(source, layout: Layout, seq: int, batch: int, task: str) -> MemoryEstimate:
+def _estimate(source, layout: Layout, seq: int, batch: int, task: str, device: str) -> MemoryEstimate:
     from .profile import model_facts
 
-    work = Workload(seq=seq, batch=batch, device="cuda")
+    work = Workload(seq=seq, batch=batch, device=device)
     return estimate_memory(model_facts(source, task), layout, work)
 
 
@@ -373,3 +378,33 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def simulate_ranks(source, layout: Layout, seq: int, batch: int, ranks: list[int] | None = None,
+                   task: str = "causal_lm", local_world_size: int | None = None) -> list[Simulation]:
+    """:func:`simulate` of ``layout`` as each of ``ranks`` (default: the first and the last rank,
+    which hold the first and last pipeline stage and the shortest shard of an uneven split)."""
+    world = layout.world_size
+    ranks = sorted(set(ranks if ranks is not None else (0, world - 1)))
+    return [simulate(source, world, r, layout, seq=seq, batch=batch, task=task, local_world_size=local_world_size)
+            for r in ranks]
+
+
+def format_simulations(results: list[Simulation], budget: int | None = None) -> str:
+    """``hf-scale plan --simulate``'s lines: each simulated rank, and whether their peaks differ."""
+    if not results:
+        return ""
+    lines = [f"simulated on fake CUDA devices (no GPU; torch's fake process group, {results[0].world_size} ranks): "
+             "MemTracker's peak of tensor bytes in one training step, beside the planner's estimate less its "
+             "process overhead"]
+    for r in results:
+        lines.append(r.format())
+        if budget:
+            lines.append(f"  {'fits' if r.peak['total'] + r.estimate.overhead <= budget else 'DOES NOT FIT'} in "
+                         f"{budget / GiB:.1f} GiB with the {r.estimate.overhead / GiB:.2f} GiB process overhead")
+    totals = {r.rank: r.peak["total"] for r in results}
+    if len(set(totals.values())) > 1:
+        lines.append("ranks differ: " + ", ".join(f"rank {k} {v / GiB:.2f} GiB" for k, v in totals.items()))
+    misplaced = sum(len(r.misplaced) for r in results)
+    lines.append(f"placement: {'every tensor on its rank' + chr(39) + 's device' if not misplaced else f'{misplaced} tensor(s) MISPLACED'}")
+    return "\n".join(lines)
