@@ -142,7 +142,7 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
     with _environ(env), runtime, fake_tensors(), _symmetric_objects():
         try:
-            result = _run(meta.to_empty(device="cpu"), layout, world_size, rank, local, seq, batch, steps)
+            result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps)
         finally:
             shutdown_distributed()
     result.estimate = estimate
@@ -216,6 +216,22 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     stages = tuple(getattr(state.pipeline, "stages", ()) or ()) if state.pipeline is not None else ()
     return Simulation(rank=rank, world_size=world_size, local_rank=rank % local, layout=layout, device=str(device),
                       stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced)
+
+
+def _fake_on_host(model: nn.Module) -> nn.Module:
+    """``model`` (on the meta device) as fake tensors on the host, as ``from_pretrained`` leaves a
+    model before ``parallelize``; a parameter used by several modules (tied embeddings) stays one
+    (``to_empty`` under the fake mode gives each use its own)."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), []).append((module, name))
+    model.to_empty(device="cpu")
+    for (first, first_name), *others in uses.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    return model
 
 
 def _meta_model(source, task: str) -> nn.Module:
