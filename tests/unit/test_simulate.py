@@ -55,9 +55,13 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_layout_runs_with_every_tensor_on_its_gpu(config, name):
+    from hf_scale.layout_preview import meta_model
+
     layout, world, rank = LAYOUTS[name]
     result = simulate(config, world_size=world, rank=rank, parallel=layout, seq=SEQ, batch=BATCH)
     placed(result, layout)
+    # every parameter once: the tied embedding and head stay one parameter, as in a real run
+    assert sum(result.placement["parameters"].values()) == len(list(meta_model(config).parameters()))
     # the tracked bytes and the planner's estimate describe the same step (a loose band at this size,
     # where fixed costs dominate, and none for a 32-wide model over 512 shards, mostly padding; the
     # published shapes' comparison is scripts/simulate_published.py)
