@@ -233,6 +233,14 @@ def plan(args: list[str]) -> int:
     if ns.simulate and ns.gpus and not parallel.auto:
         print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks))
         return 0
+    if ns.simulate and not parallel.auto:  # the layout of the flags (or the recipe), as planned below
+        from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
+
+        config, task = read_model_config(model_cfg), ns.task or model_cfg.task
+        print(format_report(plan_report(config, parallel, world, nnodes, task)))
+        print(format_simulations(simulate_ranks(config, as_layout(parallel, world), ns.seq or 1024, ns.batch or 1,
+                                                ranks, task)))
+        return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text
 
@@ -243,12 +251,6 @@ def plan(args: list[str]) -> int:
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
-    if ns.simulate:
-        from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
-
-        layout = as_layout(parallel, world)
-        print(format_simulations(simulate_ranks(read_model_config(model_cfg), layout, ns.seq or 1024, ns.batch or 1,
-                                                ranks, ns.task or model_cfg.task)))
     return 0
 
 
