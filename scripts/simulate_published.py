@@ -147,9 +147,12 @@ def cpu_rows(doc: Path) -> list[list[str]]:
         sim = result.peak["total"] / GiB
         ratio = sim / measured[leg]
         ok = 0.95 <= ratio <= 1.05
+        verdict = f"{'PASS' if ok else 'FAIL'} (simulated within 0.95-1.05x of measured)"
+        if measured[leg] < 0.01:  # the section prints 3 decimals of GiB: +-15% or worse at this size
+            verdict = "n/a (measured to 0.001 GiB only)"
         cells.append([leg, layout.describe(), f"{world}", f"{ratio:.3f}", f"{sim:.3f}", f"{measured[leg]:.3f}",
                       f"{result.estimated / GiB:.3f}", "all on cpu" if not result.misplaced else "MISPLACED",
-                      f"{result.seconds:.0f}", f"{'PASS' if ok else 'FAIL'} (simulated within 0.95-1.05x of measured)"])
+                      f"{result.seconds:.0f}", verdict])
         print(cells[-1], flush=True)
     return cells
 

@@ -11,7 +11,10 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    run at that size raises here the error it raises on the cluster.
 2. ``build_optimizer`` and ``steps`` training steps (``train_step``, AdamW's ``step``), the last
    one under torch's ``MemTracker``: the peak of tracked bytes on ``cuda:LOCAL_RANK``, by what
-   holds them (parameters, buffers, gradients, optimizer state, activations, temporaries).
+   holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
+   per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
+   shards), optimizer state, activations (what forward makes, FSDP's gathered parameters
+   included) and temporaries (what backward makes: gradients included, hence ``grads`` 0).
 3. A placement check: the device of every parameter (a ``DTensor``'s local shard), buffer,
    gradient and optimizer state, and of the tensors each block and the model receive, against
    ``cuda:LOCAL_RANK`` (the host for what ``cpu_offload`` keeps there).
@@ -198,12 +201,16 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
         optimizer.zero_grad(set_to_none=True)
 
     model.train()
-    for _ in range(max(0, steps - 1)):
-        step()
+    # tracked from the first step on, so that what the first step builds and keeps (DDP's gradient
+    # buckets, made by its lazy initialisation in the first forward; AdamW's state) is counted;
+    # the peak is the last step's
     tracker = _device_tracker()
     tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
     grads: list[tuple[str, torch.device]] = []
     with tracker:
+        for _ in range(max(0, steps - 1)):
+            step()
+        tracker.restart_peak()
         step(grads)
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
     peak = {name: 0 for name in CATEGORIES.values()}
@@ -337,6 +344,11 @@ def _device_tracker():
 
         def _post_bw_hook(self, module, args):
             pass
+
+        def restart_peak(self) -> None:
+            """The peak from now on (what ``__enter__`` does)."""
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
 
     return DeviceTracker()
 
