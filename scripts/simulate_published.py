@@ -157,6 +157,25 @@ def cpu_rows(doc: Path) -> list[list[str]]:
     return cells
 
 
+def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> list[str]:
+    """One PASS / FAIL line per target (the summaries read them): each GPU row's estimate against
+    its simulation (a layout not simulated fails its target), and the CPU legs together."""
+    lines = []
+    for c in gpu_cells:
+        if c[3] == "-":
+            lines.append(f"FAIL: {c[0]} ({c[1]}): {c[-1]}")
+        else:
+            lines.append(f"{c[-1][:4]}: {c[0]} rank {c[2]}: estimate / simulated {c[3]} (need 0.90-1.10)")
+    judged = [c for c in cpu_cells if c[-1].startswith(("PASS", "FAIL"))]
+    if judged:
+        ratios = [float(c[3]) for c in judged]
+        ok = all(c[-1].startswith("PASS") for c in judged)
+        lines.append(f"{'PASS' if ok else 'FAIL'}: bench_planner CPU legs, simulated / measured tracked bytes "
+                     f"{min(ratios):.3f}-{max(ratios):.3f} on {len(judged)} legs (need 0.95-1.05; "
+                     f"{len(cpu_cells) - len(judged)} tiny legs measured to 0.001 GiB only, not judged)")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
@@ -169,16 +188,18 @@ def main() -> None:
             f"`build_optimizer` and two AdamW steps as rank r of N, MemTracker's peak of tensor bytes in the "
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
+    gpu_cells, cpu_cells = [], []
     if "gpu" in parts or "lora" in parts:
-        cells = (gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
-        body += markdown_table(HEADER, cells) + "\n\n"
+        gpu_cells = (gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
+        body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if "cpu" in parts:
         doc = Path(args.write) if args.write else Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
         header = ["bench_planner leg", "layout", "world", "simulated / measured tracked", "simulated (GiB)",
                   "measured tracked (GiB)", "estimate less overhead (GiB)", "placement", "time (s)", "verdict"]
         body += ("CPU legs of `scripts/bench_planner.py` simulated as CPU processes (rank 0), against the tracked "
                  "bytes that script measured (its section of this file):\n\n"
-                 + markdown_table(header, cpu_rows(doc)) + "\n\n")
+                 + markdown_table(header, cpu_cells := cpu_rows(doc)) + "\n\n")
+    body += "\n".join(verdict_lines(gpu_cells, cpu_cells)) + "\n\n"
     body += f"Whole run: {time.perf_counter() - start:.0f} s.\n"
     print(body)
     write_doc(args, body)
