@@ -142,8 +142,11 @@ class _Runtime:
     def set_device(self, device) -> None:
         index = device if isinstance(device, int) else torch.device(device).index
         self.index = 0 if index is None else index
-        if self.guarded:  # the C++ side's current device too (DTensor asks torch.accelerator)
-            torch.accelerator.set_device_index(self.index)
+        if self.guarded or not _real_gpu():  # the C++ fake guard's current device too (DTensor asks it)
+            try:
+                torch.accelerator.set_device_index(self.index)
+            except RuntimeError:  # a CUDA build before FakeTensorMode installs its fake guard
+                pass
 
     def functions(self) -> dict:
         return {
