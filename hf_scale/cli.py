@@ -195,6 +195,12 @@ def plan(args: list[str]) -> int:
                         help="auto-planner: bus bandwidth per rank between nodes, GB/s (default: InfiniBand 40)")
     parser.add_argument("--latency-us", type=float, default=None,
                         help="auto-planner: latency of one collective, microseconds (default: 10 NVLink, 20 IB)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="run the real parallelize and a training step as the first and last rank of the world "
+                             "on fake CUDA devices (no GPU needed): the peak memory by category beside the planner's "
+                             "estimate, and the device of every tensor; with --gpus, of the recommended layout")
+    parser.add_argument("--simulate-ranks", default=None,
+                        help="with --simulate: the ranks to simulate, comma-separated (default: first and last)")
     parser.add_argument("--candidates", action="store_true",
                         help="auto-planner for this machine: the recipe's CPU processes, the RAM divided among them")
     args, overrides = take_overrides(args)
@@ -223,6 +229,18 @@ def plan(args: list[str]) -> int:
         given_nodes = ns.nnodes
     links = {k: v for k, v in (("intra_gbps", ns.intra_gbps), ("inter_gbps", ns.inter_gbps),
                                ("latency_us", ns.latency_us)) if v is not None}
+    ranks = [int(r) for r in ns.simulate_ranks.split(",")] if ns.simulate_ranks else None
+    if ns.simulate and ns.gpus and not parallel.auto:
+        print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks))
+        return 0
+    if ns.simulate and not parallel.auto:  # the layout of the flags (or the recipe), as planned below
+        from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
+
+        config, task = read_model_config(model_cfg), ns.task or model_cfg.task
+        print(format_report(plan_report(config, parallel, world, nnodes, task)))
+        print(format_simulations(simulate_ranks(config, as_layout(parallel, world), ns.seq or 1024, ns.batch or 1,
+                                                ranks, task)))
+        return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text
 
@@ -234,6 +252,27 @@ def plan(args: list[str]) -> int:
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0
+
+
+def _plan_and_simulate(config, ns, nodes, links, ranks) -> str:
+    """``plan --gpus N --simulate``: the candidates, then the recommended layout simulated."""
+    from .layout_search.ranking import (
+        H100,
+        default_nodes,
+        format_candidates,
+        plan_candidates,
+        with_links,
+    )
+    from .layout_search.simulate import format_simulations, simulate_ranks
+
+    seq, batch, task = ns.seq or 1024, ns.batch or 1, ns.task or "causal_lm"
+    facts, best, ranked, budget, work = plan_candidates(
+        config, ns.gpus, ns.gpu_memory or "80GB", seq, batch, default_nodes(ns.gpus, nodes),
+        with_links(H100, **links), task=task)
+    text = format_candidates(facts, best, ranked, budget, work)
+    if best is None:
+        return text
+    return text + "\n\n" + format_simulations(simulate_ranks(config, best.layout, seq, batch, ranks, task), budget)
 
 
 def generate(args: list[str]) -> int:

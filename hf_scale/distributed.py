@@ -32,8 +32,11 @@ MPI_VARS = (
      ("MPI_LOCALRANKID", "PALS_LOCAL_RANKID", "SLURM_LOCALID"),
      ("MPI_LOCALNRANKS", "PALS_LOCAL_SIZE", "SLURM_STEP_TASKS_PER_NODE")),
 )
+# Set by hf_scale.layout_search.simulate only: "fake" runs this process as one rank of a simulated
+# world (torch's fake process group, no communication); the device is chosen as on a real run.
+BACKEND_VAR = "HF_SCALE_BACKEND"
 # Every variable that makes a process a worker of some launcher (tests clear them all).
-LAUNCHER_VARS = TORCHRUN_VARS + ("LOCAL_WORLD_SIZE",) + tuple(
+LAUNCHER_VARS = TORCHRUN_VARS + ("LOCAL_WORLD_SIZE", BACKEND_VAR) + tuple(
     v for _, r, s, lr, ls in MPI_VARS for v in (r, s, *lr, *ls)
 )
 
@@ -99,9 +102,12 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     device: torch.device
+    simulated: bool = False  # one rank of a simulated world: torch's fake process group
 
     @property
     def backend(self) -> str:
+        if self.simulated:
+            return "fake"
         return "nccl" if self.device.type == "cuda" else "gloo"
 
     @property
@@ -172,7 +178,20 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-    return DistEnv(rank, world, local_rank, local_world, device)
+    return DistEnv(rank, world, local_rank, local_world, device, _simulated(env))
+
+
+def _simulated(env: Mapping[str, str]) -> bool:
+    """Whether ``HF_SCALE_BACKEND`` asks for the fake process group (set by ``simulate`` only)."""
+    value = env.get(BACKEND_VAR)
+    if value in (None, ""):
+        return False
+    if value != "fake":
+        raise HfScaleConfigError(
+            f"{BACKEND_VAR}={value!r}: the only value is 'fake' (a simulated world, set by "
+            "hf_scale.layout_search.simulate); unset it for a real run."
+        )
+    return True
 
 
 def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
@@ -188,13 +207,20 @@ def init_distributed(timeout_seconds: int = 1800) -> DistEnv:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         dist.init_process_group(
             backend=env.backend,
-            store=_attempt_store(env, timeout),
+            store=_fake_store() if env.simulated else _attempt_store(env, timeout),
             rank=env.rank,
             world_size=env.world_size,
             timeout=timeout,
-            device_id=env.device if env.device.type == "cuda" else None,
+            device_id=env.device if env.device.type == "cuda" and not env.simulated else None,
         )
     return env
+
+
+def _fake_store():
+    """The store of torch's fake process group (registers the ``fake`` backend on import)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def _import_world_readers() -> None:

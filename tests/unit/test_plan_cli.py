@@ -84,7 +84,7 @@ def cli_output(capsys, tiny_folder):
     ("extra", "message"),
     [
         (["--devices", "8", "--bogus", "3"],
-         "unknown flag --devices: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp, --pp, --pp-schedule, --pp-microbatches, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, --inter-gbps, --latency-us, --candidates."),
+         "unknown flag --devices: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp, --pp, --pp-schedule, --pp-microbatches, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, --inter-gbps, --latency-us, --simulate, --simulate-ranks, --candidates."),
         (["--world-siz", "8"], "unknown flag --world-siz: did you mean --world-size?"),
         (["--world", "8"], "unknown flag --world: did you mean --world-size?"),  # no abbreviations
         (["--world-size", "x"], "argument --world-size: invalid int value: 'x'. See hf-scale plan --help."),
@@ -202,3 +202,11 @@ def test_a_replicated_style_keeps_the_whole_weight():
     tp = plan_report(config, ParallelConfig(tp=2), 2)["tp"]
     assert ("model.layers.*.self_attn.q_norm", "replicated_with_grad_allreduce", 2) in tp["styles"]
     assert tp["replicated_params"] == 2 * (8 + 8 + 32 + 32) + 32  # q/k norms, 2 RMSNorms a layer, the final one
+
+
+def test_plan_simulate_runs_the_layout_as_its_first_and_last_rank(tiny_folder, cli_output):
+    """--simulate: the real parallelize and a step as ranks 0 and 7 of 8 on fake CUDA devices."""
+    assert main(["plan", tiny_folder, "--world-size", "8", "--strategy", "zero2", "--seq", "16", "--simulate"]) == 0
+    out = cli_output.readouterr().out
+    assert "rank 0 of 8 on cuda:0: zero2 1x8x1x1" in out and "rank 7 of 8 on cuda:7" in out
+    assert "estimate / simulated" in out and "placement: every tensor on its rank's device" in out

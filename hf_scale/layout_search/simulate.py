@@ -1,0 +1,438 @@
+"""Simulated scale: the real ``parallelize`` and training steps as rank r of N, in one process.
+
+:func:`simulate` builds the model on fake CUDA tensors (``FakeTensorMode``: shapes, dtypes and
+devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_size``-rank world:
+
+1. ``hf_scale.parallelize`` itself, unchanged: :func:`hf_scale.distributed.init_distributed`
+   reads the ranks from the environment a launcher would set, picks ``cuda:LOCAL_RANK`` through
+   its usual device selection (:mod:`.fake_cuda` answers the CUDA runtime's questions) and
+   starts torch's fake process group (``HF_SCALE_BACKEND=fake``: collectives return at once);
+   the mesh is built for the N ranks, this rank's pipeline stages are kept. A layout that cannot
+   run at that size raises here the error it raises on the cluster.
+2. ``build_optimizer`` and ``steps`` training steps (``train_step``, AdamW's ``step``), the last
+   one under torch's ``MemTracker``: the peak of tracked bytes on ``cuda:LOCAL_RANK``, by what
+   holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
+   per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
+   shards), optimizer state, activations (what forward makes, FSDP's gathered parameters
+   included) and temporaries (what backward makes: gradients included, hence ``grads`` 0).
+3. A placement check: the device of every parameter (a ``DTensor``'s local shard), buffer,
+   gradient and optimizer state, and of the tensors each block and the model receive, against
+   ``cuda:LOCAL_RANK`` (the host for what ``cpu_offload`` keeps there).
+
+Beside it, the planner's :func:`~.estimate.estimate_memory` for the same layout and workload,
+less the process overhead (``MemTracker`` sees tensors only, not the CUDA context).
+
+Usage::
+
+    from transformers import AutoConfig
+    from hf_scale.layout_search.simulate import simulate
+    config = AutoConfig.for_model("llama", hidden_size=4096, ...)
+    result = simulate(config, world_size=64, rank=0, parallel=Layout("fsdp", dp_shard=32, tp=2, ...),
+                      seq=4096, batch=1)
+    print(result.format())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..config import ParallelConfig
+from ..errors import HfScaleConfigError
+from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
+from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
+
+GiB = 2**30
+# MemTracker's categories -> the names printed here
+CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
+              "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+
+
+@dataclass
+class Simulation:
+    """One simulated rank: where it sits, its tracked peak by category, the planner's estimate, and
+    the devices its tensors landed on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    layout: Layout
+    device: str  # the device hf_scale chose for this rank
+    stages: tuple[int, ...]  # its pipeline stages (empty without pp)
+    peak: dict[str, int]  # bytes at the tracked peak, by category, and "total"
+    estimate: MemoryEstimate
+    placement: dict[str, dict[str, int]]  # kind -> device -> tensor count
+    misplaced: list[str] = field(default_factory=list)  # "kind name: device (expected ...)"
+    seconds: float = 0.0
+
+    @property
+    def estimated(self) -> int:
+        """The planner's device total less its process overhead: what MemTracker can see."""
+        return self.estimate.device_total - self.estimate.overhead
+
+    @property
+    def ratio(self) -> float:
+        """estimate / simulated peak."""
+        return self.estimated / max(1, self.peak["total"])
+
+    def format(self) -> str:
+        unit, size = ("GiB", GiB) if self.peak["total"] >= GiB else ("MiB", 2**20)
+        gib = lambda b: f"{b / size:.2f}"  # noqa: E731
+        est = self.estimate
+        estimate_parts = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+                          "activations": est.activations + est.logits_loss, "buffers": est.comm_buffers}
+        stages = f", stages {', '.join(map(str, self.stages))}" if self.stages else ""
+        lines = [f"rank {self.rank} of {self.world_size} on {self.device}{stages}: {self.layout.describe()} "
+                 f"({self.seconds:.1f} s)",
+                 f"  simulated peak ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in self.peak.items() if v or k == "total"),
+                 f"  planner estimate ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in estimate_parts.items() if v)
+                 + f", total {gib(self.estimated)} (device total less {gib(est.overhead)} overhead)",
+                 f"  estimate / simulated: {self.ratio:.3f}"]
+        for kind, devices in self.placement.items():
+            lines.append(f"  {kind}: " + ", ".join(f"{n} on {d}" for d, n in sorted(devices.items())))
+        lines += [f"  MISPLACED {m}" for m in self.misplaced[:20]]
+        return "\n".join(lines)
+
+
+def simulate(source, world_size: int, rank: int = 0, parallel: Layout | ParallelConfig | None = None, *,
+             seq: int = 1024, batch: int = 1, local_world_size: int | None = None, steps: int = 2,
+             task: str = "causal_lm", device: str = "cuda") -> Simulation:
+    """Run ``parallelize`` and ``steps`` training steps as rank ``rank`` of ``world_size`` on fake
+    CUDA devices (module doc); ``source`` is a transformers config or a model on the meta device
+    (e.g. with peft adapters). ``parallel`` is a planner :class:`Layout` (its ``micro_batch``
+    sequences per forward) or a ``ParallelConfig``; ``batch`` sequences per data-parallel rank
+    per step; ``local_world_size`` GPUs per node (default ``min(8, world_size)``). ``device="cpu"``
+    simulates CPU processes (gloo's placement: every tensor on the host), to compare with runs
+    measured on this machine."""
+    import torch.distributed as dist
+
+    from ..distributed import BACKEND_VAR, shutdown_distributed
+
+    layout = as_layout(parallel, world_size)
+    if layout.pp > 1:
+        raise HfScaleConfigError(
+            f"pp={layout.pp}: pipeline parallel is not simulated yet. torch.distributed.pipelining's stages "
+            "agree on their mode and infer their inputs' shapes by exchanging values over point-to-point "
+            "messages (a vote, tensor metadata), which torch's fake process group does not carry. Plan a "
+            "pipeline with `hf-scale plan --pp N` (stages, bubble, the planner's estimate) instead."
+        )
+    local = local_world_size or min(MAX_DEVICES, world_size)
+    if not 0 <= rank < world_size or world_size % local:
+        raise HfScaleConfigError(
+            f"rank={rank} of world_size={world_size} with {local} GPUs per node: the rank must be in "
+            f"0..{world_size - 1} and the GPUs per node must divide the world size."
+        )
+    if dist.is_available() and dist.is_initialized():
+        raise HfScaleConfigError(
+            "simulate() starts its own (fake) process group, but one is already running in this process: "
+            "simulate outside torchrun, or after hf_scale.shutdown_distributed()."
+        )
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
+           "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", BACKEND_VAR: "fake"}
+    start = time.perf_counter()
+    estimate = _estimate(source, layout, seq, batch, task, device)
+    meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
+    if device not in ("cuda", "cpu"):
+        raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
+    runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
+    with _environ(env), runtime, fake_tensors(), _symmetric_objects():
+        try:
+            result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps)
+        finally:
+            shutdown_distributed()
+    result.estimate = estimate
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
+    """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks (its degrees resolved
+    as ``parallelize`` resolves them)."""
+    from ..mesh import ParallelDims
+
+    if isinstance(parallel, Layout):
+        if parallel.world_size != world_size:
+            raise HfScaleConfigError(
+                f"layout {parallel.describe()} has {parallel.world_size} ranks, but world_size={world_size}: "
+                "give degrees whose product is the world size."
+            )
+        return parallel
+    config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
+    dims = ParallelDims.resolve(config, world_size)
+    return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
+                  pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,
+                  cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
+                  pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
+                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
+
+
+def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
+         steps: int) -> Simulation:
+    """``model`` (fake tensors on the host, as ``from_pretrained`` leaves it) parallelized and trained."""
+    from ..api import parallelize
+    from ..parallel.optim import build_optimizer, no_sync
+    from ..parallel_state import get_state
+
+    model = parallelize(model, layout.parallel_config())
+    state = get_state(model)
+    device = state.env.device
+    optimizer = build_optimizer(model, lr=1e-5)
+    inputs = _record_inputs(model, state)
+    micro = max(1, min(layout.micro_batch, batch)) if layout.pp == 1 else batch
+    vocab = model.config.vocab_size
+
+    def step(grads: list | None = None) -> None:
+        for i in range(batch // micro):
+            ids = torch.randint(vocab, (micro, seq), device=device)
+            last = i == batch // micro - 1
+            with no_sync(model, enabled=not last) if batch > micro else contextlib.nullcontext():
+                model.train_step({"input_ids": ids, "labels": ids})
+        if grads is not None:
+            grads += [(n, _local(p.grad).device) for n, p in model.named_parameters() if p.grad is not None]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model.train()
+    # tracked from the first step on, so that what the first step builds and keeps (DDP's gradient
+    # buckets, made by its lazy initialisation in the first forward; AdamW's state) is counted;
+    # the peak is the last step's
+    tracker = _device_tracker()
+    tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
+    grads: list[tuple[str, torch.device]] = []
+    with tracker:
+        for _ in range(max(0, steps - 1)):
+            step()
+        tracker.restart_peak()
+        step(grads)
+    snap = tracker.get_tracker_snapshot("peak").get(device, {})
+    peak = {name: 0 for name in CATEGORIES.values()}
+    for key, value in snap.items():
+        name = CATEGORIES.get(str(getattr(key, "value", key)))
+        if name is not None:
+            peak[name] += value
+    peak["total"] = snap.get("Total", sum(peak.values()))
+    placement, misplaced = check_placement(model, optimizer, inputs, grads, device, layout.cpu_offload)
+    stages = tuple(getattr(state.pipeline, "stages", ()) or ()) if state.pipeline is not None else ()
+    return Simulation(rank=rank, world_size=world_size, local_rank=rank % local, layout=layout, device=str(device),
+                      stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced)
+
+
+def _fake_on_host(model: nn.Module) -> nn.Module:
+    """``model`` (on the meta device) as fake tensors on the host, as ``from_pretrained`` leaves a
+    model before ``parallelize``; a parameter used by several modules (tied embeddings) stays one
+    (``to_empty`` under the fake mode gives each use its own)."""
+    uses: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                uses.setdefault(id(p), []).append((module, name))
+    model.to_empty(device="cpu")
+    for (first, first_name), *others in uses.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    return model
+
+
+def _meta_model(source, task: str) -> nn.Module:
+    """``source``: a config (its model built on the meta device), or a model on the meta device."""
+    from ..layout_preview import meta_model
+
+    # a copy of the config: parallelize may change the model's (activation checkpointing turns off its cache)
+    model = source if isinstance(source, nn.Module) else meta_model(copy.deepcopy(source), task)
+    if any(not p.is_meta for p in model.parameters()):
+        raise HfScaleConfigError(
+            f"simulate() needs a config or a model on the meta device; this {type(model).__name__} holds real "
+            "weights: give its .config, or build it under torch.device('meta')."
+        )
+    return model
+
+
+def _record_inputs(model: nn.Module, state) -> list[tuple[str, torch.device]]:
+    """A pre-forward hook on the model and each block: the device of every tensor they receive."""
+    from ..model_plans import wrap_units
+    from ..model_plans.adapters import adapter_host
+
+    seen: list[tuple[str, torch.device]] = []
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def hook(module, args, kwargs):
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                seen.append((names.get(id(module), "model") or "model", value.device))
+
+    host = adapter_host(model)
+    targets = [host] if state.pipeline is None else []
+    for module in [*targets, *wrap_units(host, state.plan)]:
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def check_placement(model: nn.Module, optimizer, inputs, grads, device: torch.device,
+                    offload: bool) -> tuple[dict[str, dict[str, int]], list[str]]:
+    """Devices of parameters, buffers, gradients, optimizer state and block inputs: counts per
+    kind and device, and each tensor not where it belongs (``device``; the host for the shards,
+    gradients and optimizer state ``cpu_offload`` keeps there)."""
+    counts: dict[str, Counter] = {k: Counter() for k in ("parameters", "buffers", "gradients", "optimizer state",
+                                                          "block inputs")}
+    wrong: list[str] = []
+    host = torch.device("cpu")
+
+    def check(kind: str, name: str, actual: torch.device, expected: torch.device) -> None:
+        counts[kind][str(actual)] += 1
+        if actual != expected:
+            wrong.append(f"{kind} {name}: {actual} (expected {expected})")
+
+    sharded = _sharded(model)
+    for name, p in model.named_parameters():
+        check("parameters", name, _local(p).device, host if offload and sharded else device)
+    for name, b in model.named_buffers():
+        check("buffers", name, b.device, device)
+    for name, actual in grads:
+        check("gradients", name, actual, host if offload and sharded else device)
+    for index, state in enumerate(_optimizer_states(optimizer)):
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                check("optimizer state", f"#{index}.{key}", _local(value).device, host if offload and sharded else device)
+    for name, actual in inputs:
+        check("block inputs", name, actual, device)
+    return {k: dict(v) for k, v in counts.items() if v}, wrong
+
+
+def _sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _optimizer_states(optimizer) -> Iterator[dict]:
+    for opt in (optimizer, *_inner_optimizers(optimizer)):
+        yield from opt.state.values()
+
+
+def _inner_optimizers(optimizer) -> list:
+    """ZeroRedundancyOptimizer keeps its state in an inner optimizer the tracker must be told of."""
+    inner = getattr(optimizer, "optim", None)
+    return [inner] if inner is not None and inner is not optimizer else []
+
+
+def _device_tracker():
+    """torch's ``MemTracker`` without its per-module statistics (they refuse a module that runs
+    several forwards in one step, a pipeline stage's microbatches), as ``bench_planner.py`` uses it."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class DeviceTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            pass
+
+        def _post_fw_hook(self, module, inputs, outputs):
+            pass
+
+        def _pre_bw_hook(self, module, args):
+            pass
+
+        def _post_bw_hook(self, module, args):
+            pass
+
+        def restart_peak(self) -> None:
+            """The peak from now on (what ``__enter__`` does)."""
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
+
+    return DeviceTracker()
+
+
+def _estimate(source, layout: Layout, seq: int, batch: int, task: str, device: str) -> MemoryEstimate:
+    from .profile import model_facts
+
+    work = Workload(seq=seq, batch=batch, device=device)
+    return estimate_memory(model_facts(source, task), layout, work)
+
+
+@contextlib.contextmanager
+def _symmetric_objects() -> Iterator[None]:
+    """Object collectives as if every rank held what this one holds: the fake process group moves
+    no data, and a gathered list of pickled objects would be unreadable. (``parallelize`` gathers
+    such facts to fail on every rank alike; one simulated rank sees its own.)"""
+    import torch.distributed as dist
+
+    def all_gather_object(object_list, obj, group=None):
+        object_list[:] = [obj] * len(object_list)
+
+    def gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj] * len(object_gather_list)
+
+    def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+        pass  # the source's objects: this rank's
+
+    replaced = {"all_gather_object": all_gather_object, "gather_object": gather_object,
+                "broadcast_object_list": broadcast_object_list}
+    saved = {name: getattr(dist, name) for name in replaced}
+    try:
+        for name, fn in replaced.items():
+            setattr(dist, name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """The launcher's variables for the simulated rank while entered; the process's own after."""
+    from ..distributed import LAUNCHER_VARS
+
+    saved = {k: os.environ.get(k) for k in (*LAUNCHER_VARS, *values)}
+    for k in LAUNCHER_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def simulate_ranks(source, layout: Layout, seq: int, batch: int, ranks: list[int] | None = None,
+                   task: str = "causal_lm", local_world_size: int | None = None) -> list[Simulation]:
+    """:func:`simulate` of ``layout`` as each of ``ranks`` (default: the first and the last rank,
+    which hold the first and last pipeline stage and the shortest shard of an uneven split)."""
+    world = layout.world_size
+    ranks = sorted(set(ranks if ranks is not None else (0, world - 1)))
+    return [simulate(source, world, r, layout, seq=seq, batch=batch, task=task, local_world_size=local_world_size)
+            for r in ranks]
+
+
+def format_simulations(results: list[Simulation], budget: int | None = None) -> str:
+    """``hf-scale plan --simulate``'s lines: each simulated rank, and whether their peaks differ."""
+    if not results:
+        return ""
+    lines = [f"simulated on fake CUDA devices (no GPU; torch's fake process group, {results[0].world_size} ranks): "
+             "MemTracker's peak of tensor bytes in one training step, beside the planner's estimate less its "
+             "process overhead"]
+    for r in results:
+        lines.append(r.format())
+        if budget:
+            lines.append(f"  {'fits' if r.peak['total'] + r.estimate.overhead <= budget else 'DOES NOT FIT'} in "
+                         f"{budget / GiB:.1f} GiB with the {r.estimate.overhead / GiB:.2f} GiB process overhead")
+    totals = {r.rank: r.peak["total"] for r in results}
+    if len(set(totals.values())) > 1:
+        lines.append("ranks differ: " + ", ".join(f"rank {k} {v / GiB:.2f} GiB" for k, v in totals.items()))
+    misplaced = sum(len(r.misplaced) for r in results)
+    lines.append(f"placement: {'every tensor on its rank' + chr(39) + 's device' if not misplaced else f'{misplaced} tensor(s) MISPLACED'}")
+    return "\n".join(lines)
