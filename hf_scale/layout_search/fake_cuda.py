@@ -175,6 +175,17 @@ def fake_cuda(count: int) -> Iterator[None]:
             f"a simulated node has {count} GPUs: between 1 and {MAX_DEVICES} (torch's fake device "
             "guard knows 8). Simulate with local_world_size (GPUs per node) of at most 8."
         )
+    if torch.cuda._is_compiled() and torch.cuda.device_count() < count:
+        # FakeTensorMode touches each CUDA device it sees (init_gpu_context allocates on it) and
+        # autograd goes through the real device guard: only GPUs that exist can stand in.
+        visible = torch.cuda.device_count()
+        raise HfScaleConfigError(
+            f"this torch is built with CUDA, so a simulated node of {count} GPUs needs {count} visible GPUs "
+            f"(torch's fake tensors use the real CUDA device guard); this process sees {visible}. "
+            + (f"Simulate with local_world_size={visible} or fewer GPUs per node (the memory per rank "
+               "does not change), " if visible else "Make a GPU visible, ")
+            + "or run the simulation with a CPU-only build of torch, which needs no GPU."
+        )
     runtime = _Runtime(count)
     replaced = runtime.functions()
     saved = {name: getattr(torch.cuda, name) for name in replaced}

@@ -124,7 +124,7 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
             "messages (a vote, tensor metadata), which torch's fake process group does not carry. Plan a "
             "pipeline with `hf-scale plan --pp N` (stages, bubble, the planner's estimate) instead."
         )
-    local = local_world_size or min(MAX_DEVICES, world_size)
+    local = local_world_size or _gpus_per_node(world_size, device)
     if not 0 <= rank < world_size or world_size % local:
         raise HfScaleConfigError(
             f"rank={rank} of world_size={world_size} with {local} GPUs per node: the rank must be in "
@@ -151,6 +151,15 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     result.estimate = estimate
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _gpus_per_node(world_size: int, device: str) -> int:
+    """The default GPUs per node: 8 (or fewer dividing the world). A torch built with CUDA lets
+    only its visible GPUs stand in (:func:`.fake_cuda.fake_cuda`), so at most as many."""
+    most = min(MAX_DEVICES, world_size)
+    if device == "cuda" and torch.cuda._is_compiled():
+        most = min(most, max(torch.cuda.device_count(), 1))
+    return max(d for d in range(1, most + 1) if world_size % d == 0)
 
 
 def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
