@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from hf_scale.cli import main
@@ -204,6 +205,8 @@ def test_a_replicated_style_keeps_the_whole_weight():
     assert tp["replicated_params"] == 2 * (8 + 8 + 32 + 32) + 32  # q/k norms, 2 RMSNorms a layer, the final one
 
 
+@pytest.mark.skipif(torch.cuda._is_compiled() and torch.cuda.device_count() < 8,
+                    reason="a CUDA build of torch with fewer than 8 visible GPUs (see test_fake_cuda_build.py)")
 def test_plan_simulate_runs_the_layout_as_its_first_and_last_rank(tiny_folder, cli_output):
     """--simulate: the real parallelize and a step as ranks 0 and 7 of 8 on fake CUDA devices."""
     assert main(["plan", tiny_folder, "--world-size", "8", "--strategy", "zero2", "--seq", "16", "--simulate"]) == 0
