@@ -149,14 +149,18 @@ class ParallelDims:
         return shown + (f" (ep={self.ep} of dp_shard)" if self.ep > 1 else "")
 
     def expert_meshes(self, mesh):
-        """``(ep mesh, experts' data-parallel mesh)`` under expert parallel: ``dp_shard`` unflattened
-        into ``efsdp x ep`` (ep innermost: the ranks of one ep group are neighbours); the experts
-        are FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp). Same root mesh as
-        ``mesh``, so FSDP can compose the two (its TP/EP path). Collective: call once, on every rank."""
+        """``(experts' weight mesh, experts' data-parallel mesh)``. Under expert parallel
+        ``dp_shard`` is unflattened into ``efsdp x ep`` (ep innermost: the ranks of one ep group
+        are neighbours); the weights live on ``ep`` (``ep x tp`` with tensor parallel) and are
+        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp). Same root mesh as
+        ``mesh``, so FSDP composes the two (its TP/EP path). Without ep: ``tp`` and the dp mesh.
+        Collective: call once, on every rank."""
+        if self.ep == 1:
+            return mesh["tp"], self.dp_mesh(mesh)
         expert = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
         expert["efsdp", "ep"]._flatten("efsdp_ep")  # one collective for a norm over both (DTensor finds it)
         dp = expert["dp_replicate", "efsdp"] if self.dp_replicate > 1 else expert["efsdp"]
-        return expert["ep"], dp
+        return (expert["ep", "tp"] if self.tp > 1 else expert["ep"]), dp
 
 
 def _check_divides(name: str, size: int, dp_ranks: int) -> None:

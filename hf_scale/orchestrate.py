@@ -35,7 +35,7 @@ from .model_plans.ep import ExpertsLayout, check_ep, experts_layout
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
-from .parallel.ep import apply_ep
+from .parallel.ep import apply_experts
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
@@ -55,8 +55,8 @@ class Topology:
     tp: TPLayout | None = None
     pp: PipelineLayout | None = None
     stages: tuple[int, ...] = ()
-    experts: ExpertsLayout | None = None  # under expert parallel only
-    ep_mesh: Any = None
+    experts: ExpertsLayout | None = None  # a mixture-of-experts model under ep or tp
+    experts_mesh: Any = None  # the experts' weights: over ep, tp or ep x tp
     experts_dp_mesh: Any = None  # the ranks that hold the same experts (FSDP shards them there)
 
     @property
@@ -134,14 +134,15 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     if dims.pp_enabled:
         pp = pp_layout(model, plan, dims.pp, config.stages_per_rank, config.pp_schedule == "zbv",
                        config.pp_split_points)
-    tp = tp_layout(model, plan, dims.tp) if dims.tp_enabled else None
-    experts = None
+    experts = experts_layout(model, plan) if dims.ep_enabled or dims.tp_enabled else None
     if dims.ep_enabled:
-        experts = experts_layout(model, plan)
         check_ep(experts, model, plan, dims.ep)
+    tp = tp_layout(model, plan, dims.tp, experts) if dims.tp_enabled else None
+    if experts is not None and not experts.is_moe:
+        experts = None
     mesh = build_mesh(dims, env.device.type)
-    ep_mesh, experts_dp_mesh = dims.expert_meshes(mesh) if experts is not None else (None, None)
-    return Topology(dims, mesh, tp, pp, experts=experts, ep_mesh=ep_mesh, experts_dp_mesh=experts_dp_mesh)
+    experts_mesh, experts_dp_mesh = dims.expert_meshes(mesh) if experts is not None else (None, None)
+    return Topology(dims, mesh, tp, pp, experts=experts, experts_mesh=experts_mesh, experts_dp_mesh=experts_dp_mesh)
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
@@ -202,11 +203,15 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, plan: ModelPlan)
 
 
 def apply_expert_parallel(model: nn.Module, topology: Topology) -> None:
-    """Each ep rank keeps its experts (1/ep of each expert-indexed weight) and exchanges tokens
-    with the others by all-to-all, over the mesh's ``ep`` dimension."""
+    """A mixture-of-experts model's experts: under ep each ep rank keeps its experts (1/ep of
+    each expert-indexed weight) and exchanges tokens with the others by all-to-all; under tp
+    each expert's intermediate size is split over the tp ranks."""
     if topology.experts is None:
         return
-    apply_ep(model, topology.ep_mesh, topology.experts.modules)
+    split = topology.tp.experts if topology.tp is not None else None
+    present = {name for name, m in model.named_modules() if not is_stand_in(m)}
+    held = {n: p for n, p in topology.experts.modules.items() if n in present}  # this rank's pipeline stages
+    apply_experts(model, held, topology.experts_mesh, topology.dims.ep_enabled, split)
 
 
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:
@@ -307,7 +312,8 @@ def attach_state(model: nn.Module, state: ParallelState) -> nn.Module:
 
 
 def _experts_modules(root: nn.Module, topology: Topology) -> list[nn.Module]:
-    if topology.experts is None:
+    """The experts modules FSDP shards as units of their own: under ep (over other ranks)."""
+    if topology.experts is None or not topology.dims.ep_enabled:
         return []
     return [root.get_submodule(name) for name in topology.experts.modules]
 

@@ -100,6 +100,48 @@ def check_ep(layout: ExpertsLayout, model: nn.Module, plan: ModelPlan, ep: int) 
         )
 
 
+def experts_tp_split(model: nn.Module, layout: ExpertsLayout, tp: int) -> dict[str, dict[str, tuple[int | None, int]]]:
+    """How tensor parallel splits each expert over ``tp`` ranks: its intermediate dimension, as
+    Megatron splits an MLP. Experts module -> parameter -> ``(dim, parts)``: ``dim`` the split
+    dimension (None: whole on every rank), ``parts`` 2 for a fused ``[gate; up]`` split per part
+    (rank r holds ``[gate_r; up_r]``, what the forward's ``chunk(2)`` expects), 1 for a plain
+    split (an interleaved ``gate_up`` keeps its pairs whole: a contiguous even slice), 0 for the
+    ``down_proj`` bias, added once (on the first tp rank) to the partial sums.
+
+    The layout follows transformers' experts contract (``integrations/moe.py``: ``gate_up_proj``
+    / ``up_proj``, ``down_proj`` and their ``_bias``; ``is_transposed`` stores ``[E, in, out]``;
+    ``is_concatenated=False`` interleaves gate and up), not a model name."""
+    out: dict[str, dict[str, tuple[int | None, int]]] = {}
+    for name, params in layout.modules.items():
+        module = model.get_submodule(name)
+        transposed = bool(getattr(module, "is_transposed", False))
+        concatenated = bool(getattr(module, "is_concatenated", True))
+        split = {}
+        for p in params:
+            shape = tuple(module.get_parameter(p).shape)
+            base, bias = p.removesuffix("_bias"), p.endswith("_bias")
+            if base == "down_proj":
+                split[p] = (None, 0) if bias else (1 if transposed else 2, 1)
+            elif base in ("gate_up_proj", "up_proj"):
+                parts = 2 if base == "gate_up_proj" and concatenated else 1
+                split[p] = (1 if bias or not transposed else 2, parts)
+            else:
+                raise HfScalePlanError(
+                    f"{name}.{p} {list(shape)}: hf_scale's tensor-parallel experts split gate_up_proj / "
+                    "up_proj / down_proj (and their _bias), transformers' experts layout; it cannot tell "
+                    f"how to split {p!r}. Leave the experts whole with tp (plan={{'tp_plan': ...}}) or use ep."
+                )
+            dim, parts = split[p]
+            if dim is not None and shape[dim] % (tp * parts):
+                raise HfScalePlanError(
+                    f"tp={tp} does not divide {name}.{p} {list(shape)} on its intermediate dimension "
+                    f"({shape[dim]}{f' = {parts} packed parts' if parts > 1 else ''}): each tp rank holds an "
+                    "equal slice of every expert. Choose a tp that divides the experts' intermediate size."
+                )
+        out[name] = split
+    return out
+
+
 def _match(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
     regex = re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")))
     return [m for m in modules if m and regex.fullmatch(m)]

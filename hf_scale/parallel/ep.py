@@ -24,7 +24,7 @@ expert parallel). Weights: each expert-indexed parameter (dim 0 = expert) become
 
 Usage::
 
-    apply_ep(model, ep_mesh, {"model.layers.0.mlp.experts": ("gate_up_proj", "down_proj")})
+    apply_experts(model, ep_mesh, {"model.layers.0.mlp.experts": ("gate_up_proj", "down_proj")}, ep=True)
 """
 
 from __future__ import annotations
@@ -35,51 +35,98 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def apply_ep(model: nn.Module, ep_mesh, experts: Mapping[str, tuple[str, ...]]) -> None:
-    """Shard the expert-indexed parameters of each module in ``experts`` (module name -> its
-    parameter names) over ``ep_mesh`` on dim 0, and route its calls through a
-    :class:`TokenDispatcher`. The module keeps its class, forward and ``num_experts`` contract:
-    ``num_experts`` becomes the local count, so its forward runs on local expert ids."""
-    ep = ep_mesh.size()
+def apply_experts(
+    model: nn.Module,
+    experts: Mapping[str, tuple[str, ...]],
+    mesh,
+    ep: bool,
+    tp_split: Mapping[str, Mapping[str, tuple[int | None, int]]] | None = None,
+) -> None:
+    """Distribute each experts module of ``experts`` (module name -> its expert-indexed
+    parameter names) over ``mesh``: its ``ep`` dimension splits the experts (dim 0, tokens then
+    travel by all-to-all, :class:`TokenDispatcher`), its ``tp`` dimension each expert's
+    intermediate size as ``tp_split`` says (``model_plans.ep.experts_tp_split``; a fused
+    ``gate_up`` per part). ``mesh``: 1-D ``ep`` or ``tp``, or 2-D ``(ep, tp)``.
+
+    Under tp the module's input (tokens, routing weights) is the same on every tp rank: its
+    gradients, partial per rank, are summed in backward; the output, partial sums of each
+    rank's slice of the intermediate size, is summed in forward (Megatron's f and g). The
+    ``down_proj`` bias is added on the first tp rank only. The module keeps its class and its
+    forward, run on local tensors; ``num_experts`` becomes the local count under ep."""
+    names = mesh.mesh_dim_names
+    ep_size = mesh["ep"].size() if ep else 1
+    tp_mesh = mesh["tp"] if tp_split is not None else None
     for name, params in experts.items():
         module = model.get_submodule(name)
         total = getattr(module, params[0]).shape[0]
+        split = (tp_split or {}).get(name, {})
         for p in params:
             param = getattr(module, p)
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            placements = []
+            for dim_name in names:
+                if dim_name == "ep":
+                    placements.append(Shard(0))
+                else:
+                    placements.append(_tp_placement(*split[p]))
+            sharded = distribute_tensor(param.data, mesh, placements)
             module.register_parameter(p, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        if hasattr(module, "num_experts"):
-            module.num_experts = total // ep
-        dispatcher = TokenDispatcher(ep_mesh.get_group(), ep, total // ep)
-        module.forward = _expert_parallel_forward(module, module.forward, dispatcher, params)
-        module._hf_scale_ep = dispatcher
+        once = [p for p in params if split.get(p, (0, 1))[1] == 0]
+        dispatcher = None
+        if ep:
+            if hasattr(module, "num_experts"):
+                module.num_experts = total // ep_size
+            dispatcher = TokenDispatcher(mesh["ep"].get_group(), ep_size, total // ep_size)
+            module._hf_scale_ep = dispatcher
+        module.forward = _experts_forward(module, module.forward, params, dispatcher, tp_mesh, once)
 
 
-def _expert_parallel_forward(module: nn.Module, experts_forward, dispatcher: TokenDispatcher, params):
+def _tp_placement(dim: int | None, parts: int):
+    if dim is None:
+        return Replicate()
+    return _StridedShard(dim, split_factor=parts) if parts > 1 else Shard(dim)
+
+
+def _experts_forward(module: nn.Module, experts_forward, params, dispatcher, tp_mesh, once):
+    tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+    first = tp_mesh is None or tp_mesh.get_local_rank() == 0
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
         def local_experts(rows, ids, weights):
-            with local_parameters(module, params):
+            with local_parameters(module, params, once, first):
                 return experts_forward(rows, ids, weights, *args, **kwargs)
 
-        return dispatcher(hidden_states, top_k_index, top_k_weights, local_experts)
+        if tp_group is not None:
+            hidden_states = _CopyToGroup.apply(hidden_states, tp_group)
+            top_k_weights = _CopyToGroup.apply(top_k_weights, tp_group)
+        if dispatcher is None:
+            out = local_experts(hidden_states, top_k_index, top_k_weights)
+        else:
+            out = dispatcher(hidden_states, top_k_index, top_k_weights, local_experts)
+        if tp_group is not None:
+            out = _SumOverGroup.apply(out, tp_group)
+        return out
 
     return forward
 
 
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, names):
-    """Within the block, ``module.<name>`` is the local tensor of its DTensor parameter (the
-    experts this rank holds; gradients flow back to the DTensor), so the model's forward,
-    written for plain tensors, runs unchanged."""
+def local_parameters(module: nn.Module, names, once=(), first: bool = True):
+    """Within the block, ``module.<name>`` is the local tensor of its DTensor parameter (this
+    rank's experts, its slice of their intermediate size; gradients flow back to the DTensor),
+    so the model's forward, written for plain tensors, runs unchanged. A parameter of ``once``
+    (a bias added after a sum over tp ranks) is zero on all but the ``first`` rank in forward;
+    each rank's gradient is the whole one (the output's gradient is the same on every tp rank)."""
     saved = {}
     for n in names:
         value = module._parameters.get(n)
         if isinstance(value, DTensor):
             saved[n] = value
-            module._parameters[n] = value.to_local()
+            local = value.to_local()
+            module._parameters[n] = local if first or n not in once else _ZeroForward.apply(local)
     try:
         yield
     finally:
@@ -118,6 +165,47 @@ class TokenDispatcher:
         per_slot = back[torch.argsort(order)].view(num_tokens, k, -1)
         weighted = per_slot * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden_states.dtype)
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity in forward; the gradient summed over ``group`` in backward (each rank's is partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """The partial sums of ``group``'s ranks added up in forward; identity in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ZeroForward(torch.autograd.Function):
+    """Zeros in forward, the gradient unchanged in backward (see :func:`local_parameters`)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class _AllToAll(torch.autograd.Function):

@@ -83,6 +83,10 @@ def apply_fsdp(
         fully_shard(module, mesh=experts_mesh, offload_policy=offload, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(float(data_ranks))
+        if experts_mesh.size() > 1:
+            # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
+            # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
+            module.set_force_sum_reduction_for_comms(True)
     groups = [list(units[i : i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
     for index, group in enumerate(groups):
         # The last unit's parameters are needed first in backward: keep them gathered.

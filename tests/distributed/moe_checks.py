@@ -105,6 +105,7 @@ def watched(name: str) -> bool:
 def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None) -> dict:
     """One process: each of ``dp`` slices of every batch on its own, gradients averaged; AdamW."""
     model = moe_model(arch, aux, impl=impl)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms, grads, counts = [], [], None, None
     for step, batch in enumerate(batches()):
@@ -123,7 +124,7 @@ def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None) -> dic
         optimizer.zero_grad()
         losses.append(total)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts, "initial": initial}
 
 
 class count_routing:
