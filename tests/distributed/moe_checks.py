@@ -237,6 +237,72 @@ def _dense():
     return tiny_model("llama", "causal")
 
 
+def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) -> dict:
+    """Train one step under ``save_config``, save the model (Hub format) and the training state
+    (DCP); load both into each of ``load_configs``. Returns, per load layout, the largest
+    difference of any weight and of any optimizer state tensor from what was saved, and a
+    second step's loss on both sides; rank 0 also returns the saved weights and its logits."""
+    rank = int(os.environ["RANK"])
+    arch = "qwen3_moe"
+    model = hf_scale.parallelize(moe_model(arch), save_config)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    b1, b2 = batches(2)
+    model(**slice_batch(b1, state.dp_rank, state.dp_degree)).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    saved = full_params(model)
+    saved_optim = _full_optimizer_state(model, optimizer)
+    folder = f"{root}/hub_{'_'.join(f'{k}{v}' for k, v in save_config.items())}"
+    hf_scale.save_pretrained(model, folder)
+    hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=b2["input_ids"][:2]).logits  # every rank: the all-to-alls need them all
+    out = {"folder": folder, "loads": []}
+    next_loss = _next_loss(model, optimizer, b2, state)
+    for config in load_configs:
+        loaded = hf_scale.from_pretrained(folder, config)
+        got = full_params(loaded)
+        weights = max(float((got[n] - saved[n]).abs().max()) for n in saved)
+        fresh = hf_scale.parallelize(moe_model(arch, seed=7), config)
+        fresh_opt = hf_scale.build_optimizer(fresh, lr=LR, weight_decay=0.0)
+        hf_scale.load_state(fresh, fresh_opt, path=f"{folder}_state/latest")
+        resumed = full_params(fresh)
+        resumed_optim = _full_optimizer_state(fresh, fresh_opt)
+        optim = max(float((resumed_optim[k] - v).abs().max()) for k, v in saved_optim.items())
+        weights_resumed = max(float((resumed[n] - saved[n]).abs().max()) for n in saved)
+        loss = _next_loss(fresh, fresh_opt, b2, hf_scale.get_state(fresh))
+        out["loads"].append({"config": config, "weights": weights, "resumed_weights": weights_resumed,
+                             "optimizer": optim, "optimizer_keys": len(resumed_optim) == len(saved_optim),
+                             "next_loss": loss, "saved_next_loss": next_loss})
+    if rank == 0:
+        out["saved"], out["logits"] = saved, logits
+    return out
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    """(parameter name, state key) -> the whole tensor (a collective)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[(names[id(p)], k)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return dict(sorted(out.items()))
+
+
+def _next_loss(model, optimizer, batch, state) -> float:
+    """The mean loss of a training forward on ``batch`` (no step taken)."""
+    model.train()
+    with torch.no_grad():
+        loss = model(**slice_batch(batch, state.dp_rank, state.dp_degree)).loss.detach().reshape(1)
+    if state.dims.tp > 1:
+        loss = loss * (state.mesh["tp"].get_local_rank() == 0)
+    dist.all_reduce(loss)
+    return float(loss) / state.dp_degree
+
+
 def world_checks(cases: list[dict]) -> dict:
     """Every case on this rank: {"parity": [...], "errors": [...]} (rank-local values; the test
     compares rank 0's, and the errors of every rank)."""
@@ -244,6 +310,9 @@ def world_checks(cases: list[dict]) -> dict:
     out = {"parity": [], "errors": []}
     for case in cases:
         try:
+            if "checkpoint" in case:
+                out["checkpoint"] = checkpoint_checks(case["root"], case["config"], case["checkpoint"])
+                continue
             if "error" in case:
                 out["errors"].append(bad_input(case))
                 continue

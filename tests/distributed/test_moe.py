@@ -51,14 +51,22 @@ ERRORS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_ranks(moe_checks.world_checks, 2, WORLD2 + ERRORS, timeout=600)
+# checkpoints: saved under ep (Hub layout: one tensor per expert and projection, as transformers
+# writes Qwen3-MoE), loaded and resumed (DCP training state) at other ep degrees and layouts
+CHECKPOINT2 = {"config": {"ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]}
+CHECKPOINT4 = {"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}]}
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return run_ranks(moe_checks.world_checks, 4, WORLD4, timeout=600)
+def world2(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe2"))
+    return run_ranks(moe_checks.world_checks, 2, WORLD2 + ERRORS + [{**CHECKPOINT2, "root": root}], timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("moe4"))
+    return run_ranks(moe_checks.world_checks, 4, WORLD4 + [{**CHECKPOINT4, "root": root}], timeout=600)
 
 
 _REFERENCES: dict = {}
@@ -149,3 +157,45 @@ def test_bad_input_refused_on_every_rank(world2):
         assert errors["ep_on_dense"].startswith("HfScalePlanError: ep=2 but LlamaForCausalLM")
         assert "no mixture-of-experts layers" in errors["ep_on_dense"]
         assert errors["ep_with_ddp"].startswith("HfScaleConfigError: ep=2 with strategy='ddp'")
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+def test_checkpoint_across_ep_degrees(request, world):
+    """Saved at ep=2 by every rank: plain transformers loads it with the weights and logits of the
+    ep run; hf_scale loads it exactly into other ep degrees, tp and fsdp, and resumes the
+    training state there (optimizer state exact, the next loss the same)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ranks = request.getfixturevalue(world)
+    expected = CHECKPOINT2["checkpoint"] if world == "world2" else CHECKPOINT4["checkpoint"]
+    for rank in ranks:
+        loads = rank["checkpoint"]["loads"]
+        assert [c["config"] for c in loads] == expected
+        for load in loads:
+            assert load["weights"] == 0.0 and load["resumed_weights"] == 0.0, load
+            assert load["optimizer"] == 0.0 and load["optimizer_keys"], load
+            assert load["next_loss"] == pytest.approx(load["saved_next_loss"], rel=1e-6), load
+    saved = ranks[0]["checkpoint"]
+    folder = saved["folder"]
+    import json
+    from pathlib import Path
+
+    files = list(Path(folder).glob("*.safetensors"))
+    from safetensors import safe_open
+
+    keys = set()
+    for f in files:
+        with safe_open(f, "pt") as fh:
+            keys |= set(fh.keys())
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in keys  # the Hub layout, per expert
+    assert not any(k.endswith("experts.gate_up_proj") for k in keys)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    state = model.state_dict()
+    for name, value in saved["saved"].items():
+        np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+    batch = moe_checks.batches(2)[1]
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"][:2]).logits.numpy()
+    np.testing.assert_allclose(logits, saved["logits"], atol=1e-5, rtol=0)
+    assert json.loads((Path(folder) / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
