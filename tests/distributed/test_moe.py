@@ -30,6 +30,9 @@ FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss")
 WORLD2 = [
     *({"id": f"{arch}_ep2{'_aux' if aux else ''}", "arch": arch, "aux": aux, "config": {"ep": 2}}
       for arch in FAMILIES for aux in (False, True)),
+    {"id": "qwen3_moe_ep2_full_ac_aux", "arch": "qwen3_moe", "aux": True,
+     "config": {"ep": 2, "activation_checkpointing": "full"}},  # the all-to-alls run again in recomputation
+    {"id": "mixtral_ep2_zero2", "arch": "mixtral", "aux": False, "config": {"strategy": "zero2", "ep": 2}},
     # transformers#48687: OLMoE's router lost part of its gradient under ep with batched_mm
     {"id": "router_grad_48687_batched_mm", "arch": "olmoe_48687", "impl": "batched_mm", "config": {"ep": 2}},
 ]
