@@ -1,7 +1,7 @@
 """``hf-scale``: the command line.
 
     hf-scale finetune configs/quickstart.yaml [--section.field value ...] [--resume latest]
-    hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json; --tp N, --pp N
+    hf-scale plan configs/llama3-8b-fsdp.yaml        # or a Hub id, a folder, a config.json; --tp N, --ep N, --pp N
     hf-scale generate zoo:smollm2 --tp 3 --prompt "What is 12 + 30?" [--max-new-tokens 32 --dtype bf16]
     hf-scale export ckpt/latest out/
     hf-scale push out/ org/my-finetune [--private]
@@ -170,6 +170,9 @@ def plan(args: list[str]) -> int:
     parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel degree: show the tp layout (default: the recipe's parallel.tp, else 1)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel degree (MoE models): experts per rank, their training state and the "
+                             "all-to-all volume (default: the recipe's parallel.ep, else 1)")
     parser.add_argument("--pp", type=int, default=None,
                         help="pipeline-parallel degree: show the stage split and the schedule's bubble "
                              "(default: the recipe's parallel.pp, else 1)")
@@ -205,7 +208,8 @@ def plan(args: list[str]) -> int:
                         help="auto-planner for this machine: the recipe's CPU processes, the RAM divided among them")
     args, overrides = take_overrides(args)
     ns = parser.parse_strict(args)
-    flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("pp", ns.pp), ("pp_schedule", ns.pp_schedule),
+    flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("ep", ns.ep), ("pp", ns.pp),
+                                ("pp_schedule", ns.pp_schedule),
                                 ("pp_microbatches", ns.pp_microbatches)) if v is not None}
     if ns.source.endswith((".yaml", ".yml")):
         job = load_job(ns.source, overrides)
@@ -220,12 +224,12 @@ def plan(args: list[str]) -> int:
         if overrides:
             raise HfScaleConfigError(
                 f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a recipe (.yaml): use "
-                "--world-size, --nnodes, --task, --strategy, --tp, --pp, --pp-schedule, --pp-microbatches, or plan a "
+                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, or plan a "
                 "recipe."
             )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
         parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
-        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp
+        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp * parallel.ep
         given_nodes = ns.nnodes
     links = {k: v for k, v in (("intra_gbps", ns.intra_gbps), ("inter_gbps", ns.inter_gbps),
                                ("latency_us", ns.latency_us)) if v is not None}

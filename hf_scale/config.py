@@ -69,6 +69,11 @@ class ParallelConfig:
         tp: tensor-parallel degree: each block's Linear layers are split over ``tp`` ranks (the
             innermost mesh dimension, ranks of one node) by the model's TP plan; the data-parallel
             strategy then runs over ``world_size / tp`` ranks. 1 = no tensor parallel.
+        ep: expert-parallel degree (mixture-of-experts models): each of ``ep`` data-parallel ranks
+            holds ``num_experts / ep`` whole experts and tokens travel to their experts' rank by
+            all-to-all. The ep ranks are carved out of ``dp_shard`` (torchtitan's layout): the
+            dense weights stay FSDP-sharded over every data-parallel rank, the experts over the
+            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2. 1 = none.
         pp: pipeline-parallel degree: the blocks are split into stages over ``pp`` ranks (the
             outermost mesh dimension); train with ``model.train_step(batch)``. Causal LMs only.
         pp_schedule: one of ``PP_SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
@@ -101,6 +106,7 @@ class ParallelConfig:
     blocks_per_unit: int | None = None
     fsdp_prefetch: int | None = None
     tp: int = 1
+    ep: int = 1
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int | None = None
@@ -123,6 +129,7 @@ class ParallelConfig:
                 "(DTensor) parameters. Use strategy='zero2' (gradients and optimizer state sharded, "
                 "parameters kept gathered: DDP's speed) or 'fsdp' with tp."
             )
+        self._check_ep()
         self._check_pp()
         _check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens, "(tokens per chunk, e.g. 1024) or None")
         if not isinstance(self.loss_labeled_only, bool):
@@ -167,6 +174,22 @@ class ParallelConfig:
             raise HfScaleConfigError(
                 f"strategy={self.strategy!r} replicates the model on every rank; dp_shard="
                 f"{self.dp_shard} needs strategy 'fsdp', 'zero2' or 'hsdp'."
+            )
+
+    def _check_ep(self) -> None:
+        _check_positive_int("ep", self.ep, "(experts split over ep ranks; 1 = no expert parallel)", optional=False)
+        if self.ep == 1:
+            return
+        if self.strategy not in ("fsdp", "zero2", AUTO):
+            raise HfScaleConfigError(
+                f"ep={self.ep} with strategy={self.strategy!r}: expert parallel carves its ranks out "
+                "of FSDP's dp_shard dimension, and shards the experts with FSDP over the rest. Use "
+                "strategy='fsdp' or 'zero2' with ep."
+            )
+        if self.pp > 1:
+            raise HfScaleConfigError(
+                f"ep={self.ep} with pp={self.pp} is not supported yet: drop one of them "
+                "(ep with fsdp and tp is supported)."
             )
 
     def _check_pp(self) -> None:

@@ -56,6 +56,7 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp * parallel.pp > 1 else None
     tp = tp_report(model, plan, parallel.tp) if parallel.tp > 1 else None
     pp = pp_report(model, plan, parallel) if parallel.pp > 1 else None
+    ep = ep_report(model, plan, parallel.ep, parallel.tp, dims.dp_shard if dims else 1) if parallel.ep > 1 else None
     per_tp_rank = tp["params_per_rank"] if tp else params
     if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
         per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
@@ -74,6 +75,45 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
         "train_state_gb_per_rank": per_tp_rank * BYTES_PER_PARAM_TRAINING / shards / 2**30,
         "tp": tp,
         "pp": pp,
+        "ep": ep,
+    }
+
+
+def ep_report(model, plan, ep: int, tp: int = 1, dp_shard: int | None = None, tokens: int = 1024,
+              act_bytes: int = 4) -> dict:
+    """Expert parallel at degree ``ep``: the experts' parameters and their training state on one
+    rank (1/ep of the experts, each also split by tp; FSDP then shards them over the
+    ``dp_shard / ep`` ranks holding the same ones), and the all-to-all volume of ``tokens``
+    tokens on a rank: tokens x hidden x top-k x 2 (out and back) per MoE layer in forward, as
+    much again in backward (``act_bytes`` per value; fp32: 4)."""
+    from .model_plans.ep import check_ep, experts_layout
+
+    layout = experts_layout(model, plan)
+    check_ep(layout, model, plan, ep)
+    expert_params = sum(model.get_submodule(n).get_parameter(p).numel() for n, ps in layout.modules.items() for p in ps)
+    config = getattr(model, "config", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None) or 1
+    hidden = getattr(config, "hidden_size", None) or 0
+    shards = max(1, (dp_shard or ep) // ep)
+    per_rank = expert_params // ep // tp
+    forward = tokens * hidden * top_k * 2 * act_bytes * len(layout.modules)
+    return {
+        "degree": ep,
+        "num_experts": layout.num_experts,
+        "experts_per_rank": layout.num_experts // ep,
+        "moe_layers": len(layout.modules),
+        "expert_params": expert_params,
+        "expert_params_per_rank": per_rank // shards,  # held between steps (FSDP shards)
+        "expert_params_gathered": per_rank // len(layout.modules),  # one layer's, during its compute
+        # fp32 weight + gradient + AdamW's two moments, sharded
+        "expert_train_state_bytes_per_rank": per_rank * BYTES_PER_PARAM_TRAINING // shards,
+        "top_k": top_k,
+        "hidden": hidden,
+        "tokens": tokens,
+        "all_to_all_bytes_forward": forward,
+        "all_to_all_bytes_step": 2 * forward,
+        "off_rank_fraction": (ep - 1) / ep,  # with routing spread evenly
+        "source": layout.source,
     }
 
 
@@ -144,7 +184,23 @@ def format_report(report: dict) -> str:
         lines += _tp_lines(report["tp"], report["parameters"])
     if report.get("pp"):
         lines += _pp_lines(report["pp"])
+    if report.get("ep"):
+        lines += _ep_lines(report["ep"])
     return "\n".join(lines)
+
+
+def _ep_lines(ep: dict) -> list[str]:
+    return [
+        f"expert parallel over {ep['degree']} ranks: {ep['experts_per_rank']} of {ep['num_experts']} experts per rank "
+        f"in each of {ep['moe_layers']} MoE layers [{ep['source']}]; expert weights {ep['expert_params'] / 1e6:,.2f}M, "
+        f"{ep['expert_params_per_rank'] / 1e6:,.2f}M per rank between steps (fp32 weights + gradients + AdamW "
+        f"{ep['expert_train_state_bytes_per_rank'] / 2**20:,.1f} MiB), {ep['expert_params_gathered'] / 1e6:,.2f}M "
+        "gathered per layer in compute",
+        f"  all-to-all per {ep['tokens']:,} tokens on a rank: tokens x hidden {ep['hidden']} x top-k {ep['top_k']} x 2 "
+        f"x {ep['moe_layers']} layers = {ep['all_to_all_bytes_forward'] / 2**20:,.1f} MiB in forward, "
+        f"{ep['all_to_all_bytes_step'] / 2**20:,.1f} MiB per step with backward (fp32; "
+        f"{ep['off_rank_fraction']:.0%} leaves the rank when routing is even)",
+    ]
 
 
 def _tp_lines(tp: dict, parameters: int) -> list[str]:

@@ -28,12 +28,20 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # carved out of dp_shard: not a dimension of its own in the product
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in MESH_DIMS}
-        for name, size in sizes.items():
+        for name, size in {**sizes, "ep": self.ep}.items():
             if not isinstance(size, int) or size < 1:
                 raise HfScaleConfigError(f"{name}={size!r} must be a positive integer ({self}).")
+        if self.dp_shard % self.ep:
+            shown = " x ".join(f"{n}={s}" for n, s in sizes.items())
+            raise HfScaleConfigError(
+                f"ep={self.ep} does not divide dp_shard={self.dp_shard} ({shown}): the expert-parallel "
+                "ranks are carved out of the data-parallel shard ranks. Choose an ep that divides "
+                f"{self.dp_shard}, or start a multiple of {self.ep * self.tp * self.pp} processes."
+            )
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             shown = " x ".join(f"{n}={s}" for n, s in sizes.items())
@@ -86,7 +94,7 @@ class ParallelDims:
                 "processes, so no data-parallel rank is left for FSDP. Start more processes "
                 f"(e.g. {2 * world_size}, for fsdp over 2 x tp={tp}) or drop cpu_offload."
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp)
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp, ep=config.ep)
 
     @property
     def dp_degree(self) -> int:
@@ -96,6 +104,10 @@ class ParallelDims:
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def pp_enabled(self) -> bool:
@@ -133,7 +145,22 @@ class ParallelDims:
         return mesh["dp_replicate"] if self.dp_replicate > 1 else mesh["dp_shard"]
 
     def describe(self) -> str:
-        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+        shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+        return shown + (f" (ep={self.ep} of dp_shard)" if self.ep > 1 else "")
+
+    def expert_meshes(self, mesh):
+        """``(experts' weight mesh, experts' data-parallel mesh)``. Under expert parallel
+        ``dp_shard`` is unflattened into ``efsdp x ep`` (ep innermost: the ranks of one ep group
+        are neighbours); the weights live on ``ep`` (``ep x tp`` with tensor parallel) and are
+        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp). Same root mesh as
+        ``mesh``, so FSDP composes the two (its TP/EP path). Without ep: ``tp`` and the dp mesh.
+        Collective: call once, on every rank."""
+        if self.ep == 1:
+            return mesh["tp"], self.dp_mesh(mesh)
+        expert = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
+        expert["efsdp", "ep"]._flatten("efsdp_ep")  # one collective for a norm over both (DTensor finds it)
+        dp = expert["dp_replicate", "efsdp"] if self.dp_replicate > 1 else expert["efsdp"]
+        return (expert["ep", "tp"] if self.tp > 1 else expert["ep"]), dp
 
 
 def _check_divides(name: str, size: int, dp_ranks: int) -> None:

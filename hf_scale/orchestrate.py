@@ -31,9 +31,11 @@ from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
 from .model_plans.adapters import adapter_host
+from .model_plans.ep import ExpertsLayout, check_ep, experts_layout
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
+from .parallel.ep import apply_experts
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
@@ -53,6 +55,9 @@ class Topology:
     tp: TPLayout | None = None
     pp: PipelineLayout | None = None
     stages: tuple[int, ...] = ()
+    experts: ExpertsLayout | None = None  # a mixture-of-experts model under ep or tp
+    experts_mesh: Any = None  # the experts' weights: over ep, tp or ep x tp
+    experts_dp_mesh: Any = None  # the ranks that hold the same experts (FSDP shards them there)
 
     @property
     def holds_head(self) -> bool:
@@ -78,6 +83,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     keep_fp32 = fp32_modules(model, resolved) if dtype is not None else []
     apply_loss(model, config, topology)
     apply_tensor_parallel(model, topology, resolved)
+    apply_expert_parallel(model, topology)
     move_to_device(model, config, topology, env)
     apply_checkpointing(model, units, config)
     roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
@@ -114,9 +120,10 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     """Degrees, layouts and mesh. Every check runs before the mesh's first collective, so a bad
     layout fails on every rank alike; in one process, tp or pp > 1 asks for torchrun."""
     if env.world_size == 1:
-        if config.tp > 1 or config.pp > 1:
-            need = config.tp * config.pp
-            degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("pp", config.pp)) if v > 1)
+        if config.tp > 1 or config.pp > 1 or config.ep > 1:
+            need = config.tp * config.pp * config.ep
+            degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("ep", config.ep), ("pp", config.pp))
+                                 if v > 1)
             raise HfScaleConfigError(
                 f"{degrees} needs {need} processes (or a multiple): start the script with torchrun "
                 f"--nproc_per_node {need} (found one process, no torchrun environment)."
@@ -127,8 +134,15 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     if dims.pp_enabled:
         pp = pp_layout(model, plan, dims.pp, config.stages_per_rank, config.pp_schedule == "zbv",
                        config.pp_split_points)
-    tp = tp_layout(model, plan, dims.tp) if dims.tp_enabled else None
-    return Topology(dims, build_mesh(dims, env.device.type), tp, pp)
+    experts = experts_layout(model, plan) if dims.ep_enabled or dims.tp_enabled else None
+    if dims.ep_enabled:
+        check_ep(experts, model, plan, dims.ep)
+    tp = tp_layout(model, plan, dims.tp, experts) if dims.tp_enabled else None
+    if experts is not None and not experts.is_moe:
+        experts = None
+    mesh = build_mesh(dims, env.device.type)
+    experts_mesh, experts_dp_mesh = dims.expert_meshes(mesh) if experts is not None else (None, None)
+    return Topology(dims, mesh, tp, pp, experts=experts, experts_mesh=experts_mesh, experts_dp_mesh=experts_dp_mesh)
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
@@ -188,6 +202,18 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, plan: ModelPlan)
     )
 
 
+def apply_expert_parallel(model: nn.Module, topology: Topology) -> None:
+    """A mixture-of-experts model's experts: under ep each ep rank keeps its experts (1/ep of
+    each expert-indexed weight) and exchanges tokens with the others by all-to-all; under tp
+    each expert's intermediate size is split over the tp ranks."""
+    if topology.experts is None:
+        return
+    split = topology.tp.experts if topology.tp is not None else None
+    present = {name for name, m in model.named_modules() if not is_stand_in(m)}
+    held = {n: p for n, p in topology.experts.modules.items() if n in present}  # this rank's pipeline stages
+    apply_experts(model, held, topology.experts_mesh, topology.dims.ep_enabled, split)
+
+
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:
     """Put this rank's model on its GPU, unless FSDP will (it moves unit by unit, never holding
     the whole model there). After tensor parallel, so each GPU receives its shards only."""
@@ -222,7 +248,9 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
         elif config.sharded:
+            experts = _experts_modules(root, topology)
             apply_fsdp(root, dims.dp_mesh(topology.mesh), [u for u in units if id(u) in inside],
+                       experts=experts, experts_mesh=topology.experts_dp_mesh, data_ranks=dims.dp_degree,
                        param_dtype=dtype,
                        reshard_after_forward=config.strategy != "zero2" and config.reshard_after_forward is not False,
                        cpu_offload=config.cpu_offload, fp32_modules=fp32,
@@ -281,6 +309,13 @@ def attach_state(model: nn.Module, state: ParallelState) -> nn.Module:
     model.train_step = functools.partial(train_step, model)
     model.eval_step = functools.partial(eval_step, model)
     return model
+
+
+def _experts_modules(root: nn.Module, topology: Topology) -> list[nn.Module]:
+    """The experts modules FSDP shards as units of their own: under ep (over other ranks)."""
+    if topology.experts is None or not topology.dims.ep_enabled:
+        return []
+    return [root.get_submodule(name) for name in topology.experts.modules]
 
 
 def _describe(layout: PipelineLayout) -> str:

@@ -25,7 +25,8 @@ from ..errors import HfScaleCheckpointError
 from ..ranks import rank0_first, run_together, share_from_rank0
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, mismatched, read_checksums
-from .safetensors_io import checkpoint_names, reshard_all
+from .pieces import Piece, piece_boxes
+from .safetensors_io import checkpoint_layout, reshard_all
 from .shard_layout import DTYPES_BY_NAME, INDEX_FILE, SINGLE_FILE, contiguous_runs, read_header
 from .stages import tie_aliases
 
@@ -250,21 +251,23 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     new = {}
     blocks = list(_blocks(model, folder, weight_map, names))
     maps_left = map_budget(len(blocks))
-    for key, target, path, start, dtype, local_shape, boxes in blocks:
+    for key, target, reads, local_shape in blocks:
         if not target.is_meta:  # a real buffer saved with the model: read into it
             local = target.to_local() if isinstance(target, DTensor) else target.data
             if local.numel():
-                _read_block(path, start, dtype, tuple(target.shape), local, boxes)
+                for path, start, dtype, shape, boxes in reads:
+                    _read_block(path, start, dtype, shape, local, boxes)
             continue
         local = None
-        if maps_left > 0 and len(boxes) == 1:
-            local = _mapped_block(path, start, dtype, tuple(target.shape), local_shape, boxes[0].offset,
-                                  target.dtype, device)
+        if maps_left > 0 and len(reads) == 1 and len(reads[0][4]) == 1:
+            path, start, dtype, shape, boxes = reads[0]
+            local = _mapped_block(path, start, dtype, shape, local_shape, boxes[0].offset, target.dtype, device)
             maps_left -= local is not None
         if local is None:
             local = torch.empty(local_shape, dtype=target.dtype)
             if local.numel():
-                _read_block(path, start, dtype, tuple(target.shape), local, boxes)
+                for path, start, dtype, shape, boxes in reads:
+                    _read_block(path, start, dtype, shape, local, boxes)
             local = local.to(device)
         if isinstance(target, DTensor):
             local = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
@@ -324,16 +327,19 @@ def load_owned_slices(model: nn.Module, folder: Path, weight_map: dict[str, Path
     contiguous byte range), with no intermediate copy when dtypes match.
     """
     reshard_all(model)
-    for _key, target, path, start, dtype, _shape, boxes in _blocks(model, folder, weight_map, names):
+    for _key, target, reads, _shape in _blocks(model, folder, weight_map, names):
         local = target.to_local() if isinstance(target, DTensor) else target.data
         if local.numel():
-            _read_block(path, start, dtype, tuple(target.shape), local, boxes)
+            for path, start, dtype, shape, boxes in reads:
+                _read_block(path, start, dtype, shape, local, boxes)
 
 
 def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path], names: dict[str, str] | None = None):
-    """``(state key, tensor, file, byte offset of its data, file dtype, local shape, boxes of the
-    local block)`` of every tensor to load (those ``names`` lists, when given), checked against
-    the checkpoint's header. A packed tensor-parallel slice (fused q;k;v) is several boxes."""
+    """``(state key, tensor, reads, local shape)`` of every tensor to load (those ``names``
+    lists, when given), checked against the checkpoint's header; each read is ``(file, byte
+    offset of its data, file dtype, its shape in the file, boxes of the local block)``. A packed
+    tensor-parallel slice (fused q;k;v) is several boxes; a fused weight that the checkpoint
+    holds in slices (transformers 5's experts: one tensor per expert) is several reads."""
     from ..model_plans import find_tied_parameters
 
     state = model.state_dict(keep_vars=True)
@@ -341,42 +347,49 @@ def _blocks(model: nn.Module, folder: Path, weight_map: dict[str, Path], names: 
     aliases = tie_aliases(model)  # under pp, a head on another rank than its embedding: read the source
     if names is not None:
         state = {key: state[key] for key in names if key in state}
+        layout = {key: [Piece(names[key], tuple((0, n, True) for n in state[key].shape))] for key in state}
     elif all(key in weight_map or key in tied or key in aliases for key in state):
-        names = {key: key for key in state}  # the checkpoint uses the module names
-    else:  # transformers' renames between module and checkpoint names (a second, slow)
-        names = checkpoint_names(model, dict(state))
+        layout = {key: [Piece(key, tuple((0, n, True) for n in t.shape))] for key, t in state.items()}
+    else:  # transformers' renames and slices between module and checkpoint names (a second, slow)
+        layout = checkpoint_layout(model, dict(state))
     headers: dict[Path, tuple[int, dict]] = {}
     for key, target in state.items():
-        name = names[key]
-        if name not in weight_map and key not in tied and aliases.get(key) in weight_map:
-            name = aliases[key]  # a tie target held apart from its source (pipeline stages)
-        if name not in weight_map:
-            if key in tied:
-                continue
-            raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
-        path = weight_map[name]
-        if path not in headers:
-            headers[path] = read_header(path)
-        data_start, entries = headers[path]
-        entry = entries[name]
-        if tuple(entry["shape"]) != tuple(target.shape):
-            raise HfScaleCheckpointError(
-                f"{name!r} in {path.name} has shape {entry['shape']}, the model expects "
-                f"{list(target.shape)}: the checkpoint is for another configuration."
-            )
-        dtype = DTYPES_BY_NAME[entry["dtype"]]
-        if dtype.is_floating_point != target.dtype.is_floating_point:
-            raise HfScaleCheckpointError(
-                f"{name!r} in {path.name} is {entry['dtype']}, the model's is {target.dtype}: "
-                "float and integer tensors do not convert; the checkpoint is for another model."
-            )
         if isinstance(target, DTensor):
             boxes = local_boxes(target)
             shape = _local_shape(target, boxes)
         else:
             shape = tuple(target.shape)
             boxes = [Box(tuple(slice(0, n) for n in shape), (0,) * target.dim(), shape)]
-        yield key, target, path, data_start + entry["data_offsets"][0], dtype, shape, boxes
+        reads = []
+        for piece in layout[key]:
+            name = piece.name
+            if name not in weight_map and key not in tied and aliases.get(key) in weight_map:
+                name = aliases[key]  # a tie target held apart from its source (pipeline stages)
+            if name not in weight_map:
+                if key in tied:
+                    break
+                raise HfScaleCheckpointError(f"{folder} has no tensor {name!r}, which {type(model).__name__} needs.")
+            path = weight_map[name]
+            if path not in headers:
+                headers[path] = read_header(path)
+            data_start, entries = headers[path]
+            entry = entries[name]
+            if tuple(entry["shape"]) != piece.shape:
+                raise HfScaleCheckpointError(
+                    f"{name!r} in {path.name} has shape {entry['shape']}, the model expects "
+                    f"{list(piece.shape)}: the checkpoint is for another configuration."
+                )
+            dtype = DTYPES_BY_NAME[entry["dtype"]]
+            if dtype.is_floating_point != target.dtype.is_floating_point:
+                raise HfScaleCheckpointError(
+                    f"{name!r} in {path.name} is {entry['dtype']}, the model's is {target.dtype}: "
+                    "float and integer tensors do not convert; the checkpoint is for another model."
+                )
+            whole = len(layout[key]) == 1 and piece.whole(target.shape)
+            reads.append((path, data_start + entry["data_offsets"][0], dtype, piece.shape,
+                          boxes if whole else piece_boxes(boxes, piece)))
+        else:
+            yield key, target, reads, shape
 
 
 def _local_shape(target: DTensor, boxes: list[Box]) -> tuple[int, ...]:

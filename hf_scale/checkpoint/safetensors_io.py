@@ -28,6 +28,7 @@ from ..model_plans import find_tied_parameters
 from ..ranks import rank_world, run_together
 from .boxes import Box, local_boxes
 from .files import CHECKSUMS_FILE, share_digests, staged_folder
+from .pieces import Piece, checkpoint_pieces, piece_boxes
 from .shard_layout import INDEX_FILE, ShardFile, TensorSpec, contiguous_runs, index_json, plan_files
 from .stages import global_specs, owners, pipelined, tie_aliases
 
@@ -145,8 +146,44 @@ def _checkpoint_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if pipelined(model):  # the head is its own parameter on the last stage: the source is saved
         for target in tie_aliases(model):
             state.pop(target, None)
-    names = checkpoint_names(model, state)
-    return {names[k]: v for k, v in state.items()}
+    out = {}
+    for key, pieces in checkpoint_layout(model, state).items():
+        t = state[key]
+        for piece in pieces:
+            out[piece.name] = t if piece.whole(t.shape) and len(pieces) == 1 else SlicedTensor(t, piece)
+    return out
+
+
+class SlicedTensor:
+    """A checkpoint tensor that is a box of a model tensor (one expert's projection of a fused
+    experts weight): what a save plan needs of a tensor (shape, dtype, size) and its source."""
+
+    def __init__(self, source: torch.Tensor, piece: Piece):
+        self.source, self.piece = source, piece
+        self.shape, self.dtype = torch.Size(piece.shape), source.dtype
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.source.element_size()
+
+
+def checkpoint_layout(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, list[Piece]]:
+    """Module key -> its checkpoint tensors (:class:`Piece`): one whole piece under its
+    checkpoint name for a rename, the slices transformers' save conversion writes for a fused
+    weight (transformers 5's experts: one tensor per expert and projection)."""
+    try:
+        names = checkpoint_names(model, state)
+    except HfScaleCheckpointError:
+        from transformers.modeling_utils import revert_weight_conversion
+
+        def conversion(module, probes):
+            with _own_classes(module):
+                return revert_weight_conversion(module, probes)
+
+        return checkpoint_pieces(model, state, conversion)
+    return {k: [Piece(names[k], tuple((0, n, True) for n in v.shape))] for k, v in state.items()}
 
 
 def checkpoint_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -204,6 +241,8 @@ def _owners(state: dict[str, torch.Tensor], world: int) -> dict[str, int]:
 
 def _sharded(t: torch.Tensor) -> bool:
     """A DTensor split over some mesh dim: its placements say which rank writes which bytes."""
+    if isinstance(t, SlicedTensor):
+        return _sharded(t.source)
     return isinstance(t, DTensor) and any(isinstance(p, (Shard, _StridedShard)) for p in t.placements)
 
 
@@ -215,7 +254,11 @@ def _create(path: Path, f: ShardFile) -> None:
 
 def _local_block(name: str, t: torch.Tensor, owners: dict[str, int], rank: int):
     """(local tensor, its boxes) this rank writes for ``t``, or None. A tensor-parallel slice
-    of a packed weight (fused q;k;v) is several boxes of the global tensor."""
+    of a packed weight (fused q;k;v) is several boxes of the global tensor; a slice of a fused
+    weight, this rank's boxes of the source inside the slice."""
+    if isinstance(t, SlicedTensor):
+        block = _local_block(name, t.source, owners, rank)
+        return None if block is None else (block[0], piece_boxes(block[1], t.piece))
     if isinstance(t, DTensor) and name not in owners:
         coords = t.device_mesh.get_coordinate()
         for dim, placement in enumerate(t.placements):

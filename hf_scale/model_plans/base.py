@@ -39,6 +39,10 @@ class ModelPlan:
             by :func:`hf_scale.model_plans.tp.tp_layout` and applied by the tensor-parallel engine.
         tp_local_attrs: module pattern -> integer attributes its forward uses as head counts or
             split sizes (GPT-2's ``split_size``); divided by the tp degree after sharding.
+        ep_plan: expert-parallel entries, transformers' ``base_model_ep_plan`` vocabulary with
+            names from the top model: the experts module (``"model.layers.*.mlp.experts":
+            "ep_dispatch_experts"``) and its expert-indexed weights (``"...experts.gate_up_proj":
+            "grouped_gemm"``, dim 0 = expert). Read by :func:`hf_scale.model_plans.ep.ep_layout`.
         pp_plan: pipeline stages' module names and their inputs/outputs, as transformers
             declares them (``base_model_pp_plan``).
         source: where each field came from, for ``hf-scale plan`` and error messages.
@@ -50,6 +54,7 @@ class ModelPlan:
     tied_weights: tuple[tuple[str, str], ...] = ()
     tp_plan: Mapping[str, str] = field(default_factory=dict)
     tp_local_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    ep_plan: Mapping[str, str] = field(default_factory=dict)
     pp_plan: Mapping[str, Any] = field(default_factory=dict)
     source: Mapping[str, str] = field(default_factory=dict)
 
@@ -58,7 +63,7 @@ class ModelPlan:
 
 
 # Fields a registry entry or a user override may set.
-OVERRIDABLE = ("wrap_modules", "keep_fp32_modules", "tp_plan", "tp_local_attrs", "pp_plan")
+OVERRIDABLE = ("wrap_modules", "keep_fp32_modules", "tp_plan", "tp_local_attrs", "ep_plan", "pp_plan")
 
 _REGISTRY: dict[str, dict[str, Any]] = {}
 

@@ -39,13 +39,13 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
         if value:
             fields[name], source[name] = value, "transformers"
     for name, value in registered_fields(model_type).items():
-        if name in ("tp_plan", "tp_local_attrs"):
+        if name in ("tp_plan", "tp_local_attrs", "ep_plan"):
             value = _from_base(model, value(config) if callable(value) else value)
         fields[name], source[name] = value, f"registry:{model_type}"
     if overrides:
         check_override_fields(overrides, "plan override")
         for name, value in overrides.items():
-            if name in ("tp_plan", "tp_local_attrs"):  # extends (and overrides entries of) the plan
+            if name in ("tp_plan", "tp_local_attrs", "ep_plan"):  # extends (and overrides entries of) the plan
                 value = {**fields.get(name, {}), **dict(value)}
             fields[name], source[name] = _freeze(value), "user"
 
@@ -128,6 +128,7 @@ def _declared_fields(model: nn.Module) -> dict[str, Any]:
         "wrap_modules": _freeze(set(getattr(model, "_no_split_modules", None) or ())),
         "keep_fp32_modules": tuple(sorted(fp32)),
         "tp_plan": dict(tp_plan),
+        "ep_plan": _from_base(model, getattr(config, "base_model_ep_plan", None) or {}),
         "pp_plan": dict(getattr(config, "base_model_pp_plan", None) or {}),
     }
 

@@ -19,6 +19,7 @@ from torch import nn
 from ..errors import HfScalePlanError
 from .adapters import lora_tp_styles
 from .base import ModelPlan
+from .ep import ExpertsLayout, experts_layout, experts_tp_split
 
 # Config attributes tp must divide: each rank holds 1/tp of the heads and of the MLP width.
 SIZE_ATTRS = {
@@ -48,6 +49,8 @@ class TPLayout:
 
     styles: dict[str, str]
     local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dotted: "config.num_heads"
+    # experts module -> parameter -> (split dim or None, parts): see model_plans.ep.experts_tp_split
+    experts: dict[str, dict[str, tuple[int | None, int]]] = field(default_factory=dict)
 
 
 def packed_parts(style: str) -> int:
@@ -58,11 +61,20 @@ def packed_parts(style: str) -> int:
     return int(parts) if head == "packed_colwise" and parts.isdigit() and int(parts) > 1 else 0
 
 
-def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
+def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout | None = None) -> TPLayout:
     """Expand ``plan.tp_plan`` for ``model`` at degree ``tp``; raise :class:`HfScalePlanError` for
-    a plan that does not fit (unknown style, pattern matching nothing, sizes tp does not divide)."""
+    a plan that does not fit (unknown style, pattern matching nothing, sizes tp does not divide).
+
+    A mixture-of-experts model's experts (``experts``, else found from the plan) are split by
+    :func:`~hf_scale.model_plans.ep.experts_tp_split` whatever the plan says of them:
+    transformers' entries for the experts module and its fused parameters (``moe_tp_experts``,
+    ``packed_colwise`` on ``experts.gate_up_proj``) and for the dense MLP of layers the model
+    does not have (``mlp.gate_proj`` where every layer is MoE) are left to it."""
     name = type(model).__name__
-    if not plan.tp_plan:
+    experts = experts if experts is not None else experts_layout(model, plan)
+    if experts.is_moe:
+        plan = plan.replace(tp_plan=_without_expert_entries(plan.tp_plan, dict(model.named_modules()), experts))
+    if not plan.tp_plan and not experts.is_moe:
         raise HfScalePlanError(
             f"{name} (model_type={plan.model_type!r}) has no tensor-parallel plan: transformers "
             "declares none and hf_scale's registry has none. Pass one, e.g. "
@@ -93,7 +105,26 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
                 raise HfScalePlanError(f"tp_local_attrs: {module_name} has no integer attribute {attr!r}.")
             if value % tp:
                 raise HfScalePlanError(f"tp={tp} does not divide {module_name}.{attr}={value}: choose a tp that divides it.")
-    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()})
+    split = experts_tp_split(model, experts, tp) if experts.is_moe else {}
+    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()}, split)
+
+
+def _without_expert_entries(tp_plan, modules: dict[str, nn.Module], experts: ExpertsLayout) -> dict:
+    """``tp_plan`` less its entries for the experts (the module, its parameters, anything inside)
+    and those matching nothing under an MoE block (the dense MLP of layers this model lacks)."""
+    names = tuple(experts.modules)
+    blocks = {n.rpartition(".")[0] for n in names}
+    kept = {}
+    for key, value in tp_plan.items():
+        regex = _pattern(key)
+        matched = [m for m in modules if m and regex.fullmatch(m)]
+        owner = _pattern(key.rpartition(".")[0])
+        if any(m == n or m.startswith(n + ".") for m in matched for n in names):
+            continue
+        if not matched and any(owner.fullmatch(n) or owner.fullmatch(b) for n in names for b in blocks):
+            continue
+        kept[key] = value
+    return kept
 
 
 def _getattr_path(obj, attr: str):

@@ -26,6 +26,9 @@ def apply_fsdp(
     fp32_modules: list[nn.Module] = (),
     blocks_per_unit: int = 1,
     prefetch: int | None = None,
+    experts: list[nn.Module] = (),
+    experts_mesh=None,
+    data_ranks: int | None = None,
 ) -> None:
     """Shard ``model`` with one FSDP unit per ``blocks_per_unit`` consecutive modules of
     ``units``, plus the root.
@@ -55,6 +58,11 @@ def apply_fsdp(
             the current one lands, which hides it when the host, not the device, is the
             bottleneck (small blocks, slow launches); each unit deeper than one keeps one more
             gathered unit alive.
+        experts: expert-parallel experts modules (their weights ``DTensor`` s sharded over the ep
+            mesh): each its own unit over ``experts_mesh``, the ranks holding the same experts.
+            Their gradients arrive summed over the ep ranks' tokens (the all-to-all's backward),
+            so the reduction divides by ``data_ranks`` (every data-parallel rank), not by the
+            size of ``experts_mesh``: the same mean over all ranks' data as the dense weights.
 
     Usage::
 
@@ -71,6 +79,14 @@ def apply_fsdp(
         keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         for module in fp32_modules:
             fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
+    for module in experts:
+        fully_shard(module, mesh=experts_mesh, offload_policy=offload, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(float(data_ranks))
+        if experts_mesh.size() > 1:
+            # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
+            # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
+            module.set_force_sum_reduction_for_comms(True)
     groups = [list(units[i : i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
     for index, group in enumerate(groups):
         # The last unit's parameters are needed first in backward: keep them gathered.

@@ -1,0 +1,219 @@
+"""Mixture-of-experts training throughput: hf_scale's expert parallel beside transformers' own
+(``DistributedConfig(fsdp_size=W, ep_size=W)``) and plain fsdp, on a Qwen3-MoE-shaped model
+(16 experts, top-2, hidden 512, random init, fp32) at 2 and 4 CPU ranks (gloo).
+
+Each leg trains the same model on the same data (every rank its own batch) for ``--steps``
+AdamW steps after ``--warmup``; it reports tokens/s over the measured steps, the ranks' peak RSS,
+the losses of every step (mean over ranks), the expert bytes a rank holds, and for hf_scale's
+ep the time spent in the token all-to-alls per step beside their byte count.
+
+    python scripts/bench_moe.py                               # 2 and 4 ranks, print the table
+    python scripts/bench_moe.py --write docs/benchmarks.md    # into its section
+    python scripts/bench_moe.py --worker LEG OUT              # one leg's rank (run by torchrun)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    ROOT,
+    RssSampler,
+    add_write_arg,
+    check_doc,
+    launch_ranks,
+    markdown_table,
+    torchrun,
+    write_doc,
+)
+
+MODEL = dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=256, num_experts=16,
+             num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=64, vocab_size=8192, max_position_embeddings=512, norm_topk_prob=True)
+SEQ, BATCH, LR = 256, 4, 1e-4
+LEGS = ("hf_scale_ep", "transformers_ep", "hf_scale_fsdp")
+
+
+def make_model(folder: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**MODEL)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def batch_for(step: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def worker(leg: str, out: Path, folder: Path, steps: int, warmup: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    record = {"status": "ok", "leg": leg, "world": world}
+    try:
+        dist.init_process_group("gloo")
+        sampler = RssSampler()
+        sampler.start()
+        if leg == "transformers_ep":
+            from transformers import AutoModelForCausalLM
+            from transformers.distributed import DistributedConfig
+
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+        else:
+            import hf_scale
+
+            config = {"strategy": "fsdp", "ep": world} if leg == "hf_scale_ep" else {"strategy": "fsdp"}
+            model = hf_scale.from_pretrained(folder, config)
+            optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+        model.train()
+        record["expert_bytes"] = _expert_bytes(model)
+        timer = _A2ATimer()
+        losses, start = [], None
+        for step in range(warmup + steps):
+            if step == warmup:
+                dist.barrier()
+                start, timer.seconds, timer.bytes = time.perf_counter(), 0.0, 0
+            loss = model(**batch_for(step, rank)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            value = loss.detach().reshape(1).clone()
+            dist.all_reduce(value)
+            losses.append(float(value) / world)
+        dist.barrier()
+        elapsed = time.perf_counter() - start
+        timer.stop()
+        record.update(losses=losses, seconds=elapsed, tokens_per_s=steps * BATCH * SEQ * world / elapsed,
+                      a2a_seconds_per_step=timer.seconds / steps, a2a_bytes_per_step=timer.bytes / steps,
+                      peak_rss=sampler.stop())
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - the table says why a leg failed
+        import traceback
+
+        traceback.print_exc()
+        record["status"] = f"{type(e).__name__}: {str(e)[:200]}"
+    (out / f"{leg}.w{os.environ['WORLD_SIZE']}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def _expert_bytes(model) -> int:
+    """Bytes of expert weights this rank holds between steps (local shards of DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            total += local.numel() * local.element_size()
+    return total
+
+
+class _A2ATimer:
+    """Wall time and bytes of the float (token) ``all_to_all_single`` calls, both directions."""
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.seconds, self.bytes, self.dist = 0.0, 0, dist
+        self.original = dist.all_to_all_single
+
+        def timed(output, input, *args, **kwargs):
+            t = time.perf_counter()
+            result = self.original(output, input, *args, **kwargs)
+            if input.is_floating_point():
+                self.seconds += time.perf_counter() - t
+                self.bytes += input.numel() * input.element_size()
+            return result
+
+        dist.all_to_all_single = timed
+
+    def stop(self):
+        self.dist.all_to_all_single = self.original
+
+
+def run(worlds: list[int], steps: int, warmup: int, timeout: int) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="bench_moe_"))
+    folder = out / "model"
+    make_model(folder)
+    results = {}
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    for world in worlds:
+        for leg in LEGS:
+            cmd = torchrun(__file__, world, "--worker", leg, str(out), str(folder), str(steps), str(warmup))
+            ranks, error = launch_ranks(cmd, out, f"{leg}.w{world}", world, timeout, env)
+            results[(leg, world)] = (ranks, error)
+            print(f"{leg} at {world} ranks: {error or 'ok'}", flush=True)
+    return results
+
+
+def report(results: dict, worlds: list[int]) -> str:
+    rows = []
+    for world in worlds:
+        base = results.get(("transformers_ep", world))
+        base_ok = base and not base[1]
+        for leg in LEGS:
+            ranks, error = results[(leg, world)]
+            if error:
+                rows.append([f"{leg} ({world} ranks)", f"failed: {error}"])
+                continue
+            tps = ranks[0]["tokens_per_s"]
+            rss = max(r["peak_rss"] for r in ranks)
+            expert = max(r["expert_bytes"] for r in ranks)
+            losses = ranks[0]["losses"]
+            ratio = rss_ratio = loss_diff = "-"
+            if base_ok:
+                ratio = f"{tps / base[0][0]['tokens_per_s']:.2f}x"
+                rss_ratio = f"{rss / max(r['peak_rss'] for r in base[0]):.2f}x"
+                loss_diff = f"{max(abs(a - b) for a, b in zip(losses, base[0][0]['losses'])):.1e}"
+            a2a = ranks[0]["a2a_bytes_per_step"]
+            a2a_text = (f"{ranks[0]['a2a_seconds_per_step'] * 1e3:.1f} ms for {a2a / 2**20:.1f} MiB"
+                        if a2a else "-")
+            rows.append([f"{leg} ({world} ranks)", ratio, rss_ratio, loss_diff, f"{tps:,.0f}",
+                         f"{rss / 2**20:,.0f}", f"{expert / 2**20:,.1f}", a2a_text,
+                         " ".join(f"{v:.4f}" for v in losses)])
+    header = ["leg", "tokens/s vs transformers ep", "peak RSS vs transformers ep", "max loss diff",
+              "tokens/s", "peak RSS MiB", "expert MiB per rank", "token all-to-all per step (rank 0)", "losses"]
+    experts = 16 * (512 * 512 + 512 * 256) * 4 * MODEL["num_hidden_layers"]
+    note = (f"Qwen3-MoE-shaped: {MODEL['num_hidden_layers']} layers, 16 experts, top-2, hidden 512, moe "
+            f"intermediate 256, random init, fp32 (all experts: {experts / 2**20:.1f} MiB); {BATCH} x {SEQ} "
+            "tokens per rank per step; AdamW.")
+    return markdown_table(header, rows) + "\n\n" + note
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        leg, out, folder, steps, warmup = sys.argv[2:7]
+        worker(leg, Path(out), Path(folder), int(steps), int(warmup))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="2,4")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout", type=int, default=900)
+    add_write_arg(parser, "moe")
+    args = parser.parse_args()
+    check_doc(args)
+    worlds = [int(w) for w in args.worlds.split(",")]
+    body = report(run(worlds, args.steps, args.warmup, args.timeout), worlds)
+    print(body)
+    write_doc(args, body)
+
+
+if __name__ == "__main__":
+    main()

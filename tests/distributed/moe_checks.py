@@ -1,0 +1,323 @@
+"""Mixture-of-experts runs for the expert-parallel tests: tiny MoE models of five families trained
+in one process and on N ranks under ep / tp / ep x fsdp, with the routing counted. Each function
+runs on every rank (tests.harness.run_ranks) unless it says so.
+
+The reference is data parallel done by hand in one process: each data-parallel rank's slice of
+the batch is run on its own and the gradients are averaged (loss / dp per slice). That is what
+any data-parallel layout computes, and the only fair reference once the load-balancing loss is
+on: it is a function of a batch's routing as a whole, so one pass over the whole batch gives a
+different (not a wrong) loss.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import hf_scale
+from tests.distributed.training import full_params
+from tests.tiny_models import slice_batch
+
+STEPS = 2
+LR = 1e-3
+GLOBAL_BATCH = 8
+SEQ = 12
+VOCAB = 256
+MAX_NORM = 1.0
+COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+              max_position_embeddings=64, router_aux_loss_coef=0.02)
+
+
+def moe_config(arch: str, aux: bool):
+    """A tiny fp32 config of ``arch`` with 4 experts, top-2; ``aux``: the load-balancing loss on."""
+    from transformers import (
+        DeepseekV3Config,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen3MoeConfig,
+    )
+
+    if arch == "qwen3_moe":
+        config = Qwen3MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                                num_experts_per_tok=2, norm_topk_prob=True)
+    elif arch == "mixtral":
+        config = MixtralConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "olmoe":
+        config = OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+    elif arch == "deepseek_v3":  # one dense layer, then MoE with a shared expert
+        config = DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, intermediate_size=96, moe_intermediate_size=32,
+                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                  first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16,
+                                  q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+    elif arch == "olmoe_48687":  # transformers#48687's config: 8 experts, top-2, no normalisation
+        config = OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)
+    elif arch == "gpt_oss":
+        config = GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                              head_dim=16, sliding_window=8)
+    else:
+        raise ValueError(arch)
+    config.output_router_logits = aux
+    for key in list(config.to_dict()):
+        if "dropout" in key:
+            setattr(config, key, 0.0)
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 1
+    return config
+
+
+def moe_model(arch: str, aux: bool = False, seed: int = 0, impl: str | None = None):
+    """The tiny ``arch`` model, seeded; ``impl``: transformers' experts implementation
+    (``"batched_mm"``, ``"grouped_mm"``; None: the default)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(arch, aux))
+    if impl is not None:
+        model.set_experts_implementation(impl)
+    # transformers initialises routers to zero for some families: give them a real routing
+    torch.manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.5)
+    return model
+
+
+def batches(steps: int = STEPS):
+    out = []
+    for s in range(steps):
+        g = torch.Generator().manual_seed(400 + s)
+        ids = torch.randint(2, VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return out
+
+
+def watched(name: str) -> bool:
+    """The gradients compared: routers and experts (and one dense weight)."""
+    return ".mlp.gate." in name or ".mlp.router." in name or ".experts." in name or name.endswith("embed_tokens.weight")
+
+
+def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None) -> dict:
+    """One process: each of ``dp`` slices of every batch on its own, gradients averaged; AdamW."""
+    model = moe_model(arch, aux, impl=impl)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms, grads, counts = [], [], None, None
+    for step, batch in enumerate(batches()):
+        total = 0.0
+        for r in range(dp):
+            with count_routing(model) as routed:
+                loss = model(**slice_batch(batch, r, dp)).loss / dp
+            loss.backward()
+            total += float(loss.detach())
+            if step == 0:
+                counts = routed if counts is None else {k: counts[k] + v for k, v in routed.items()}
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if watched(n) and p.grad is not None}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts, "initial": initial}
+
+
+class count_routing:
+    """Tokens per expert, per experts module, over the forwards inside the block: from the
+    experts modules' inputs (``top_k_index``), so in one process and under ep alike."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.counts, self.handles = {}, []
+        for name, module in self.model.named_modules():
+            if name.endswith(".experts") and hasattr(module, "gate_up_proj"):
+                self.handles.append(module.register_forward_pre_hook(self._hook(name)))
+        return self.counts
+
+    def _hook(self, name):
+        def hook(module, args):
+            ids = args[1].reshape(-1)
+            total = getattr(module, "_hf_scale_ep", None)
+            n = module.num_experts * (total.ep if total is not None else 1)
+            self.counts[name] = self.counts.get(name, 0) + torch.bincount(ids, minlength=n)
+        return hook
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+
+
+class count_all_to_all:
+    """Calls of ``torch.distributed.all_to_all_single`` inside the block: (count exchanges,
+    token exchanges), told apart by dtype (counts are int64)."""
+
+    def __enter__(self):
+        self.original = dist.all_to_all_single
+        self.calls = {"counts": 0, "tokens": 0}
+
+        def counted(output, input, *args, **kwargs):
+            self.calls["counts" if not input.is_floating_point() else "tokens"] += 1
+            return self.original(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self.calls
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.original
+
+
+def parallel_run(arch: str, aux: bool, config: dict, impl: str | None = None) -> dict:
+    """The same training under ``config``; losses (mean over dp ranks), norms, step-1 gradients
+    and final parameters whole, tokens per expert summed over ranks, all-to-alls of one forward."""
+    model = hf_scale.parallelize(moe_model(arch, aux, impl=impl), config)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    losses, norms, grads, counts, calls = [], [], None, None, None
+    for step, batch in enumerate(batches()):
+        local = slice_batch(batch, state.dp_rank, state.dp_degree)
+        with count_routing(model) as routed, count_all_to_all() as a2a:
+            loss = model(**local).loss
+        if step == 0:
+            calls = dict(a2a)
+            counts = {}
+            for name, c in routed.items():
+                if state.dims.tp > 1:  # tp ranks share a batch: count it once
+                    c = c * (state.mesh["tp"].get_local_rank() == 0)
+                dist.all_reduce(c)
+                counts[name] = c
+        loss.backward()
+        if step == 0:
+            grads = {}
+            for n, p in model.named_parameters():
+                if watched(n) and p.grad is not None:
+                    g = p.grad
+                    grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().float().reshape(1)
+        if state.dims.tp > 1:
+            value = value * (state.mesh["tp"].get_local_rank() == 0)
+        dist.all_reduce(value)
+        losses.append(float(value) / state.dp_degree)
+    params = full_params(model)
+    moe_layers = len(counts)
+    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts,
+            "calls": calls, "moe_layers": moe_layers}
+
+
+def bad_input(case: dict) -> str:
+    """The error (type: message) ``parallelize`` raises for the case's model and config, or ''."""
+    if case["arch"] == "llama":
+        model = _dense()
+    else:
+        from transformers import AutoModelForCausalLM
+
+        config = moe_config(case["arch"], False)
+        if "num_experts" in case:
+            config.num_experts = case["num_experts"]
+        model = AutoModelForCausalLM.from_config(config)
+    try:
+        hf_scale.parallelize(model, case["config"])
+    except Exception as e:  # noqa: BLE001 - the test reads type and message
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _dense():
+    from tests.tiny_models import tiny_model
+
+    return tiny_model("llama", "causal")
+
+
+def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) -> dict:
+    """Train one step under ``save_config``, save the model (Hub format) and the training state
+    (DCP); load both into each of ``load_configs``. Returns, per load layout, the largest
+    difference of any weight and of any optimizer state tensor from what was saved, and a
+    second step's loss on both sides; rank 0 also returns the saved weights and its logits."""
+    rank = int(os.environ["RANK"])
+    arch = "qwen3_moe"
+    model = hf_scale.parallelize(moe_model(arch), save_config)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    b1, b2 = batches(2)
+    model(**slice_batch(b1, state.dp_rank, state.dp_degree)).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    saved = full_params(model)
+    saved_optim = _full_optimizer_state(model, optimizer)
+    folder = f"{root}/hub_{'_'.join(f'{k}{v}' for k, v in save_config.items())}"
+    hf_scale.save_pretrained(model, folder)
+    hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=1)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=b2["input_ids"][:2]).logits  # every rank: the all-to-alls need them all
+    out = {"folder": folder, "loads": []}
+    next_loss = _next_loss(model, optimizer, b2, state)
+    for config in load_configs:
+        loaded = hf_scale.from_pretrained(folder, config)
+        got = full_params(loaded)
+        weights = max(float((got[n] - saved[n]).abs().max()) for n in saved)
+        fresh = hf_scale.parallelize(moe_model(arch, seed=7), config)
+        fresh_opt = hf_scale.build_optimizer(fresh, lr=LR, weight_decay=0.0)
+        hf_scale.load_state(fresh, fresh_opt, path=f"{folder}_state/latest")
+        resumed = full_params(fresh)
+        resumed_optim = _full_optimizer_state(fresh, fresh_opt)
+        optim = max(float((resumed_optim[k] - v).abs().max()) for k, v in saved_optim.items())
+        weights_resumed = max(float((resumed[n] - saved[n]).abs().max()) for n in saved)
+        loss = _next_loss(fresh, fresh_opt, b2, hf_scale.get_state(fresh))
+        out["loads"].append({"config": config, "weights": weights, "resumed_weights": weights_resumed,
+                             "optimizer": optim, "optimizer_keys": len(resumed_optim) == len(saved_optim),
+                             "next_loss": loss, "saved_next_loss": next_loss})
+    if rank == 0:
+        out["saved"], out["logits"] = saved, logits
+    return out
+
+
+def _full_optimizer_state(model, optimizer) -> dict:
+    """(parameter name, state key) -> the whole tensor (a collective)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                out[(names[id(p)], k)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+    return dict(sorted(out.items()))
+
+
+def _next_loss(model, optimizer, batch, state) -> float:
+    """The mean loss of a training forward on ``batch`` (no step taken)."""
+    model.train()
+    with torch.no_grad():
+        loss = model(**slice_batch(batch, state.dp_rank, state.dp_degree)).loss.detach().reshape(1)
+    if state.dims.tp > 1:
+        loss = loss * (state.mesh["tp"].get_local_rank() == 0)
+    dist.all_reduce(loss)
+    return float(loss) / state.dp_degree
+
+
+def world_checks(cases: list[dict]) -> dict:
+    """Every case on this rank: {"parity": [...], "errors": [...]} (rank-local values; the test
+    compares rank 0's, and the errors of every rank)."""
+    rank = int(os.environ["RANK"])
+    out = {"parity": [], "errors": []}
+    for case in cases:
+        try:
+            if "checkpoint" in case:
+                out["checkpoint"] = checkpoint_checks(case["root"], case["config"], case["checkpoint"])
+                continue
+            if "error" in case:
+                out["errors"].append(bad_input(case))
+                continue
+            result = parallel_run(case["arch"], case.get("aux", False), case["config"], case.get("impl"))
+            out["parity"].append(result if rank == 0 else {"losses": result["losses"]})
+        except Exception:  # keep the other cases' results: the test names the failing one
+            out["parity" if "error" not in case else "errors"].append({"traceback": traceback.format_exc()})
+    return out

@@ -1,0 +1,85 @@
+"""Mixture-of-experts planning and checks that need no process group: the experts layout from
+transformers' ep plan, ``hf-scale plan --ep`` numbers, tp splits of the experts, bad ep input."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_scale.config import ParallelConfig
+from hf_scale.errors import HfScaleConfigError, HfScalePlanError
+from hf_scale.mesh import ParallelDims
+
+
+def _meta_moe(arch: str = "qwen3_moe", **changes):
+    from hf_scale.layout_preview import meta_model
+    from tests.distributed.moe_checks import moe_config
+
+    config = moe_config(arch, False)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return meta_model(config)
+
+
+def test_ep_report_counts_experts_and_all_to_all_volume():
+    from hf_scale.layout_preview import ep_report
+    from hf_scale.model_plans import resolve_plan
+
+    model = _meta_moe()
+    report = ep_report(model, resolve_plan(model), ep=2, dp_shard=4, tokens=1024)
+    per_layer = 4 * 64 * 64 + 4 * 64 * 32  # gate_up [E, 2I, H] + down [E, H, I]
+    assert report["expert_params"] == 2 * per_layer
+    assert report["experts_per_rank"] == 2 and report["source"] == "transformers"
+    assert report["expert_params_gathered"] == per_layer // 2  # 1/ep of a layer's experts
+    assert report["expert_params_per_rank"] == 2 * per_layer // 2 // 2  # 1/ep, then FSDP over dp_shard / ep
+    assert report["all_to_all_bytes_forward"] == 1024 * 64 * 2 * 2 * 4 * 2  # tokens x hidden x k x 2 x fp32 x layers
+    assert report["all_to_all_bytes_step"] == 2 * report["all_to_all_bytes_forward"]
+
+
+def test_plan_cli_prints_the_ep_section(tmp_path, capsys):
+    from hf_scale.cli import main
+    from tests.distributed.moe_checks import moe_config
+
+    moe_config("qwen3_moe", False).save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path / "config.json"), "--ep", "2", "--world-size", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "(ep=2 of dp_shard)" in out
+    assert "expert parallel over 2 ranks: 2 of 4 experts per rank in each of 2 MoE layers" in out
+    assert "2.0 MiB in forward, 4.0 MiB per step" in out
+
+
+def test_experts_tp_split_follows_the_experts_contract():
+    from hf_scale.model_plans import resolve_plan
+    from hf_scale.model_plans.tp import tp_layout
+
+    model = _meta_moe()
+    layout = tp_layout(model, resolve_plan(model), 2)  # was: "names a parameter"
+    assert layout.experts["model.layers.0.mlp.experts"] == {"gate_up_proj": (1, 2), "down_proj": (2, 1)}
+    assert not any(".experts" in name for name in layout.styles)
+    oss = _meta_moe("gpt_oss")  # [E, in, out], gate and up interleaved, biases
+    split = tp_layout(oss, resolve_plan(oss), 2).experts["model.layers.0.mlp.experts"]
+    assert split == {"gate_up_proj": (2, 1), "gate_up_proj_bias": (1, 1), "down_proj": (1, 1), "down_proj_bias": (None, 0)}
+    odd = _meta_moe(moe_intermediate_size=33)
+    with pytest.raises(HfScalePlanError, match=r"tp=2 does not divide model.layers.0.mlp.experts.gate_up_proj"):
+        tp_layout(odd, resolve_plan(odd), 2)
+
+
+def test_bad_ep_input():
+    from hf_scale.layout_preview import ep_report, meta_model
+    from hf_scale.model_plans import resolve_plan
+    from tests.tiny_models import tiny_config
+
+    model = _meta_moe(num_experts=3)
+    with pytest.raises(HfScalePlanError, match=r"ep=2 does not divide the 3 experts .* Choose ep in \[1, 3\]"):
+        ep_report(model, resolve_plan(model), ep=2)
+    dense = meta_model(tiny_config("llama"))
+    with pytest.raises(HfScalePlanError, match="ep=2 but LlamaForCausalLM .* has no mixture-of-experts layers"):
+        ep_report(dense, resolve_plan(dense), ep=2)
+    with pytest.raises(HfScaleConfigError, match="ep=2 with strategy='ddp'"):
+        ParallelConfig(strategy="ddp", ep=2)
+    with pytest.raises(HfScaleConfigError, match="ep=2 with pp=2 is not supported yet"):
+        ParallelConfig(ep=2, pp=2)
+    with pytest.raises(HfScaleConfigError, match="ep=0"):
+        ParallelConfig(ep=0)
+    with pytest.raises(HfScaleConfigError, match="ep=4 does not divide dp_shard=2"):
+        ParallelDims.resolve(ParallelConfig(ep=4, tp=2), world_size=4)
+    assert ParallelDims.resolve(ParallelConfig(ep=2), world_size=4).describe().endswith("(ep=2 of dp_shard)")
