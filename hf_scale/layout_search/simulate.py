@@ -175,6 +175,13 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
+    if config.ep > 1:
+        raise HfScaleConfigError(
+            f"ep={config.ep}: expert parallel is not simulated yet (the planner's layouts have no ep "
+            "degree, and the token exchange sizes its buffers from counts a fake process group does not "
+            "carry). Simulate the layout without ep (the experts are then sharded by FSDP over the same "
+            "ranks), and see `hf-scale plan --ep N` for the experts' bytes per rank."
+        )
     dims = ParallelDims.resolve(config, world_size)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,

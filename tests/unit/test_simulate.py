@@ -144,3 +144,10 @@ def test_more_gpus_per_node_than_the_fake_device_guard_knows(config):
 def test_pipeline_parallel_is_refused_with_what_is_missing(config):
     with pytest.raises(HfScaleConfigError, match="pp=2: pipeline parallel is not simulated yet"):
         simulate(config, world_size=4, parallel=Layout("fsdp", dp_shard=2, pp=2), seq=SEQ)
+
+
+def test_expert_parallel_is_refused_not_dropped():
+    from hf_scale.layout_search.simulate import as_layout
+
+    with pytest.raises(HfScaleConfigError, match="ep=2: expert parallel is not simulated yet"):
+        as_layout({"strategy": "fsdp", "ep": 2}, 8)
