@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 STEPS = 3
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 0.1, 1.0
 RTOL = 1e-5
+PARTNER_TIMEOUT = 20.0  # seconds a rank may lag behind the other's report of the same case
 BATCH, SEQ, VOCAB, RESERVED = 4, 16, 512, 32  # token ids >= VOCAB - RESERVED: special tokens only
 LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 
@@ -174,10 +175,7 @@ def expert_entries(model) -> dict:
     modules = dict(model.named_modules())
     drop = {}
     for key in plan.tp_plan:
-        owner, _, leaf = key.rpartition(".")
-        if "expert" in key and not any(_match(key, m) for m in modules) and leaf:
-            drop[key] = None
-        elif owner and "expert" in owner and not any(_match(key, m) for m in modules):
+        if ".experts" in f".{key}" and not ("shared_expert" in key and any(_match(key, m) for m in modules)):
             drop[key] = None
     return drop
 
@@ -276,12 +274,14 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
         for p in procs:
             p.start()
         last = time.monotonic()
-        ended = 0
+        ended, alone = 0, None  # alone: when one rank reported a case the other has not
         while ended < 2:
             try:
-                kind, key, rank, out = results.get(timeout=5)
+                kind, key, rank, out = results.get(timeout=2)
             except queue.Empty:
-                if time.monotonic() - last > case_timeout or not any(p.is_alive() for p in procs):
+                now = time.monotonic()
+                if now - last > case_timeout or (alone and now - alone > PARTNER_TIMEOUT) \
+                        or not any(p.is_alive() for p in procs):
                     break
                 continue
             if kind == "ref":
@@ -292,6 +292,7 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
                 continue
             last = time.monotonic()
             per_rank.setdefault(key, {})[rank] = out
+            alone = last if len(per_rank[key]) == 1 else None
             if len(per_rank[key]) == 2:
                 done[key] = per_rank[key]
                 print(f"  {cases[key][1][0]:<28} {cases[key][1][1]:<5} {out['status']:<8} "
@@ -304,8 +305,8 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
             index = remaining[0][0]
             got = per_rank.get(index, {})
             reason = next((o.get("reason") for o in got.values() if o.get("reason")), None)
-            done[index] = {0: {"status": "fails", "reason": f"timeout after {case_timeout:.0f}s" +
-                               (f" (one rank: {reason})" if reason else " (a hung collective)"), "seconds": case_timeout}}
+            done[index] = {0: {"status": "fails", "reason": (f"one rank raised, the other hung: {reason}" if reason else
+                               f"timeout after {case_timeout:.0f}s (a hung collective)"), "seconds": case_timeout}}
             print(f"  {cases[index][1][0]:<28} {cases[index][1][1]:<5} fails    {done[index][0]['reason']}", flush=True)
             remaining = remaining[1:]
         pending = remaining
