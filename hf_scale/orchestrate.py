@@ -26,17 +26,19 @@ from torch import nn
 
 from .config import ParallelConfig
 from .distributed import DistEnv, init_distributed
-from .errors import HfScaleConfigError
+from .errors import HfScaleConfigError, HfScalePlanError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
 from .model_plans.adapters import adapter_host
+from .model_plans.from_hf import with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
+from .parallel.tp_check import check_tp_forward
 from .parallel_state import STATE_ATTR, ParallelState, get_state
 from .ranks import gather
 
@@ -72,6 +74,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     env = init_distributed(config.timeout_seconds)
     dtype = precision_dtype(config, env)
     topology = build_topology(model, resolved, config, env)
+    resolved, topology = check_inferred_tp(model, resolved, topology, env)
     topology = keep_own_stages(model, topology)
     check_stages_train(model, topology)
     units = wrap_units(model, resolved)
@@ -129,6 +132,35 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
                        config.pp_split_points)
     tp = tp_layout(model, plan, dims.tp) if dims.tp_enabled else None
     return Topology(dims, build_mesh(dims, env.device.type), tp, pp)
+
+
+def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env: DistEnv) -> tuple[ModelPlan, Topology]:
+    """A tp plan inferred from the model's modules is a guess: one forward of a sharded copy on a
+    probe batch must equal the unsharded copy's, block by block, or the next guess is tried;
+    when none holds the model is refused (on every rank), naming what differed."""
+    if topology.tp is None or plan.source.get("tp_plan") != "inferred":
+        return plan, topology
+    if any(p.is_meta for p in model.parameters()):
+        log_rank0("tensor parallel: the inferred plan is not checked (the model is on the meta device)", once=True)
+        return plan, topology
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = [names[id(u)] for u in wrap_units(model, plan)]
+    first, candidate = None, 0
+    while plan is not None:
+        differs = check_tp_forward(model, topology.mesh["tp"], topology.tp.styles, topology.tp.local_attrs,
+                                   _present_ties(model, plan.tied_weights), blocks, env.device)
+        if differs is None:
+            return plan.replace(source={**plan.source, "tp_plan": "inferred, checked"}), topology
+        first, candidate = first or differs, candidate + 1
+        plan = with_inferred_tp(model, plan, candidate)
+        if plan is not None:
+            topology = dataclasses.replace(topology, tp=tp_layout(model, plan, topology.dims.tp))
+    raise HfScalePlanError(
+        f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r}) has no tensor-parallel "
+        f"plan from transformers or hf_scale's registry, and the plan inferred from its modules does not hold: "
+        f"on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} (hf-scale plan prints the inferred one), "
+        "or train without tp."
+    )
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:

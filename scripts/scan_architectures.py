@@ -188,7 +188,6 @@ def _match(pattern: str, name: str) -> bool:
 
 def parallel(model_type: str, layout: str) -> dict:
     """This rank's run of one case: global losses and gradient norms per step."""
-    import torch
     import torch.distributed as dist
 
     import hf_scale
@@ -385,7 +384,7 @@ def main() -> None:
     print(body)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary}, indent=1, default=str))
-    write_doc(args, body + f"\n\nPer model type: [architectures.md](architectures.md).")
+    write_doc(args, body + "\n\nPer model type: [architectures.md](architectures.md).")
     if args.list:
         write_list(args.list, rows, args.layouts, body)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import HfScalePlanError
 from .base import ModelPlan, _freeze, check_override_fields, registered_fields
+from .tp_infer import collapse, infer_tp_plan
 
 
 def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | None = None) -> ModelPlan:
@@ -70,7 +71,31 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
         fields["wrap_modules"], source["wrap_modules"] = (block,), "inferred"
     plan = ModelPlan(model_type=model_type, tied_weights=ties, source=source, **fields)
     _check(model, plan, strict=source.get("keep_fp32_modules") != "transformers")
+    if not plan.tp_plan:
+        plan = with_inferred_tp(model, plan)
     return plan
+
+
+def with_inferred_tp(model: nn.Module, plan: ModelPlan, candidate: int = 0) -> ModelPlan | None:
+    """``plan`` with the tp plan inferred from ``model``'s structure (:mod:`.tp_infer`), its
+    ``candidate``-th guess (None past the last), marked ``inferred`` (``parallelize`` checks it
+    before use); where
+    nothing can be inferred, the source says why (``tp_layout`` refuses with that)."""
+    units = wrap_units(model, plan)
+    names = {id(m): n for n, m in model.named_modules()}
+    inferred = infer_tp_plan(model, [(names[id(u)], u) for u in units])
+    source = dict(plan.source)
+    if not inferred.candidates:
+        source["tp_plan"] = f"none (not inferred: {inferred.reason})"
+        return plan.replace(source=source)
+    if candidate >= len(inferred.candidates):
+        return None
+    modules = dict(model.named_modules())
+    source["tp_plan"] = source["tp_local_attrs"] = "inferred"
+    if inferred.whole:
+        source["tp_whole"] = "; ".join(inferred.whole[:4]) + (" ..." if len(inferred.whole) > 4 else "")
+    return plan.replace(tp_plan=collapse(inferred.candidates[candidate], modules),
+                        tp_local_attrs=collapse(inferred.local_attrs, modules), source=source)
 
 
 def wrap_units(model: nn.Module, plan: ModelPlan) -> list[nn.Module]:

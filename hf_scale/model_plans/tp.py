@@ -63,9 +63,12 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int) -> TPLayout:
     a plan that does not fit (unknown style, pattern matching nothing, sizes tp does not divide)."""
     name = type(model).__name__
     if not plan.tp_plan:
+        why = plan.source.get("tp_plan", "")
         raise HfScalePlanError(
             f"{name} (model_type={plan.model_type!r}) has no tensor-parallel plan: transformers "
-            "declares none and hf_scale's registry has none. Pass one, e.g. "
+            "declares none, hf_scale's registry has none"
+            + (f", and none is inferred from its modules: {why.partition(': ')[2].rstrip(')')}" if why.startswith("none (") else "")
+            + ". Pass one, e.g. "
             "plan={'tp_plan': {'model.layers.*.self_attn.q_proj': 'colwise', ..., "
             "'model.layers.*.mlp.down_proj': 'rowwise'}}, or call hf_scale.register_plan("
             f"{plan.model_type!r}, tp_plan=...)."
