@@ -53,7 +53,7 @@ FIXED = {  # attribute -> tiny value, set where the default config has an int th
     "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "decoder_ffn_dim": 128,
     "encoder_ffn_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
     "expert_intermediate_size": 64, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
-    "vocab_size": VOCAB, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
     "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
@@ -216,7 +216,7 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip()}"
 
 
-def rank_main(rank: int, world: int, port: int, cases: list, results) -> None:
+def rank_main(rank: int, world: int, port: int, cases: list, results, generation: int = 0) -> None:
     """One rank: run ``cases`` in order, reporting each."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -237,8 +237,8 @@ def rank_main(rank: int, world: int, port: int, cases: list, results) -> None:
         except Exception as e:  # noqa: BLE001 - recorded as a failure with its traceback
             out = {"status": "fails", "reason": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
         out["seconds"] = time.perf_counter() - start
-        results.put(("case", index, rank, out))
-    results.put(("end", None, rank, None))
+        results.put(("case", index, (generation, rank), out))
+    results.put(("end", None, (generation, rank), None))
 
 
 def reference_main(types: list, results) -> None:
@@ -267,9 +267,11 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
     cases = list(enumerate((t, layout) for t in types for layout in layouts))
     refs, per_rank, done = {}, {}, {}
     pending = list(cases)
+    generation = 0
     while pending:
-        port = free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, 2, port, pending, results), daemon=True) for r in range(2)]
+        port, generation = free_port(), generation + 1
+        procs = [ctx.Process(target=rank_main, args=(r, 2, port, pending, results, generation), daemon=True)
+                 for r in range(2)]
         for p in procs:
             p.start()
         last = time.monotonic()
@@ -286,6 +288,9 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
             if kind == "ref":
                 refs[key] = out
                 continue
+            if rank[0] != generation or key in done:  # a killed group's last words
+                continue
+            rank = rank[1]
             if kind == "end":
                 ended += 1
                 continue
