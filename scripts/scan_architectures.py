@@ -62,7 +62,7 @@ FIXED = {  # attribute -> tiny value, set where the default config has an int th
     "mamba_expand": 2, "mamba_d_ssm": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "first_k_dense_replace": 1,
     "num_memory_heads": 2, "time_step_rank": 8, "lru_width": 64, "index_n_heads": 4,
-    "index_head_dim": 16, "index_topk": 8, "block_size": 8,
+    "index_head_dim": 16, "index_topk": 8, "block_size": 8, "rotary_dim": 8, "rotary_emb_dim": 8,
 }
 QUIET = ("dropout", "pdrop", "jitter", "layerdrop", "drop_rate", "drop_path")
 
@@ -106,6 +106,8 @@ def _shrink(d: dict) -> dict:
         picked = [i for i, v in enumerate(values) if not (json.dumps(v) in seen or seen.append(json.dumps(v)))]
         picked = (picked + [i for i in range(len(values)) if i not in picked])[:layers]
         out[key] = [values[i] for i in sorted(picked)]
+    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("head_dim"), int):
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part's width
     vocab = out.get("vocab_size") if isinstance(out.get("vocab_size"), int) else VOCAB
     special = vocab - 1
     for key, value in d.items():  # special token ids into the reserved top of the vocabulary
@@ -388,7 +390,8 @@ def main() -> None:
     body = "\n".join(lines) + "\n\n" + table
     print(body)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary,
+                                               "raw": {f"{t}/{layout}": v for (t, layout), v in done.items()}}, indent=1, default=str))
     write_doc(args, body + "\n\nPer model type: [architectures.md](architectures.md).")
     if args.list:
         write_list(args.list, rows, args.layouts, body)

@@ -190,6 +190,8 @@ def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None
         for a, b in ((t_mod, s_mod), (s_mod, t_mod)):
             if a not in styles and b in styles and styles[b] != "replicate":
                 a_module = model.get_submodule(a)
+                if not (isinstance(a_module, (nn.Linear, nn.Embedding)) or is_conv1d(a_module)):
+                    continue  # a head holding its decoder's bias: re-tied to the sharded one by apply_tp
                 if styles[b] in _VOCAB_STYLES:
                     styles[a] = "embedding_rowwise" if isinstance(a_module, nn.Embedding) else "colwise_gather_output"
                 elif type(a_module) is type(model.get_submodule(b)):

@@ -70,7 +70,18 @@ def _in_out(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]  # Conv1D: [in, out]
 
 
+HIDDEN_ATTRS = ("hidden_size", "d_model", "n_embd", "embed_dim", "dim")
+
+
 def _hidden(model: nn.Module) -> int | None:
+    """The width of the residual stream: the config's hidden size, else the embedding's (ELECTRA
+    embeds in 128 and projects to its hidden size)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "get_text_config", lambda: config)() if config is not None else None
+    for attr in HIDDEN_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(emb, "weight", None)
     return int(weight.shape[1]) if weight is not None and weight.dim() == 2 else None
