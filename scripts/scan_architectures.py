@@ -218,6 +218,30 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).strip()}"
 
 
+def run_case(model_type: str, layout: str) -> dict:
+    """This rank's outcome of one case: ``ran`` (losses, norms), ``refused`` or ``fails`` (reason)."""
+    import hf_scale
+
+    start = time.perf_counter()
+    try:
+        out = {"status": "ran", **parallel(model_type, layout)}
+    except hf_scale.HfScaleError as e:
+        out = {"status": "refused", "reason": _first_line(e)}
+    except Exception as e:  # noqa: BLE001 - recorded as a failure with its traceback
+        out = {"status": "fails", "reason": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def run_cases(cases: list[tuple[str, str]]) -> list[dict]:
+    """Every ``(model_type, layout)`` case on this rank, in order, in one process group (the test's
+    entry: :func:`tests.harness.run_ranks` runs it on two ranks)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    return [run_case(model_type, layout) for model_type, layout in cases]
+
+
 def rank_main(rank: int, world: int, port: int, cases: list, results, generation: int = 0) -> None:
     """One rank: run ``cases`` in order, reporting each."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -226,20 +250,10 @@ def rank_main(rank: int, world: int, port: int, cases: list, results, generation
 
     import torch
 
-    import hf_scale
-
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     for index, (model_type, layout) in cases:
-        start = time.perf_counter()
-        try:
-            out = {"status": "ran", **parallel(model_type, layout)}
-        except hf_scale.HfScaleError as e:
-            out = {"status": "refused", "reason": _first_line(e)}
-        except Exception as e:  # noqa: BLE001 - recorded as a failure with its traceback
-            out = {"status": "fails", "reason": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
-        out["seconds"] = time.perf_counter() - start
-        results.put(("case", index, (generation, rank), out))
+        results.put(("case", index, (generation, rank), run_case(model_type, layout)))
     results.put(("end", None, (generation, rank), None))
 
 
