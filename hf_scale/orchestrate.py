@@ -31,7 +31,7 @@ from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
 from .model_plans.adapters import adapter_host
-from .model_plans.from_hf import with_inferred_tp
+from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
@@ -138,7 +138,8 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
     """A tp plan inferred from the model's modules is a guess: one forward of a sharded copy on a
     probe batch must equal the unsharded copy's, block by block, or the next guess is tried;
     when none holds the model is refused (on every rank), naming what differed."""
-    if topology.tp is None or plan.source.get("tp_plan") != "inferred":
+    declared = plan.source.get("tp_plan") == PRUNED
+    if topology.tp is None or not (declared or plan.source.get("tp_plan") == "inferred"):
         return plan, topology
     if any(p.is_meta for p in model.parameters()):
         log_rank0("tensor parallel: the inferred plan is not checked (the model is on the meta device)", once=True)
@@ -150,11 +151,17 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
         differs = check_tp_forward(model, topology.mesh["tp"], topology.tp.styles, topology.tp.local_attrs,
                                    _present_ties(model, plan.tied_weights), blocks, env.device)
         if differs is None:
-            return plan.replace(source={**plan.source, "tp_plan": "inferred, checked"}), topology
+            return plan.replace(source={**plan.source, "tp_plan": f"{plan.source['tp_plan']}, checked"}), topology
         first, candidate = first or differs, candidate + 1
-        plan = with_inferred_tp(model, plan, candidate)
+        plan = None if declared else with_inferred_tp(model, plan, candidate)
         if plan is not None:
             topology = dataclasses.replace(topology, tp=tp_layout(model, plan, topology.dims.tp))
+    if declared:
+        raise HfScalePlanError(
+            f"transformers' tensor-parallel plan for {type(model).__name__} names modules this configuration "
+            f"lacks; without them it does not hold: on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} "
+            "for this configuration, or train without tp."
+        )
     raise HfScalePlanError(
         f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r}) has no tensor-parallel "
         f"plan from transformers or hf_scale's registry, and the plan inferred from its modules does not hold: "

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import HfScaleConfigError, HfScalePlanError
 from .base import ModelPlan
+from .from_hf import base_model_name
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def pp_layout(
     """
     _check_causal_lm(model)
     _check_stagewise(model)
-    base_name = getattr(model, "base_model_prefix", "")
+    base_name = base_model_name(model) or getattr(model, "base_model_prefix", "")
     base = getattr(model, base_name, None) if base_name else None
     if not isinstance(base, nn.Module):
         raise HfScalePlanError(
@@ -211,6 +212,8 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
         # the blocks one level down (BERT's encoder.layer, BART's decoder.layers): the child that
         # holds them is entered and its children listed in its place, dotted
         inner = [(n, c) for n, c in node.named_children() if not is_blocks(c) and holds_blocks(c)]
+        if len(inner) > 1:  # a vision tower beside the language model: the text blocks are the stages'
+            inner = [(n, c) for n, c in inner if "language" in n or "text" in n] or inner
         if any(is_blocks(c) for c in node.children()) or len(inner) != 1:
             break
         before = [n for n, c in node.named_children() if n != inner[0][0]]
