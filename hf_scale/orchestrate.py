@@ -309,6 +309,7 @@ def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: 
         f"{len(units)} blocks of {', '.join(plan.wrap_modules)}"
         + (f" ({per_unit} per FSDP unit)" if per_unit > 1 else "")
         + (f"; FSDP prefetch {config.fsdp_prefetch} ahead" if config.fsdp_prefetch and config.sharded else "")
+        + (f"; tp plan from {plan.source.get('tp_plan', '?')}" if topology.tp is not None else "")
         + f"; precision {config.mixed_precision or 'fp32'}"
         + (f"; pipeline {config.pp_schedule}, stages {_describe(topology.pp)}" if topology.pp is not None else "")
     )
