@@ -256,3 +256,17 @@ def test_every_plan_style_has_an_engine_style():
     for style in (*_STYLES, "packed_colwise:3"):
         if style != "replicate":  # apply_tp leaves replicated modules alone
             assert _style(nn.Linear(6, 6), style) is not None, style
+
+
+def test_inferred_plan_leaves_whole_what_it_cannot_pair():
+    # BitNet's MLP normalises its whole projected width between up and down: left whole, named
+    bitnet = tf.BitNetForCausalLM(tf.BitNetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    plan = resolve_plan(bitnet)
+    assert not any(".mlp." in k for k in plan.tp_plan) and "ffn_sub_norm" in plan.source["tp_whole"]
+    # JetMoE: a router of no known role and attention experts: nothing inferred, and why
+    jetmoe = tf.JetMoeForCausalLM(tf.JetMoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_key_value_heads=2, kv_channels=8, num_local_experts=2,
+                                                  num_experts_per_tok=1, vocab_size=128))
+    with pytest.raises(HfScalePlanError, match=r"none is inferred.*router.*experts"):
+        tp_layout(jetmoe, resolve_plan(jetmoe), 2)
