@@ -163,7 +163,12 @@ def reference(model_type: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
-    return {"losses": losses, "norms": norms, "seconds": time.perf_counter() - start}
+    return {"losses": losses, "norms": norms, "seconds": time.perf_counter() - start, "attention": has_attention(model)}
+
+
+def has_attention(model) -> bool:
+    """Whether the model has attention layers (by module names): tp's target is those types."""
+    return any("attn" in name.lower() or "attention" in name.lower() for name, _ in model.named_modules())
 
 
 def expert_entries(model) -> dict:
@@ -361,19 +366,20 @@ def judge(ref: dict, ranks: dict) -> tuple[str, str]:
 SSM_WORDS = ("mamba", "rwkv", "xlstm", "recurrent", "ssm")
 
 
-def totals(rows: list[dict], layouts) -> dict:
+def totals(rows: list[dict], layouts, refs: dict) -> dict:
     out = {}
     for layout in layouts:
         built = [r for r in rows if r[layout][0] != "n/a"]
         count = {s: sum(r[layout][0] == s for r in built) for s in ("works", "refused", "fails")}
-        tracebacks = sum(r[layout][0] == "fails" and "Error" in r[layout][1] and not r[layout][1].startswith("HfScale")
-                         for r in built)
-        out[layout] = {"built": len(built), **count, "tracebacks": tracebacks}
+        tracebacks = sum(r[layout][0] == "fails" and not r[layout][1].startswith(("parity", "HfScale")) for r in built)
+        attention = [r for r in built if refs[r["type"]].get("attention")]
+        out[layout] = {"built": len(built), **count, "tracebacks": tracebacks, "attention": len(attention),
+                       "attention_works": sum(r[layout][0] == "works" for r in attention)}
     return out
 
 
 def main() -> None:
-    from bench_common import add_write_arg, check_doc, markdown_table, write_doc
+    from bench_common import add_write_arg, check_doc, write_doc
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -381,34 +387,55 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--case-timeout", type=float, default=90.0)
     parser.add_argument("--json", help="also write every case's result to this JSON file")
+    parser.add_argument("--from-json", help="report a run saved with --json instead of running")
     parser.add_argument("--list", metavar="DOC", help="write the per-type page (docs/architectures.md)")
     add_write_arg(parser, "architectures")
     args = parser.parse_args()
     check_doc(args)
-    types = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-    start = time.perf_counter()
-    refs, done = run_scan(types, args.case_timeout, tuple(args.layouts))
-    rows = []
-    for t in types:
-        row = {"type": t, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t, "?")}
-        for layout in args.layouts:
-            row[layout] = judge(refs.get(t, {}), done.get((t, layout), {}))
-        rows.append(row)
-    elapsed = time.perf_counter() - start
-    summary = totals(rows, args.layouts)
-    lines = [f"{len(types)} model types, {sum(refs[t].get('status') == 'ok' for t in types)} build and train in "
-             f"one process; {elapsed / 60:.1f} min."]
-    table = markdown_table(["layout", "types built", "works (parity)", "refused (reason)", "fails", "of which tracebacks"],
-                           [[layout, str(s["built"]), f"{s['works']} ({100 * s['works'] / max(1, s['built']):.0f}%)",
-                             str(s["refused"]), str(s["fails"]), str(s["tracebacks"])] for layout, s in summary.items()])
-    body = "\n".join(lines) + "\n\n" + table
+    if args.from_json:
+        saved = json.loads(Path(args.from_json).read_text())
+        types, refs, minutes = [r["type"] for r in saved["rows"]], saved["refs"], saved.get("minutes")
+        done = {tuple(k.split("/")): {int(r): o for r, o in v.items()} for k, v in saved.get("raw", {}).items()}
+        layouts = [lay for lay in LAYOUTS if lay in saved["rows"][0]]
+        for t in types:  # a run saved before the attention flag was recorded
+            if refs[t].get("status") == "ok" and "attention" not in refs[t]:
+                refs[t]["attention"] = has_attention(build(t))
+    else:
+        types, layouts = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), args.layouts
+        start = time.perf_counter()
+        refs, done = run_scan(types, args.case_timeout, tuple(layouts))
+        minutes = (time.perf_counter() - start) / 60
+    if args.from_json and not done:  # saved before the raw results were: its judgements
+        rows = saved["rows"]
+    else:
+        rows = [{"type": t, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t, "?"),
+                 **{layout: judge(refs.get(t, {}), done.get((t, layout), {})) for layout in layouts}} for t in types]
+    summary = totals(rows, layouts, refs)
+    body = report(types, refs, summary, minutes)
     print(body)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary,
-                                               "raw": {f"{t}/{layout}": v for (t, layout), v in done.items()}}, indent=1, default=str))
+        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary, "minutes": minutes,
+                                               "raw": {f"{t}/{layout}": v for (t, layout), v in done.items()}},
+                                              indent=1, default=str))
     write_doc(args, body + "\n\nPer model type: [architectures.md](architectures.md).")
     if args.list:
-        write_list(args.list, rows, args.layouts, body)
+        write_list(args.list, rows, layouts, body)
+
+
+def report(types: list[str], refs: dict, summary: dict, minutes: float | None) -> str:
+    from bench_common import markdown_table
+
+    built = sum(refs.get(t, {}).get("status") == "ok" for t in types)
+    took = f"; {minutes:.1f} min on this machine" if minutes is not None else ""
+    lines = [f"{len(types)} model types, {built} build and train in one process at the scan's size{took}."]
+    header = ["layout", "types built", "works (parity)", "refused (reason)", "fails", "of which exceptions",
+              "attention-based types: works"]
+    table = markdown_table(header, [
+        [layout, str(s["built"]), f"{s['works']} ({100 * s['works'] / max(1, s['built']):.0f}%)", str(s["refused"]),
+         str(s["fails"]), str(s["tracebacks"]),
+         f"{s['attention_works']} of {s['attention']} ({100 * s['attention_works'] / max(1, s['attention']):.0f}%)"]
+        for layout, s in summary.items()])
+    return "\n".join(lines) + "\n\n" + table
 
 
 def write_list(path: str, rows: list[dict], layouts, body: str) -> None:
