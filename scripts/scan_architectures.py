@@ -288,7 +288,7 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
     cases = list(enumerate((t, layout) for t in types for layout in layouts))
     refs, per_rank, done = {}, {}, {}
     pending = list(cases)
-    generation = 0
+    generation, retries = 0, 0
     while pending:
         port, generation = free_port(), generation + 1
         procs = [ctx.Process(target=rank_main, args=(r, 2, port, pending, results, generation), daemon=True)
@@ -296,6 +296,7 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
         for p in procs:
             p.start()
         last = time.monotonic()
+        retry = False
         ended, alone = 0, None  # alone: when one rank reported a case the other has not
         while ended < 2:
             try:
@@ -316,6 +317,9 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
                 ended += 1
                 continue
             last = time.monotonic()
+            if "EADDRINUSE" in out.get("reason", "") and retries < 5:  # the port was taken: start again
+                retries, retry = retries + 1, True
+                break
             per_rank.setdefault(key, {})[rank] = out
             alone = last if len(per_rank[key]) == 1 else None
             if len(per_rank[key]) == 2:
@@ -326,7 +330,9 @@ def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> t
             p.kill() if p.is_alive() else None
             p.join()
         remaining = [c for c in pending if c[0] not in done]
-        if remaining and ended < 2:  # the first case not done by both ranks hung (or killed them)
+        for c in remaining:
+            per_rank.pop(c[0], None)
+        if remaining and ended < 2 and not retry:  # the first case not done by both ranks hung (or killed them)
             index = remaining[0][0]
             got = per_rank.get(index, {})
             reason = next((o.get("reason") for o in got.values() if o.get("reason")), None)
@@ -387,13 +393,14 @@ def main() -> None:
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--case-timeout", type=float, default=90.0)
     parser.add_argument("--json", help="also write every case's result to this JSON file")
-    parser.add_argument("--from-json", help="report a run saved with --json instead of running")
+    parser.add_argument("--from-json", nargs="*", help="report runs saved with --json instead of running "
+                        "(several: merged by model type, a later file's types replacing an earlier's)")
     parser.add_argument("--list", metavar="DOC", help="write the per-type page (docs/architectures.md)")
     add_write_arg(parser, "architectures")
     args = parser.parse_args()
     check_doc(args)
     if args.from_json:
-        saved = json.loads(Path(args.from_json).read_text())
+        saved = merged([json.loads(Path(f).read_text()) for f in args.from_json])
         types, refs, minutes = [r["type"] for r in saved["rows"]], saved["refs"], saved.get("minutes")
         done = {tuple(k.split("/")): {int(r): o for r, o in v.items()} for k, v in saved.get("raw", {}).items()}
         layouts = [lay for lay in LAYOUTS if lay in saved["rows"][0]]
@@ -420,6 +427,22 @@ def main() -> None:
     write_doc(args, body + "\n\nPer model type: [architectures.md](architectures.md).")
     if args.list:
         write_list(args.list, rows, layouts, body)
+
+
+def merged(runs: list[dict]) -> dict:
+    """Saved runs merged by model type (a later run's types replace an earlier's); their minutes add."""
+    if len(runs) == 1:
+        return runs[0]
+    rows, refs, raw = {}, {}, {}
+    for run in runs:
+        again = {r["type"] for r in run["rows"]}
+        raw = {k: v for k, v in raw.items() if k.split("/")[0] not in again}
+        rows.update({r["type"]: r for r in run["rows"]})
+        refs.update(run["refs"])
+        raw.update(run.get("raw", {}))
+    minutes = [run.get("minutes") for run in runs]
+    return {"rows": [rows[t] for t in sorted(rows)], "refs": refs, "raw": raw,
+            "minutes": sum(minutes) if None not in minutes else None}
 
 
 def report(types: list[str], refs: dict, summary: dict, minutes: float | None) -> str:
