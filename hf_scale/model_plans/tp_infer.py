@@ -114,7 +114,8 @@ def infer_tp_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Infe
                 attrs.update(_head_attrs(full, group))
     if not styles:
         kinds_seen = sorted({type(b).__name__ for _, b in blocks})
-        why = "; ".join(whole[:3]) or "no attention or MLP Linear layers found"
+        why = "; ".join(whole[:3]) or ("no attention or MLP layers to pair (a state-space or recurrent block: "
+                                       "tp does not split it; fsdp and pp do)")
         return InferredTP((), {}, tuple(whole), reason=f"blocks {kinds_seen}: {why}")
     first = {n: ("packed_colwise:3" if s == "fused_qkv" else s) for n, s in styles.items()}
     candidates = [first]
