@@ -403,7 +403,7 @@ def main() -> None:
         saved = merged([json.loads(Path(f).read_text()) for f in args.from_json])
         types, refs, minutes = [r["type"] for r in saved["rows"]], saved["refs"], saved.get("minutes")
         done = {tuple(k.split("/")): {int(r): o for r, o in v.items()} for k, v in saved.get("raw", {}).items()}
-        layouts = [lay for lay in LAYOUTS if lay in saved["rows"][0]]
+        layouts = [lay for lay in LAYOUTS if all(lay in r for r in saved["rows"])]
         for t in types:  # a run saved before the attention flag was recorded
             if refs[t].get("status") == "ok" and "attention" not in refs[t]:
                 refs[t]["attention"] = has_attention(build(t))
@@ -430,14 +430,14 @@ def main() -> None:
 
 
 def merged(runs: list[dict]) -> dict:
-    """Saved runs merged by model type (a later run's types replace an earlier's); their minutes add."""
+    """Saved runs merged by model type and layout (a later run's cases replace an earlier's); their
+    minutes add."""
     if len(runs) == 1:
         return runs[0]
     rows, refs, raw = {}, {}, {}
-    for run in runs:
-        again = {r["type"] for r in run["rows"]}
-        raw = {k: v for k, v in raw.items() if k.split("/")[0] not in again}
-        rows.update({r["type"]: r for r in run["rows"]})
+    for run in runs:  # by (type, layout): a run of some layouts replaces those only
+        for r in run["rows"]:
+            rows[r["type"]] = {**rows.get(r["type"], {}), **r}
         refs.update(run["refs"])
         raw.update(run.get("raw", {}))
     minutes = [run.get("minutes") for run in runs]

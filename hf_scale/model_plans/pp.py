@@ -216,6 +216,15 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
             inner = [(n, c) for n, c in inner if "language" in n or "text" in n] or inner
         if any(is_blocks(c) for c in node.children()) or len(inner) != 1:
             break
+        embeds = [n for n, m in inner[0][1].named_modules() if isinstance(m, nn.Embedding)]
+        if embeds and not any(w in inner[0][0] for w in ("language", "text")):  # a VLM's language model composes
+            # the embeddings live inside with the blocks (BART-family decoders behind a wrapper):
+            # those stage views do not compose (measured: their losses differ), refused
+            raise HfScaleConfigError(
+                f"pipeline parallel cannot split {type(base).__name__} yet: its blocks sit in {prefix}{inner[0][0]} "
+                f"together with its embeddings ({prefix}{inner[0][0]}.{embeds[0]}), and such stages do not compose. "
+                "Use fsdp / tp for this model, or pp=1."
+            )
         before = [n for n, c in node.named_children() if n != inner[0][0]]
         entries += [prefix + n for n in before[: [n for n, _ in node.named_children()].index(inner[0][0])]
                     if _numel(node.get_submodule(n)) or isinstance(node.get_submodule(n), nn.Dropout)]
