@@ -466,7 +466,8 @@ def write_list(path: str, rows: list[dict], layouts, body: str) -> None:
 
     def cell(v):
         status, reason = v
-        return status if not reason else f"{status}: {reason[:160].replace('|', '/')}"
+        reason = " ".join(reason.split())[:160].replace("|", "/")
+        return status if not reason else f"{status}: {reason}"
 
     table = markdown_table(["model type", "class", *layouts], [[r["type"], r["class"], *(cell(r[l]) for l in layouts)]
                                                               for r in rows])
