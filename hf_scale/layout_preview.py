@@ -173,7 +173,7 @@ def format_report(report: dict) -> str:
         f"wrap units: {report['units']} x {', '.join(plan.wrap_modules)}  [{src.get('wrap_modules', '?')}]",
         f"tied weights: {', '.join(f'{a} = {b}' for a, b in plan.tied_weights) or 'none'}",
         f"fp32 under mixed precision: {', '.join(plan.keep_fp32_modules) or 'none'}",
-        f"tensor-parallel plan: {_entries(plan.tp_plan)}  [{src.get('tp_plan', 'none declared')}]",
+        f"tensor-parallel plan: {_entries(plan.tp_plan)}  [{_tp_source(src)}]",
         f"pipeline plan: {', '.join(plan.pp_plan) or 'none'}  [{src.get('pp_plan', 'none declared')}]",
         f"mesh: {report['strategy']} over {report['world_size']} rank(s) on {report['num_nodes']} node(s): "
         f"{report['mesh']}",
@@ -201,6 +201,16 @@ def _ep_lines(ep: dict) -> list[str]:
         f"{ep['all_to_all_bytes_step'] / 2**20:,.1f} MiB per step with backward (fp32; "
         f"{ep['off_rank_fraction']:.0%} leaves the rank when routing is even)",
     ]
+
+
+def _tp_source(src) -> str:
+    """Where the tp plan came from; an inferred (or pruned) one is checked by parallelize."""
+    source = src.get("tp_plan", "none declared")
+    if source == "inferred" or source.startswith("transformers, entries"):
+        source += "; parallelize checks it on a probe batch before use"
+    if src.get("tp_whole"):
+        source += f"; left whole on every tp rank: {src['tp_whole']}"
+    return source
 
 
 def _tp_lines(tp: dict, parameters: int) -> list[str]:

@@ -26,12 +26,13 @@ from torch import nn
 
 from .config import ParallelConfig
 from .distributed import DistEnv, init_distributed
-from .errors import HfScaleConfigError
+from .errors import HfScaleConfigError, HfScalePlanError
 from .log import log_rank0
 from .mesh import ParallelDims, build_mesh
 from .model_plans import ModelPlan, fp32_modules, resolve_plan, wrap_units
 from .model_plans.adapters import adapter_host
 from .model_plans.ep import ExpertsLayout, check_ep, experts_layout
+from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
@@ -39,6 +40,7 @@ from .parallel.ep import apply_experts
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
+from .parallel.tp_check import check_tp_forward
 from .parallel_state import STATE_ATTR, ParallelState, get_state
 from .ranks import gather
 
@@ -77,6 +79,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     env = init_distributed(config.timeout_seconds)
     dtype = precision_dtype(config, env)
     topology = build_topology(model, resolved, config, env)
+    resolved, topology = check_inferred_tp(model, resolved, topology, env)
     topology = keep_own_stages(model, topology)
     check_stages_train(model, topology)
     units = wrap_units(model, resolved)
@@ -143,6 +146,42 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     mesh = build_mesh(dims, env.device.type)
     experts_mesh, experts_dp_mesh = dims.expert_meshes(mesh) if experts is not None else (None, None)
     return Topology(dims, mesh, tp, pp, experts=experts, experts_mesh=experts_mesh, experts_dp_mesh=experts_dp_mesh)
+
+
+def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env: DistEnv) -> tuple[ModelPlan, Topology]:
+    """A tp plan inferred from the model's modules is a guess: one forward of a sharded copy on a
+    probe batch must equal the unsharded copy's, block by block, or the next guess is tried;
+    when none holds the model is refused (on every rank), naming what differed."""
+    declared = plan.source.get("tp_plan") == PRUNED
+    if topology.tp is None or not (declared or plan.source.get("tp_plan") == "inferred"):
+        return plan, topology
+    if any(p.is_meta for p in model.parameters()):
+        log_rank0("tensor parallel: the inferred plan is not checked (the model is on the meta device)", once=True)
+        return plan, topology
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = [names[id(u)] for u in wrap_units(model, plan)]
+    first, candidate = None, 0
+    while plan is not None:
+        differs = check_tp_forward(model, topology.mesh["tp"], topology.tp.styles, topology.tp.local_attrs,
+                                   _present_ties(model, plan.tied_weights), blocks, env.device)
+        if differs is None:
+            return plan.replace(source={**plan.source, "tp_plan": f"{plan.source['tp_plan']}, checked"}), topology
+        first, candidate = first or differs, candidate + 1
+        plan = None if declared else with_inferred_tp(model, plan, candidate)
+        if plan is not None:
+            topology = dataclasses.replace(topology, tp=tp_layout(model, plan, topology.dims.tp))
+    if declared:
+        raise HfScalePlanError(
+            f"transformers' tensor-parallel plan for {type(model).__name__} names modules this configuration "
+            f"lacks; without them it does not hold: on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} "
+            "for this configuration, or train without tp."
+        )
+    raise HfScalePlanError(
+        f"{type(model).__name__} (model_type={getattr(model.config, 'model_type', '?')!r}) has no tensor-parallel "
+        f"plan from transformers or hf_scale's registry, and the plan inferred from its modules does not hold: "
+        f"on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} (hf-scale plan prints the inferred one), "
+        "or train without tp."
+    )
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
@@ -298,6 +337,7 @@ def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: 
         f"{len(units)} blocks of {', '.join(plan.wrap_modules)}"
         + (f" ({per_unit} per FSDP unit)" if per_unit > 1 else "")
         + (f"; FSDP prefetch {config.fsdp_prefetch} ahead" if config.fsdp_prefetch and config.sharded else "")
+        + (f"; tp plan from {plan.source.get('tp_plan', '?')}" if topology.tp is not None else "")
         + f"; precision {config.mixed_precision or 'fp32'}"
         + (f"; pipeline {config.pp_schedule}, stages {_describe(topology.pp)}" if topology.pp is not None else "")
     )

@@ -70,6 +70,9 @@ class CardInfo:
         strategy: the hf_scale strategy (``fsdp``, ``zero2``, ``zero1``, ``ddp``, ``hsdp``).
         mesh: mesh sizes, e.g. ``{"dp_replicate": 2, "dp_shard": 4}``.
         world_size: number of processes.
+        plan_source: where the parallel plans applied came from, e.g. ``{"tp_plan": "inferred,
+            checked", "pp_plan": "transformers"}`` (``transformers``, ``registry:<type>``,
+            ``user``, ``inferred``).
         hyperparameters: name -> value, shown as a table.
         training_time_seconds: wall-clock training time.
         tokens_seen: training tokens processed.
@@ -90,6 +93,7 @@ class CardInfo:
     strategy: str | None = None
     mesh: dict[str, int] = dataclasses.field(default_factory=dict)
     world_size: int | None = None
+    plan_source: dict[str, str] = dataclasses.field(default_factory=dict)
     hyperparameters: dict[str, Any] = dataclasses.field(default_factory=dict)
     training_time_seconds: float | None = None
     tokens_seen: int | None = None

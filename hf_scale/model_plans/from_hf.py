@@ -16,6 +16,7 @@ from torch import nn
 
 from ..errors import HfScalePlanError
 from .base import ModelPlan, _freeze, check_override_fields, registered_fields
+from .tp_infer import collapse, infer_tp_plan
 
 
 def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | None = None) -> ModelPlan:
@@ -38,6 +39,13 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
     for name, value in _declared_fields(model).items():
         if value:
             fields[name], source[name] = value, "transformers"
+    if fields.get("tp_plan"):
+        kept = _matching_entries(model, fields["tp_plan"])
+        if len(kept) < len(fields["tp_plan"]):
+            # transformers' plan lists the modules of every variant of the architecture (DeepSeek-V2's
+            # q_proj exists only without q_lora_rank): those this model lacks are dropped, and the
+            # rest is checked on a probe batch like an inferred plan
+            fields["tp_plan"], source["tp_plan"] = kept, PRUNED
     for name, value in registered_fields(model_type).items():
         if name in ("tp_plan", "tp_local_attrs", "ep_plan"):
             value = _from_base(model, value(config) if callable(value) else value)
@@ -70,7 +78,42 @@ def resolve_plan(model: nn.Module, overrides: ModelPlan | Mapping[str, Any] | No
         fields["wrap_modules"], source["wrap_modules"] = (block,), "inferred"
     plan = ModelPlan(model_type=model_type, tied_weights=ties, source=source, **fields)
     _check(model, plan, strict=source.get("keep_fp32_modules") != "transformers")
+    if not plan.tp_plan:
+        plan = with_inferred_tp(model, plan)
     return plan
+
+
+def with_inferred_tp(model: nn.Module, plan: ModelPlan, candidate: int = 0) -> ModelPlan | None:
+    """``plan`` with the tp plan inferred from ``model``'s structure (:mod:`.tp_infer`), its
+    ``candidate``-th guess (None past the last), marked ``inferred`` (``parallelize`` checks it
+    before use); where
+    nothing can be inferred, the source says why (``tp_layout`` refuses with that)."""
+    units = wrap_units(model, plan)
+    names = {id(m): n for n, m in model.named_modules()}
+    inferred = infer_tp_plan(model, [(names[id(u)], u) for u in units])
+    source = dict(plan.source)
+    if not inferred.candidates:
+        source["tp_plan"] = f"none (not inferred: {inferred.reason})"
+        return plan.replace(source=source)
+    if candidate >= len(inferred.candidates):
+        return None
+    modules = dict(model.named_modules())
+    source["tp_plan"] = source["tp_local_attrs"] = "inferred"
+    if inferred.whole:
+        source["tp_whole"] = "; ".join(inferred.whole[:4]) + (" ..." if len(inferred.whole) > 4 else "")
+    return plan.replace(tp_plan=collapse(inferred.candidates[candidate], modules),
+                        tp_local_attrs=collapse(inferred.local_attrs, modules), source=source)
+
+
+PRUNED = "transformers, entries for absent modules dropped"
+
+
+def _matching_entries(model: nn.Module, patterns: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``patterns`` that match a module or a parameter of ``model``."""
+    from .tp import _pattern
+
+    names = [n for n, _ in model.named_modules() if n] + [n for n, _ in model.named_parameters()]
+    return {k: v for k, v in patterns.items() if any(_pattern(k).fullmatch(n) for n in names)}
 
 
 def wrap_units(model: nn.Module, plan: ModelPlan) -> list[nn.Module]:
@@ -111,10 +154,24 @@ def find_tied_parameters(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 def _from_base(model: nn.Module, patterns: Mapping[str, Any]) -> dict[str, Any]:
     """Patterns relative to the base model -> relative to ``model`` (``h.*`` -> ``transformer.h.*``)."""
-    prefix = getattr(model, "base_model_prefix", "")
-    if not prefix or getattr(model, prefix, None) is None:
+    prefix = base_model_name(model)
+    if not prefix:
         return dict(patterns)
     return {f"{prefix}.{key}": value for key, value in patterns.items()}
+
+
+def base_model_name(model: nn.Module) -> str:
+    """The attribute holding the base model: ``base_model_prefix``, or where that names nothing
+    (Llama 4's causal LM says ``language_model`` and holds ``model``) the one child that is a
+    transformers model itself; "" when there is none."""
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        return prefix
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is None:  # a base model itself (T5's encoder-only model holds T5Stacks)
+        return ""
+    inner = [n for n, c in model.named_children() if hasattr(c, "config") and hasattr(c, "base_model_prefix")]
+    return inner[0] if len(inner) == 1 else ""
 
 
 def _declared_fields(model: nn.Module) -> dict[str, Any]:

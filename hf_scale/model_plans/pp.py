@@ -29,6 +29,7 @@ from torch import nn
 
 from ..errors import HfScaleConfigError, HfScalePlanError
 from .base import ModelPlan
+from .from_hf import base_model_name
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def pp_layout(
     """
     _check_causal_lm(model)
     _check_stagewise(model)
-    base_name = getattr(model, "base_model_prefix", "")
+    base_name = base_model_name(model) or getattr(model, "base_model_prefix", "")
     base = getattr(model, base_name, None) if base_name else None
     if not isinstance(base, nn.Module):
         raise HfScalePlanError(
@@ -199,11 +200,45 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
     """No declared plan: the base model's children in registration order, the block list
     among them; parameter-free modules other than dropout run everywhere (left out)."""
     wanted = set(plan.wrap_modules)
-    entries = []
-    for name, child in base.named_children():
-        if isinstance(child, nn.ModuleList) and child and type(child[0]).__name__ in wanted or isinstance(child, nn.Dropout) or _numel(child):
-            entries.append(name)
-    return entries
+
+    def is_blocks(child: nn.Module) -> bool:
+        return isinstance(child, nn.ModuleList) and len(child) > 0 and type(child[0]).__name__ in wanted
+
+    def holds_blocks(module: nn.Module) -> bool:
+        return any(is_blocks(m) for m in module.modules())
+
+    entries, prefix, node = [], "", base
+    while True:
+        # the blocks one level down (BERT's encoder.layer, BART's decoder.layers): the child that
+        # holds them is entered and its children listed in its place, dotted
+        inner = [(n, c) for n, c in node.named_children() if not is_blocks(c) and holds_blocks(c)]
+        if len(inner) > 1:  # a vision tower beside the language model: the text blocks are the stages'
+            inner = [(n, c) for n, c in inner if "language" in n or "text" in n] or inner
+        if any(is_blocks(c) for c in node.children()) or len(inner) != 1:
+            break
+        embeds = [n for n, m in inner[0][1].named_modules() if isinstance(m, nn.Embedding)]
+        if embeds and not any(w in inner[0][0] for w in ("language", "text")):  # a VLM's language model composes
+            # the embeddings live inside with the blocks (BART-family decoders behind a wrapper):
+            # those stage views do not compose (measured: their losses differ), refused
+            raise HfScaleConfigError(
+                f"pipeline parallel cannot split {type(base).__name__} yet: its blocks sit in {prefix}{inner[0][0]} "
+                f"together with its embeddings ({prefix}{inner[0][0]}.{embeds[0]}), and such stages do not compose. "
+                "Use fsdp / tp for this model, or pp=1."
+            )
+        before = [n for n, c in node.named_children() if n != inner[0][0]]
+        entries += [prefix + n for n in before[: [n for n, _ in node.named_children()].index(inner[0][0])]
+                    if _numel(node.get_submodule(n)) or isinstance(node.get_submodule(n), nn.Dropout)]
+        prefix, node = f"{prefix}{inner[0][0]}.", inner[0][1]
+    names = [n for n, c in node.named_children() if is_blocks(c) or isinstance(c, nn.Dropout) or _numel(c)]
+    after = names[next((i for i, n in enumerate(names) if is_blocks(node.get_submodule(n))), len(names)):]
+    early = [n for n in after if "embed" in n]
+    if early:
+        raise HfScaleConfigError(
+            f"pipeline parallel cannot split {type(base).__name__} yet: {prefix}{early[0]} is registered after its "
+            "blocks but runs on the embeddings before them (its stages would not compose). Use fsdp / tp "
+            "for this model, or pp=1."
+        )
+    return entries + [prefix + n for n in names]
 
 
 def _set_to_none(base: nn.Module, dotted: str) -> bool:

@@ -75,9 +75,12 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
     if experts.is_moe:
         plan = plan.replace(tp_plan=_without_expert_entries(plan.tp_plan, dict(model.named_modules()), experts))
     if not plan.tp_plan and not experts.is_moe:
+        why = plan.source.get("tp_plan", "")
         raise HfScalePlanError(
             f"{name} (model_type={plan.model_type!r}) has no tensor-parallel plan: transformers "
-            "declares none and hf_scale's registry has none. Pass one, e.g. "
+            "declares none, hf_scale's registry has none"
+            + (f", and none is inferred from its modules: {why.partition(': ')[2].rstrip(')')}" if why.startswith("none (") else "")
+            + ". Pass one, e.g. "
             "plan={'tp_plan': {'model.layers.*.self_attn.q_proj': 'colwise', ..., "
             "'model.layers.*.mlp.down_proj': 'rowwise'}}, or call hf_scale.register_plan("
             f"{plan.model_type!r}, tp_plan=...)."
@@ -218,6 +221,8 @@ def _add_tied(model: nn.Module, plan: ModelPlan, styles: dict[str, str]) -> None
         for a, b in ((t_mod, s_mod), (s_mod, t_mod)):
             if a not in styles and b in styles and styles[b] != "replicate":
                 a_module = model.get_submodule(a)
+                if not (isinstance(a_module, (nn.Linear, nn.Embedding)) or is_conv1d(a_module)):
+                    continue  # a head holding its decoder's bias: re-tied to the sharded one by apply_tp
                 if styles[b] in _VOCAB_STYLES:
                     styles[a] = "embedding_rowwise" if isinstance(a_module, nn.Embedding) else "colwise_gather_output"
                 elif type(a_module) is type(model.get_submodule(b)):

@@ -117,6 +117,7 @@ def stage_module(model: nn.Module, layout: PipelineLayout, stage: int) -> StageM
     blocks = model.get_submodule(layout.blocks)
     mine = {i: blocks._modules[str(i)] for i in layout.stage_blocks[stage]}
     _replace(view, layout.blocks, SparseModuleList(mine), copied)
+    _stage_config(view.get_submodule(layout.blocks.rpartition(".")[0]), sorted(mine), sum(map(len, layout.stage_blocks)))
     if stage != 0:
         for name in layout.first:
             _replace(view, name, stand_in(model.get_submodule(name)), copied)
@@ -161,6 +162,22 @@ _MODULE_DICTS = (
     "_modules", "_parameters", "_buffers", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
 )
+
+
+def _stage_config(loop: nn.Module, held: list[int], total: int) -> None:
+    """The module that loops over the blocks (a copy in the stage's view) gets a config whose
+    per-layer lists (``layer_types``: sliding / full attention, linear / full...) are those of
+    the blocks it holds: transformers' loops index them by the position in the block list
+    (``enumerate(self.layers)``), which starts at 0 on every stage."""
+    config = getattr(loop, "config", None)
+    if config is None or len(held) == total:
+        return
+    lists = {k: v for k, v in vars(config).items() if isinstance(v, (list, tuple)) and len(v) == total}
+    if not lists:
+        return
+    staged = copy.copy(config)
+    staged.__dict__.update({k: type(v)(v[i] for i in held) for k, v in lists.items()})  # no validation: a view
+    loop.__dict__["config"] = staged
 
 
 def _shallow(module: nn.Module) -> nn.Module:

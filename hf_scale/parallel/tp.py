@@ -243,6 +243,12 @@ def _retie(model: nn.Module, ties) -> None:
         if old is src:
             continue
         placements = lambda t: tuple(t.placements) if isinstance(t, DTensor) else None
+        if placements(src) is None and placements(old) is not None:
+            # the source lives in a module tp does not shard (BERT's prediction head holds the
+            # decoder's bias): it takes the sharded parameter, the tie's other end
+            s_owner, _, s_attr = source.rpartition(".")
+            setattr(model.get_submodule(s_owner), s_attr, old)
+            continue
         if placements(old) != placements(src):
             from ..errors import HfScalePlanError
 

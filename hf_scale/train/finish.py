@@ -54,7 +54,7 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
         (Path(job.train.output_dir) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
         _print_summary(summary, model_dir)
         if model_dir is not None:
-            info = card_info(job, summary, model_dir, world, dp_degree)
+            info = card_info(job, summary, model_dir, world, dp_degree, plan_source(model))
             write_model_card(model_dir, info, template=job.hub.card_template)
         if prompts:
             print_generations(prompts, tokenizer, live, model_dir, world, same_on_ranks, base=job.model)
@@ -64,7 +64,19 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
         push_to_hub(model_dir, job.hub.repo_id, private=job.hub.private, revision=job.hub.revision)
 
 
-def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_degree: int | None = None) -> dict:
+def plan_source(model) -> dict[str, str]:
+    """Where the tensor- and pipeline-parallel plans the run applied came from (for the card)."""
+    from ..parallel_state import get_state
+
+    state = get_state(model) if model is not None else None
+    if state is None or state.dims is None:
+        return {}
+    applied = {"tp_plan": state.dims.tp_enabled, "pp_plan": state.dims.pp_enabled}
+    return {k: state.plan.source.get(k, "inferred") for k, used in applied.items() if used}
+
+
+def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_degree: int | None = None,
+              plan_source: dict[str, str] | None = None) -> dict:
     """What the model card says about this run (``hf_scale.hub.CardInfo`` fields); the global
     batch counts the ``dp_degree`` data-parallel ranks (``world`` without tensor parallel)."""
     dp_degree = world if dp_degree is None else dp_degree
@@ -83,6 +95,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_deg
         "strategy": job.parallel.strategy,
         "mesh": mesh,
         "world_size": world,
+        "plan_source": dict(plan_source or {}),
         "hyperparameters": {
             "learning_rate": train.lr, "scheduler": train.scheduler, "warmup_steps": train.warmup_steps,
             "weight_decay": train.weight_decay, "per_rank_batch_size": train.batch_size,

@@ -167,11 +167,35 @@ def test_pattern_matching_no_module_names_it_and_close_matches():
         _layout("llama", "causal", tp_plan={"model.layers.*.self_attn.q_projj": "colwise"})
 
 
-def test_architecture_without_tp_plan_says_how_to_pass_one():
+def test_architecture_without_tp_plan_gets_one_inferred_from_its_modules():
     config = tf.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
                              vocab_size=128, max_position_embeddings=64)
-    model = tf.GPTNeoForCausalLM(config)
-    with pytest.raises(HfScalePlanError, match=r"has no tensor-parallel plan.*plan=\{'tp_plan'.*register_plan"):
+    plan = resolve_plan(tf.GPTNeoForCausalLM(config))
+    assert plan.source["tp_plan"] == "inferred"
+    assert dict(plan.tp_plan) == {
+        "transformer.h.*.attn.attention.k_proj": "colwise", "transformer.h.*.attn.attention.v_proj": "colwise",
+        "transformer.h.*.attn.attention.q_proj": "colwise", "transformer.h.*.attn.attention.out_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}
+    assert dict(plan.tp_local_attrs) == {"transformer.h.*.attn.attention": ("num_heads", "embed_dim")}
+
+
+def test_fused_qkv_and_block_level_mlp_are_inferred():
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128))
+    plan = resolve_plan(bloom)
+    assert plan.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
+    from hf_scale.model_plans.from_hf import with_inferred_tp
+
+    assert with_inferred_tp(bloom, plan, 1).tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
+    assert with_inferred_tp(bloom, plan, 2) is None
+    xglm = tf.XGLMForCausalLM(tf.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, vocab_size=128))
+    assert {k: v for k, v in resolve_plan(xglm).tp_plan.items() if "fc" in k} == {
+        "model.layers.*.fc1": "colwise", "model.layers.*.fc2": "rowwise"}
+
+
+def test_architecture_without_attention_says_why_no_plan_is_inferred():
+    model = tf.MambaForCausalLM(tf.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=128, state_size=4))
+    with pytest.raises(HfScalePlanError, match=r"has no tensor-parallel plan.*none is inferred.*MambaBlock.*"
+                                               r"plan=\{'tp_plan'.*register_plan"):
         tp_layout(model, resolve_plan(model), 2)
 
 
@@ -232,3 +256,20 @@ def test_every_plan_style_has_an_engine_style():
     for style in (*_STYLES, "packed_colwise:3"):
         if style != "replicate":  # apply_tp leaves replicated modules alone
             assert _style(nn.Linear(6, 6), style) is not None, style
+
+
+def test_inferred_plan_leaves_whole_what_it_cannot_pair():
+    # BitNet's MLP normalises its whole projected width between up and down: left whole, named
+    bitnet = tf.BitNetForCausalLM(tf.BitNetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    plan = resolve_plan(bitnet)
+    assert not any(".mlp." in k for k in plan.tp_plan) and "ffn_sub_norm" in plan.source["tp_whole"]
+    # JetMoE: a router of no known role and attention experts: nothing inferred, and why
+    jetmoe = tf.JetMoeForCausalLM(tf.JetMoeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                  num_key_value_heads=2, kv_channels=8, num_local_experts=2,
+                                                  num_experts_per_tok=1, vocab_size=128))
+    plan = resolve_plan(jetmoe)
+    assert not plan.tp_plan and "router" in plan.source["tp_plan"] and "experts" in plan.source["tp_plan"]
+    # ... and its experts (weights named input_linear / output_linear) are not ones tp can split
+    with pytest.raises(HfScalePlanError, match=r"input_linear.*cannot tell how to split 'weight'.*use ep"):
+        tp_layout(jetmoe, plan, 2)

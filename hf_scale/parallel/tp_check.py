@@ -1,0 +1,99 @@
+"""Check a tensor-parallel layout before use: one forward of a sharded copy of the model on a
+probe batch must give the unsharded copy's outputs, block by block.
+
+Used for plans inferred from a model's structure (:mod:`hf_scale.model_plans.tp_infer`): they
+are guesses from names and shapes, so they are checked, not trusted. The check runs on every
+rank of the job (the verdict is gathered, so all ranks agree) on a copy of the model; the model
+itself is untouched.
+
+Usage::
+
+    differs = check_tp_forward(model, mesh["tp"], layout.styles, layout.local_attrs, ties, blocks)
+    if differs: raise HfScalePlanError(f"the inferred plan does not hold: {differs}")
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..ranks import gather
+from .tp import apply_tp
+
+PROBE_BATCH, PROBE_SEQ = 2, 8
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def check_tp_forward(model: nn.Module, tp_mesh, styles: dict[str, str], local_attrs: dict[str, tuple[str, ...]],
+                     ties: tuple, blocks: list[str], device: torch.device) -> str | None:
+    """None when the sharded copy's block outputs and logits equal the unsharded copy's on every
+    rank; else what differed first (block name, class, largest difference). A collective."""
+    error = None
+    try:
+        error = _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device)
+    except Exception as e:  # noqa: BLE001 - a forward that fails sharded is a mismatch too
+        error = f"the sharded forward raised {type(e).__name__}: {str(e).strip()[:300]}"
+    errors = [e for e in gather([error]) if e]
+    return errors[0] if errors else None
+
+
+def _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device) -> str | None:
+    probe = copy.deepcopy(model).to(device)
+    probe.eval()
+    vocab = probe.get_input_embeddings().weight.shape[0]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, max(4, min(vocab, 64)), (PROBE_BATCH, PROBE_SEQ), generator=g).to(device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    try:
+        want = _outputs(probe, batch, blocks)
+    except Exception:  # noqa: BLE001 - the model needs other inputs: nothing to compare against
+        return None
+    apply_tp(probe, tp_mesh, styles, local_attrs, ties)
+    got = _outputs(probe, batch, blocks)
+    for name in [*blocks, "logits"]:
+        a, b = got.get(name), want.get(name)
+        if a is None or b is None:
+            continue
+        if a.shape != b.shape:
+            return f"{name} gives shape {tuple(a.shape)} sharded, {tuple(b.shape)} whole"
+        if not torch.allclose(a, b, rtol=RTOL, atol=ATOL):
+            kind = "" if name == "logits" else f" ({type(probe.get_submodule(name)).__name__})"
+            return f"the output of {name}{kind} differs by up to {float((a - b).abs().max()):.2e}"
+    return None
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((v for v in (_first_tensor(x) for x in value) if v is not None), None)
+    return getattr(value, "last_hidden_state", None) if value is not None else None
+
+
+def _outputs(model: nn.Module, batch: dict, blocks: list[str]) -> dict[str, torch.Tensor]:
+    """Each block's output and the logits, whole, in fp32 (grad on: the training forward)."""
+    out: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in blocks:
+        def keep(module, args, output, name=name):
+            t = _first_tensor(output)
+            if t is not None:
+                t = t.full_tensor() if isinstance(t, DTensor) else t
+                out.setdefault(name, t.detach().float().clone())
+        hooks.append(model.get_submodule(name).register_forward_hook(keep))
+    try:
+        with torch.enable_grad():
+            result = model(**batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    logits = getattr(result, "logits", None)
+    if logits is None:
+        logits = _first_tensor(result)
+    if logits is not None:
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        out["logits"] = logits.detach().float()
+    return out

@@ -1,0 +1,486 @@
+"""Architecture coverage: every causal-LM model type of the installed transformers, trained
+under fsdp, tp=2 and pp=2 at world 2 against one process of plain transformers.
+
+Run (CPU, gloo; minutes: every model type in one world-2 process group)::
+
+    python scripts/scan_architectures.py                      # every type, a table on stdout
+    python scripts/scan_architectures.py --types llama gpt2   # some types
+    python scripts/scan_architectures.py --write docs/benchmarks.md --list docs/architectures.md
+
+Each model type of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` is built from its own default config
+shrunk by :func:`tiny_config` (hidden 64, 2-4 layers keeping one of each per-layer kind, 4
+query and 2 key/value heads, vocabulary 512, dropout off) with a fixed seed. One process runs
+the reference: plain transformers, plain AdamW, ``STEPS`` steps with clipping. Two ranks run
+``hf_scale.parallelize`` with each layout and the same loop (``train_step``,
+``build_optimizer``, ``clip_grad_norm_``): a layout *works* when every step's loss and gradient
+norm equal the reference's within ``RTOL`` (the fp32 rule of tests/distributed/test_parity.py);
+it is *refused* when ``parallelize`` or the step raises an ``HfScaleError`` (the reason is its
+message); anything else *fails* (an exception that is not ours, a parity mismatch, a timeout).
+MoE types run with transformers' expert entries dropped from the tp plan (experts stay whole on
+each tp rank: expert sharding is issue 27's).
+
+A case that hangs is killed after ``--case-timeout`` seconds; the ranks restart with the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+STEPS = 3
+LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 0.1, 1.0
+RTOL = 1e-5
+PARTNER_TIMEOUT = 20.0  # seconds a rank may lag behind the other's report of the same case
+BATCH, SEQ, VOCAB, RESERVED = 4, 16, 512, 32  # token ids >= VOCAB - RESERVED: special tokens only
+LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
+
+HIDDEN = ("hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "word_embed_proj_dim")
+LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
+HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
+         "encoder_attention_heads", "num_attention_heads_per_layer")
+KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
+FIXED = {  # attribute -> tiny value, set where the default config has an int there
+    "head_dim": 16, "attention_head_size": 16, "kv_channels": 16, "d_kv": 16,
+    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+    "expert_intermediate_size": 64, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
+    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "attention_window_size": 64,
+    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_expand": 2, "mamba_d_ssm": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "first_k_dense_replace": 1,
+    "num_memory_heads": 2, "time_step_rank": 8, "lru_width": 64, "index_n_heads": 4,
+    "index_head_dim": 16, "index_topk": 8, "block_size": 8, "rotary_dim": 8, "rotary_emb_dim": 8,
+}
+QUIET = ("dropout", "pdrop", "jitter", "layerdrop", "drop_rate", "drop_path")
+
+
+def _is_subconfig(value) -> bool:
+    return isinstance(value, dict) and "model_type" in value
+
+
+def _shrink(d: dict) -> dict:
+    """A config dict shrunk (see module docstring); sub-configs recursively."""
+    out = dict(d)
+    old_layers = next((d[k] for k in LAYERS if isinstance(d.get(k), int)), None)
+    kinds = []
+    for key, value in d.items():
+        if isinstance(value, list) and old_layers and len(value) == old_layers and old_layers > 1:
+            kinds.append(key)
+    layers = 2
+    for key in kinds:  # keep one layer of each kind (attention / SSM / sliding ...), up to 4
+        layers = max(layers, min(4, len({json.dumps(v) for v in d[key]})))
+    for key, value in d.items():
+        if _is_subconfig(value):
+            out[key] = _shrink(value)
+        elif isinstance(value, bool) or value is None:
+            continue
+        elif isinstance(value, float) and any(q in key for q in QUIET):
+            out[key] = 0.0
+        elif not isinstance(value, int):
+            continue
+        elif key in HIDDEN:
+            out[key] = 64
+        elif key in LAYERS:
+            out[key] = layers
+        elif key in HEADS:
+            out[key] = 4
+        elif key in KV_HEADS:
+            out[key] = 2
+        elif key in FIXED:
+            out[key] = FIXED[key]
+    for key in kinds:  # per-layer lists: the first layer of each kind, then repeat
+        values, seen = d[key], []
+        picked = [i for i, v in enumerate(values) if not (json.dumps(v) in seen or seen.append(json.dumps(v)))]
+        picked = (picked + [i for i in range(len(values)) if i not in picked])[:layers]
+        out[key] = [values[i] for i in sorted(picked)]
+    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("head_dim"), int):
+        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part's width
+    vocab = out.get("vocab_size") if isinstance(out.get("vocab_size"), int) else VOCAB
+    special = vocab - 1
+    for key, value in d.items():  # special token ids into the reserved top of the vocabulary
+        if key.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= vocab - RESERVED:
+            out[key], special = special, special - 1
+    return out
+
+
+def tiny_config(model_type: str):
+    """``model_type``'s default config, shrunk."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type)
+    return type(default).from_dict(_shrink(default.to_dict()))
+
+
+def build(model_type: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    model.train()
+    return model
+
+
+def batches(model) -> list[dict]:
+    import torch
+
+    vocab = int(getattr(model.get_input_embeddings(), "num_embeddings", VOCAB))
+    out = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 + step)
+        ids = torch.randint(3, max(4, vocab - RESERVED), (BATCH, SEQ), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+    return out
+
+
+def reference(model_type: str) -> dict:
+    """One process, plain transformers and AdamW."""
+    import torch
+
+    from hf_scale.parallel.optim import parameter_groups
+
+    start = time.perf_counter()
+    model = build(model_type)
+    optimizer = torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR)
+    losses, norms = [], []
+    for batch in batches(model):
+        loss = model(**batch).loss
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach()))
+    return {"losses": losses, "norms": norms, "seconds": time.perf_counter() - start, "attention": has_attention(model)}
+
+
+def has_attention(model) -> bool:
+    """Whether the model has attention layers (by module names): tp's target is those types."""
+    return any("attn" in name.lower() or "attention" in name.lower() for name, _ in model.named_modules())
+
+
+def expert_entries(model) -> dict:
+    """tp plan entries naming expert parameters (MoE; issue 27): dropped, experts stay whole."""
+    from hf_scale.model_plans import resolve_plan
+
+    try:
+        plan = resolve_plan(model)
+    except Exception:  # noqa: BLE001 - parallelize reports it
+        return {}
+    modules = dict(model.named_modules())
+    drop = {}
+    for key in plan.tp_plan:
+        if ".experts" in f".{key}" and not ("shared_expert" in key and any(_match(key, m) for m in modules)):
+            drop[key] = None
+    return drop
+
+
+def _match(pattern: str, name: str) -> bool:
+    from hf_scale.model_plans.tp import _pattern
+
+    return bool(name) and _pattern(pattern).fullmatch(name) is not None
+
+
+def parallel(model_type: str, layout: str) -> dict:
+    """This rank's run of one case: global losses and gradient norms per step."""
+    import torch.distributed as dist
+
+    import hf_scale
+
+    model = build(model_type)
+    data = batches(model)
+    config = {**LAYOUTS[layout], "timeout_seconds": 120}
+    drop = expert_entries(model) if layout == "tp2" else {}
+    model = hf_scale.parallelize(model, config, plan={"tp_plan": drop} if drop else None)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for batch in data:
+        n = BATCH // state.dp_degree
+        local = {k: v[state.dp_rank * n:(state.dp_rank + 1) * n] for k, v in batch.items()}
+        loss = model.train_step(local).detach().clone()
+        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        dist.all_reduce(loss)
+        losses.append(float(loss) / dist.get_world_size())
+    return {"losses": losses, "norms": norms, "experts_whole": bool(drop)}
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).strip()}"
+
+
+def run_case(model_type: str, layout: str) -> dict:
+    """This rank's outcome of one case: ``ran`` (losses, norms), ``refused`` or ``fails`` (reason)."""
+    import hf_scale
+
+    start = time.perf_counter()
+    try:
+        out = {"status": "ran", **parallel(model_type, layout)}
+    except hf_scale.HfScaleError as e:
+        out = {"status": "refused", "reason": _first_line(e)}
+    except Exception as e:  # noqa: BLE001 - recorded as a failure with its traceback
+        out = {"status": "fails", "reason": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def run_cases(cases: list[tuple[str, str]]) -> list[dict]:
+    """Every ``(model_type, layout)`` case on this rank, in order, in one process group (the test's
+    entry: :func:`tests.harness.run_ranks` runs it on two ranks)."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    return [run_case(model_type, layout) for model_type, layout in cases]
+
+
+def rank_main(rank: int, world: int, port: int, cases: list, results, generation: int = 0) -> None:
+    """One rank: run ``cases`` in order, reporting each."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for index, (model_type, layout) in cases:
+        results.put(("case", index, (generation, rank), run_case(model_type, layout)))
+    results.put(("end", None, (generation, rank), None))
+
+
+def reference_main(types: list, results) -> None:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    for model_type in types:
+        try:
+            out = {"status": "ok", **reference(model_type)}
+        except Exception as e:  # noqa: BLE001
+            out = {"status": "fails", "reason": _first_line(e)}
+        results.put(("ref", model_type, 0, out))
+
+
+def run_scan(types: list[str], case_timeout: float, layouts=tuple(LAYOUTS)) -> tuple[dict, dict]:
+    """(references by type, results by (type, layout)), the ranks restarted after a hang."""
+    from bench_common import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ref_proc = ctx.Process(target=reference_main, args=(types, results), daemon=True)
+    ref_proc.start()
+    cases = list(enumerate((t, layout) for t in types for layout in layouts))
+    refs, per_rank, done = {}, {}, {}
+    pending = list(cases)
+    generation, retries = 0, 0
+    while pending:
+        port, generation = free_port(), generation + 1
+        procs = [ctx.Process(target=rank_main, args=(r, 2, port, pending, results, generation), daemon=True)
+                 for r in range(2)]
+        for p in procs:
+            p.start()
+        last = time.monotonic()
+        retry = False
+        ended, alone = 0, None  # alone: when one rank reported a case the other has not
+        while ended < 2:
+            try:
+                kind, key, rank, out = results.get(timeout=2)
+            except queue.Empty:
+                now = time.monotonic()
+                if now - last > case_timeout or (alone and now - alone > PARTNER_TIMEOUT) \
+                        or not any(p.is_alive() for p in procs):
+                    break
+                continue
+            if kind == "ref":
+                refs[key] = out
+                continue
+            if rank[0] != generation or key in done:  # a killed group's last words
+                continue
+            rank = rank[1]
+            if kind == "end":
+                ended += 1
+                continue
+            last = time.monotonic()
+            if "EADDRINUSE" in out.get("reason", "") and retries < 5:  # the port was taken: start again
+                retries, retry = retries + 1, True
+                break
+            per_rank.setdefault(key, {})[rank] = out
+            alone = last if len(per_rank[key]) == 1 else None
+            if len(per_rank[key]) == 2:
+                done[key] = per_rank[key]
+                print(f"  {cases[key][1][0]:<28} {cases[key][1][1]:<5} {out['status']:<8} "
+                      f"{out.get('reason', '')[:100]}", flush=True)
+        for p in procs:
+            p.kill() if p.is_alive() else None
+            p.join()
+        remaining = [c for c in pending if c[0] not in done]
+        for c in remaining:
+            per_rank.pop(c[0], None)
+        if remaining and ended < 2 and not retry:  # the first case not done by both ranks hung (or killed them)
+            index = remaining[0][0]
+            got = per_rank.get(index, {})
+            reason = next((o.get("reason") for o in got.values() if o.get("reason")), None)
+            done[index] = {0: {"status": "fails", "reason": (f"one rank raised, the other hung: {reason}" if reason else
+                               f"timeout after {case_timeout:.0f}s (a hung collective)"), "seconds": case_timeout}}
+            print(f"  {cases[index][1][0]:<28} {cases[index][1][1]:<5} fails    {done[index][0]['reason']}", flush=True)
+            remaining = remaining[1:]
+        pending = remaining
+    while len(refs) < len(types):
+        kind, key, _, out = results.get(timeout=600)
+        if kind == "ref":
+            refs[key] = out
+    ref_proc.join()
+    return refs, {cases[i][1]: v for i, v in done.items()}
+
+
+def judge(ref: dict, ranks: dict) -> tuple[str, str]:
+    """(``works`` / ``refused`` / ``fails`` / ``n/a``, reason) for one case."""
+    if ref.get("status") != "ok":
+        return "n/a", f"one process: {ref.get('reason', '')}"
+    outs = list(ranks.values())
+    statuses = {o["status"] for o in outs}
+    if statuses == {"refused"}:
+        return "refused", outs[0]["reason"]
+    bad = [o for o in outs if o["status"] != "ran"]
+    if bad:
+        return "fails", bad[0]["reason"]
+    out = outs[0]
+    diff = 0.0
+    for got, want in zip(out["losses"] + out["norms"], ref["losses"] + ref["norms"]):
+        diff = max(diff, abs(got - want) / max(abs(want), 1e-12))
+    if diff > RTOL or got != got:
+        return "fails", f"parity: max relative difference {diff:.1e} of losses / grad norms (> {RTOL:g})"
+    return "works", "experts whole on each tp rank (issue 27)" if out.get("experts_whole") else ""
+
+
+SSM_WORDS = ("mamba", "rwkv", "xlstm", "recurrent", "ssm")
+
+
+def totals(rows: list[dict], layouts, refs: dict) -> dict:
+    out = {}
+    for layout in layouts:
+        built = [r for r in rows if r[layout][0] != "n/a"]
+        count = {s: sum(r[layout][0] == s for r in built) for s in ("works", "refused", "fails")}
+        tracebacks = sum(r[layout][0] == "fails" and not r[layout][1].startswith(("parity", "HfScale")) for r in built)
+        attention = [r for r in built if refs[r["type"]].get("attention")]
+        out[layout] = {"built": len(built), **count, "tracebacks": tracebacks, "attention": len(attention),
+                       "attention_works": sum(r[layout][0] == "works" for r in attention)}
+    return out
+
+
+def main() -> None:
+    from bench_common import add_write_arg, check_doc, write_doc
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--types", nargs="*", help="model types (default: every causal-LM type)")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--case-timeout", type=float, default=90.0)
+    parser.add_argument("--json", help="also write every case's result to this JSON file")
+    parser.add_argument("--from-json", nargs="*", help="report runs saved with --json instead of running "
+                        "(several: merged by model type, a later file's types replacing an earlier's)")
+    parser.add_argument("--list", metavar="DOC", help="write the per-type page (docs/architectures.md)")
+    add_write_arg(parser, "architectures")
+    args = parser.parse_args()
+    check_doc(args)
+    if args.from_json:
+        saved = merged([json.loads(Path(f).read_text()) for f in args.from_json])
+        types, refs, minutes = [r["type"] for r in saved["rows"]], saved["refs"], saved.get("minutes")
+        done = {tuple(k.split("/")): {int(r): o for r, o in v.items()} for k, v in saved.get("raw", {}).items()}
+        layouts = [lay for lay in LAYOUTS if all(lay in r for r in saved["rows"])]
+        for t in types:  # a run saved before the attention flag was recorded
+            if refs[t].get("status") == "ok" and "attention" not in refs[t]:
+                refs[t]["attention"] = has_attention(build(t))
+    else:
+        types, layouts = args.types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), args.layouts
+        start = time.perf_counter()
+        refs, done = run_scan(types, args.case_timeout, tuple(layouts))
+        minutes = (time.perf_counter() - start) / 60
+    if args.from_json and not done:  # saved before the raw results were: its judgements
+        rows = saved["rows"]
+    else:
+        rows = [{"type": t, "class": MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t, "?"),
+                 **{layout: judge(refs.get(t, {}), done.get((t, layout), {})) for layout in layouts}} for t in types]
+    summary = totals(rows, layouts, refs)
+    body = report(types, refs, summary, minutes)
+    print(body)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "totals": summary, "minutes": minutes,
+                                               "raw": {f"{t}/{layout}": v for (t, layout), v in done.items()}},
+                                              indent=1, default=str))
+    write_doc(args, body + "\n\nPer model type: [architectures.md](architectures.md).")
+    if args.list:
+        write_list(args.list, rows, layouts, body)
+
+
+def merged(runs: list[dict]) -> dict:
+    """Saved runs merged by model type and layout (a later run's cases replace an earlier's); their
+    minutes add."""
+    if len(runs) == 1:
+        return runs[0]
+    rows, refs, raw = {}, {}, {}
+    for run in runs:  # by (type, layout): a run of some layouts replaces those only
+        for r in run["rows"]:
+            rows[r["type"]] = {**rows.get(r["type"], {}), **r}
+        refs.update(run["refs"])
+        raw.update(run.get("raw", {}))
+    minutes = [run.get("minutes") for run in runs]
+    return {"rows": [rows[t] for t in sorted(rows)], "refs": refs, "raw": raw,
+            "minutes": sum(minutes) if None not in minutes else None}
+
+
+def report(types: list[str], refs: dict, summary: dict, minutes: float | None) -> str:
+    from bench_common import markdown_table
+
+    built = sum(refs.get(t, {}).get("status") == "ok" for t in types)
+    took = f"; {minutes:.1f} min on this machine" if minutes is not None else ""
+    lines = [f"{len(types)} model types, {built} build and train in one process at the scan's size{took}."]
+    header = ["layout", "types built", "works (parity)", "refused (reason)", "fails", "of which exceptions",
+              "attention-based types: works"]
+    table = markdown_table(header, [
+        [layout, str(s["built"]), f"{s['works']} ({100 * s['works'] / max(1, s['built']):.0f}%)", str(s["refused"]),
+         str(s["fails"]), str(s["tracebacks"]),
+         f"{s['attention_works']} of {s['attention']} ({100 * s['attention_works'] / max(1, s['attention']):.0f}%)"]
+        for layout, s in summary.items()])
+    return "\n".join(lines) + "\n\n" + table
+
+
+def write_list(path: str, rows: list[dict], layouts, body: str) -> None:
+    from bench_common import command_line, machine, markdown_table
+
+    def cell(v):
+        status, reason = v
+        reason = " ".join(reason.split())[:160].replace("|", "/")
+        return status if not reason else f"{status}: {reason}"
+
+    table = markdown_table(["model type", "class", *layouts], [[r["type"], r["class"], *(cell(r[l]) for l in layouts)]
+                                                              for r in rows])
+    Path(path).write_text(
+        "# Architecture coverage\n\n"
+        "Every causal-LM model type of the installed transformers, built tiny from its own default config, "
+        "trained 3 AdamW steps at world 2 under each layout and compared with one process of plain "
+        "transformers (losses and gradient norms within 1e-5). *works*: parity; *refused*: hf_scale "
+        "raised an error saying why; *fails*: anything else; *n/a*: the model does not train in one process "
+        "at this size.\n\n"
+        f"Written by `{command_line()}` on {machine()}.\n\n{body}\n\n{table}\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
