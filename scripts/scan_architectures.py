@@ -458,7 +458,29 @@ def report(types: list[str], refs: dict, summary: dict, minutes: float | None) -
          str(s["fails"]), str(s["tracebacks"]),
          f"{s['attention_works']} of {s['attention']} ({100 * s['attention_works'] / max(1, s['attention']):.0f}%)"]
         for layout, s in summary.items()])
-    return "\n".join(lines) + "\n\n" + table
+    return "\n".join(lines) + "\n\n" + table + "\n\n```\n" + "\n".join(verdicts(summary)) + "\n```"
+
+
+# issue 25's targets: the share of built types with parity (tp: of the attention-based types), and
+# no failure that is not a parity mismatch or an hf_scale error
+TARGETS = {"fsdp": ("built", "works", 0.98), "tp2": ("attention", "attention_works", 0.90),
+           "pp2": ("built", "works", 0.90)}
+
+
+def verdicts(summary: dict) -> list[str]:
+    """One PASS / FAIL line per target (docs/benchmarks.md's summaries read them)."""
+    lines = []
+    for layout, (total, good, need) in TARGETS.items():
+        if layout in summary:
+            s = summary[layout]
+            share = s[good] / max(1, s[total])
+            what = "attention-based types" if total == "attention" else "types built"
+            lines.append(f"{'PASS' if share >= need else 'FAIL'}: {layout} parity on {s[good]} of {s[total]} "
+                         f"{what} = {share:.0%} (need >= {need:.0%})")
+    exceptions = {layout: s["tracebacks"] for layout, s in summary.items()}
+    lines.append(f"{'PASS' if not any(exceptions.values()) else 'FAIL'}: failures that are not parity mismatches "
+                 f"or HfScale errors: {', '.join(f'{k} {v}' for k, v in exceptions.items())} (need 0)")
+    return lines
 
 
 def write_list(path: str, rows: list[dict], layouts, body: str) -> None:

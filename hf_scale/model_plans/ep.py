@@ -19,6 +19,7 @@ Usage::
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass, field
 
@@ -38,6 +39,10 @@ class ExpertsLayout:
     modules: dict[str, tuple[str, ...]] = field(default_factory=dict)
     num_experts: int = 0
     source: str = "none"
+    # experts modules not called as transformers' routed experts (``experts(hidden_states,
+    # top_k_index, top_k_weights)``; Llama 4's take tokens already scattered per expert): neither
+    # ep nor tp splits them; tp leaves them whole on every rank
+    unrouted: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -70,6 +75,8 @@ def experts_layout(model: nn.Module, plan: ModelPlan) -> ExpertsLayout:
             if type(module).__name__.endswith("Experts") and isinstance(count, int):
                 found[name] = [p for p, t in module.named_parameters(recurse=False) if t.dim() >= 2 and t.shape[0] == count]
     found = {n: tuple(p) for n, p in found.items() if p}
+    unrouted = tuple(n for n in found if not _routed(modules[n]))
+    found = {n: p for n, p in found.items() if n not in unrouted}
     counts = {modules[n].get_parameter(p[0]).shape[0] for n, p in found.items()}
     if len(counts) > 1:
         raise HfScalePlanError(
@@ -77,12 +84,31 @@ def experts_layout(model: nn.Module, plan: ModelPlan) -> ExpertsLayout:
             "hf_scale's expert parallel splits one count evenly. Pass plan={'ep_plan': {...}} naming "
             "the modules to split."
         )
-    return ExpertsLayout(found, counts.pop() if counts else 0, source)
+    return ExpertsLayout(found, counts.pop() if counts else 0, source, unrouted)
+
+
+def _routed(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes transformers' routed experts arguments (hidden states,
+    top-k expert ids, top-k weights), which expert parallel and the tp split rely on."""
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        params = inspect.signature(type(module).forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in kinds for p in params) >= 4 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 def check_ep(layout: ExpertsLayout, model: nn.Module, plan: ModelPlan, ep: int) -> None:
     """Refuse an ``ep`` this model cannot take: a dense model, or experts ``ep`` does not divide."""
     name = type(model).__name__
+    if not layout.is_moe and layout.unrouted:
+        raise HfScalePlanError(
+            f"ep={ep}: the experts of {name} ({layout.unrouted[0]}, {type(model.get_submodule(layout.unrouted[0])).__name__}) "
+            "are not called as transformers' routed experts, experts(hidden_states, top_k_index, "
+            "top_k_weights) (the model scatters the tokens per expert itself), which hf_scale's expert "
+            "parallel exchanges by all-to-all. Train it without ep: fsdp shards its experts, tp leaves "
+            "them whole on every tp rank."
+        )
     if not layout.is_moe:
         raise HfScalePlanError(
             f"ep={ep} but {name} (model_type={plan.model_type!r}) has no mixture-of-experts layers: "

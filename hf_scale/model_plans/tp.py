@@ -72,7 +72,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
     does not have (``mlp.gate_proj`` where every layer is MoE) are left to it."""
     name = type(model).__name__
     experts = experts if experts is not None else experts_layout(model, plan)
-    if experts.is_moe:
+    if experts.is_moe or experts.unrouted:
         plan = plan.replace(tp_plan=_without_expert_entries(plan.tp_plan, dict(model.named_modules()), experts))
     if not plan.tp_plan and not experts.is_moe:
         why = plan.source.get("tp_plan", "")
@@ -115,7 +115,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
 def _without_expert_entries(tp_plan, modules: dict[str, nn.Module], experts: ExpertsLayout) -> dict:
     """``tp_plan`` less its entries for the experts (the module, its parameters, anything inside)
     and those matching nothing under an MoE block (the dense MLP of layers this model lacks)."""
-    names = tuple(experts.modules)
+    names = tuple(experts.modules) + experts.unrouted  # unrouted experts: whole on every tp rank
     blocks = {n.rpartition(".")[0] for n in names}
     kept = {}
     for key, value in tp_plan.items():

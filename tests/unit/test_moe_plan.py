@@ -83,3 +83,30 @@ def test_bad_ep_input():
     with pytest.raises(HfScaleConfigError, match="ep=4 does not divide dp_shard=2"):
         ParallelDims.resolve(ParallelConfig(ep=4, tp=2), world_size=4)
     assert ParallelDims.resolve(ParallelConfig(ep=2), world_size=4).describe().endswith("(ep=2 of dp_shard)")
+
+
+def test_experts_not_called_with_the_routing_are_left_whole_by_tp_and_refused_by_ep():
+    """Llama 4's experts take tokens the model scattered itself (forward(hidden_states)): no
+    all-to-all or tp split of transformers' routed contract fits them (the scan met tp's split
+    calling them with the routing: a TypeError)."""
+    import transformers as tf
+
+    from hf_scale.layout_preview import meta_model
+    from hf_scale.model_plans import resolve_plan
+    from hf_scale.model_plans.ep import check_ep, experts_layout
+    from hf_scale.model_plans.tp import tp_layout
+
+    config = tf.Llama4TextConfig(hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                 vocab_size=256)
+    model = meta_model(config)
+    plan = resolve_plan(model)
+    layout = experts_layout(model, plan)
+    assert not layout.is_moe and layout.unrouted and all(n.endswith("experts") for n in layout.unrouted)
+    with pytest.raises(HfScalePlanError, match="ep=2: the experts of .* not called as transformers' routed experts"):
+        check_ep(layout, model, plan, 2)
+    styles = tp_layout(model, plan, 2, layout).styles  # the experts' entries dropped, not refused
+    assert not any(".experts" in name for name in styles) and any("q_proj" in name for name in styles)
+    # transformers' routed experts (Qwen3-MoE) stay the ones ep and tp split
+    qwen = _meta_moe()
+    assert experts_layout(qwen, resolve_plan(qwen)).is_moe and not experts_layout(qwen, resolve_plan(qwen)).unrouted
