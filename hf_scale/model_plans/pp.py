@@ -149,10 +149,22 @@ def pp_layout(
 
 
 # Architectures whose stages do not compose (a one-process chain of stage views differs from the
-# model's own loss, review of 2026-11-23): their base forward transforms ``inputs_embeds`` again
-# on every stage (CTRL's sqrt(d_model), RecurrentGemma's normaliser) or adds a parameter-free
-# position embedding (XGLM), or for reasons not yet traced (beam, deepseek_v4).
-NOT_STAGEWISE = ("beam", "ctrl", "deepseek_v4", "recurrent_gemma", "xglm")
+# model's own loss, review of 2026-11-23; a hang in the architecture scan of 2026-11-26), each with
+# the reason a user reads.
+_TRANSFORMS = ("its base forward transforms the hidden states it receives on every stage, so a "
+               "later stage would compute something else than the whole model")
+_SECOND_STREAM = ("its base forward carries a second stream from block to block beside the hidden "
+                  "states ({}), which a stage boundary does not pass on (the scan saw the stages hang)")
+NOT_STAGEWISE = {
+    "ctrl": _TRANSFORMS + " (sqrt(d_model) scaling)",
+    "recurrent_gemma": _TRANSFORMS + " (its normaliser)",
+    "xglm": "its base forward adds a parameter-free position embedding on every stage",
+    "beam": "its stages' losses differ from the whole model's (cause not traced yet)",
+    "deepseek_v4": "its stages' losses differ from the whole model's (cause not traced yet)",
+    "hy_v4": _SECOND_STREAM.format("a 'shared' layer reuses the previous full layer's top-k selection"),
+    "inkling2_text": _SECOND_STREAM.format("block_states, the hidden states of every block boundary"),
+    "inkling2_loop_text": _SECOND_STREAM.format("block_states, the hidden states of every block boundary"),
+}
 # config attributes that scale the embeddings inside the base forward (Granite: 12 in its configs)
 _EMBEDDING_SCALES = {"embedding_multiplier": 1.0, "scale_embedding": False}
 
@@ -163,11 +175,11 @@ def _check_stagewise(model: nn.Module) -> None:
     scaled = [f"{a}={getattr(config, a)!r}" for a, plain in _EMBEDDING_SCALES.items()
               if getattr(config, a, plain) not in (plain, None)]
     if model_type in NOT_STAGEWISE or scaled:
-        why = f"its config sets {', '.join(scaled)}" if scaled else f"model_type {model_type!r} is known not to"
+        why = (f"its config sets {', '.join(scaled)} ({_TRANSFORMS})" if scaled
+               else f"{NOT_STAGEWISE[model_type]} (model_type {model_type!r})")
         raise HfScaleConfigError(
-            f"pipeline parallel cannot split {type(model).__name__} yet: {why} (its base forward "
-            "transforms the hidden states it receives on every stage, so a later stage would "
-            "compute something else than the whole model). Use fsdp / tp for this model, or pp=1."
+            f"pipeline parallel cannot split {type(model).__name__} yet: {why}. Use fsdp / tp for "
+            "this model, or pp=1."
         )
 
 

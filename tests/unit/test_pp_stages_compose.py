@@ -54,3 +54,15 @@ def test_a_model_that_scales_its_embeddings_in_the_base_forward_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(HfScaleConfigError, match="embedding_multiplier=12.0.*Use fsdp / tp"):
         pp_layout(model, resolve_plan(model), 2)
+
+
+@pytest.mark.parametrize(("model_type", "stream"), [("hy_v4", "top-k selection"), ("inkling2_text", "block_states")])
+def test_a_second_stream_between_blocks_is_refused_with_what_it_is(model_type, stream):
+    """The architecture scan saw pp=2 hang on these: their base forward passes more than the hidden
+    states from block to block."""
+    from types import SimpleNamespace
+
+    from hf_scale.model_plans.pp import _check_stagewise
+
+    with pytest.raises(HfScaleConfigError, match=f"second stream.*{stream}.*model_type '{model_type}'.*pp=1"):
+        _check_stagewise(SimpleNamespace(config=SimpleNamespace(model_type=model_type)))
