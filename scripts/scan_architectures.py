@@ -16,8 +16,8 @@ the reference: plain transformers, plain AdamW, ``STEPS`` steps with clipping. T
 norm equal the reference's within ``RTOL`` (the fp32 rule of tests/distributed/test_parity.py);
 it is *refused* when ``parallelize`` or the step raises an ``HfScaleError`` (the reason is its
 message); anything else *fails* (an exception that is not ours, a parity mismatch, a timeout).
-MoE types run with transformers' expert entries dropped from the tp plan (experts stay whole on
-each tp rank: expert sharding is issue 27's).
+MoE types run as a user runs them: under tp each expert's intermediate size is split over the tp
+ranks (``hf_scale.parallel.ep``); experts not called with transformers' routing stay whole.
 
 A case that hangs is killed after ``--case-timeout`` seconds; the ranks restart with the next.
 """
@@ -171,28 +171,6 @@ def has_attention(model) -> bool:
     return any("attn" in name.lower() or "attention" in name.lower() for name, _ in model.named_modules())
 
 
-def expert_entries(model) -> dict:
-    """tp plan entries naming expert parameters (MoE; issue 27): dropped, experts stay whole."""
-    from hf_scale.model_plans import resolve_plan
-
-    try:
-        plan = resolve_plan(model)
-    except Exception:  # noqa: BLE001 - parallelize reports it
-        return {}
-    modules = dict(model.named_modules())
-    drop = {}
-    for key in plan.tp_plan:
-        if ".experts" in f".{key}" and not ("shared_expert" in key and any(_match(key, m) for m in modules)):
-            drop[key] = None
-    return drop
-
-
-def _match(pattern: str, name: str) -> bool:
-    from hf_scale.model_plans.tp import _pattern
-
-    return bool(name) and _pattern(pattern).fullmatch(name) is not None
-
-
 def parallel(model_type: str, layout: str) -> dict:
     """This rank's run of one case: global losses and gradient norms per step."""
     import torch.distributed as dist
@@ -202,8 +180,7 @@ def parallel(model_type: str, layout: str) -> dict:
     model = build(model_type)
     data = batches(model)
     config = {**LAYOUTS[layout], "timeout_seconds": 120}
-    drop = expert_entries(model) if layout == "tp2" else {}
-    model = hf_scale.parallelize(model, config, plan={"tp_plan": drop} if drop else None)
+    model = hf_scale.parallelize(model, config)  # MoE experts: split by tp as issue 27 built it
     state = hf_scale.get_state(model)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
@@ -216,7 +193,7 @@ def parallel(model_type: str, layout: str) -> dict:
         optimizer.zero_grad()
         dist.all_reduce(loss)
         losses.append(float(loss) / dist.get_world_size())
-    return {"losses": losses, "norms": norms, "experts_whole": bool(drop)}
+    return {"losses": losses, "norms": norms}
 
 
 def _first_line(e: BaseException) -> str:
@@ -366,7 +343,7 @@ def judge(ref: dict, ranks: dict) -> tuple[str, str]:
         diff = max(diff, abs(got - want) / max(abs(want), 1e-12))
     if diff > RTOL or got != got:
         return "fails", f"parity: max relative difference {diff:.1e} of losses / grad norms (> {RTOL:g})"
-    return "works", "experts whole on each tp rank (issue 27)" if out.get("experts_whole") else ""
+    return "works", ""
 
 
 SSM_WORDS = ("mamba", "rwkv", "xlstm", "recurrent", "ssm")
