@@ -193,7 +193,33 @@ def report(results: dict, worlds: list[int]) -> str:
     note = (f"Qwen3-MoE-shaped: {MODEL['num_hidden_layers']} layers, 16 experts, top-2, hidden 512, moe "
             f"intermediate 256, random init, fp32 (all experts: {experts / 2**20:.1f} MiB); {BATCH} x {SEQ} "
             "tokens per rank per step; AdamW.")
-    return markdown_table(header, rows) + "\n\n" + note
+    return markdown_table(header, rows) + "\n\n" + note + "\n\n```\n" + "\n".join(verdicts(results, worlds)) + "\n```"
+
+
+def verdicts(results: dict, worlds: list[int]) -> list[str]:
+    """Issue 27's targets, one PASS / FAIL line each (the docs' summaries read them): hf_scale's ep
+    against transformers' ep at each world size."""
+    lines = []
+    experts = 16 * (512 * 512 + 512 * 256) * 4 * MODEL["num_hidden_layers"]
+    for world in worlds:
+        ours, theirs = results.get(("hf_scale_ep", world)), results.get(("transformers_ep", world))
+        if not ours or ours[1] or not theirs or theirs[1]:
+            lines.append(f"FAIL: {world} ranks: a leg failed ({(ours or theirs or (None, 'missing'))[1]})")
+            continue
+        a, b = ours[0], theirs[0]
+        tps = a[0]["tokens_per_s"] / b[0]["tokens_per_s"]
+        rss = max(r["peak_rss"] for r in a) / max(r["peak_rss"] for r in b)
+        diff = max(abs(x - y) for x, y in zip(a[0]["losses"], b[0]["losses"]))
+        held = max(r["expert_bytes"] for r in a)
+        lines += [
+            f"{'PASS' if tps >= 1.2 else 'FAIL'}: {world} ranks: tokens/s {tps:.2f}x transformers' ep (need >= 1.2x)",
+            f"{'PASS' if rss <= 1.0 else 'FAIL'}: {world} ranks: peak RSS {rss:.2f}x transformers' ep (need <= 1.0x)",
+            f"{'PASS' if diff <= 1e-5 else 'FAIL'}: {world} ranks: losses within {diff:.1e} of transformers' ep "
+            "(need <= 1e-5)",
+            f"{'PASS' if held == experts // world else 'FAIL'}: {world} ranks: expert bytes per rank "
+            f"{held / 2**20:.1f} MiB = 1/{experts / max(held, 1):.2g} of the experts (need 1/{world})",
+        ]
+    return lines
 
 
 def main() -> None:
