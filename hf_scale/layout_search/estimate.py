@@ -314,10 +314,12 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     root, root_frozen = facts.root_params * scale, facts.root_frozen * scale
     # expert parallel: a layer gathers only its 1/ep share of the experts (the rest live on other ranks)
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
+    in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
+    in_unit_frozen = away_frozen if in_unit else 0.0
     comm = compute = prefetched = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
-        unit = unit_blocks(facts, layout) * gathered(block - away, block_frozen - away_frozen)
+        unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
         everything = gathered(params, frozen) - moe_layers * gathered(away, away_frozen)  # zero2: every block
         comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
@@ -371,6 +373,13 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     away = moe.layer_params * (1 - 1 / layout.ep) * scale
     frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
     return away, away * frozen, moe.moe_layers
+
+
+def _largest_holds_experts(facts: ModelFacts) -> bool:
+    """Whether the largest block (the gathered unit's size) is a MoE layer."""
+    moe = moe_facts(facts)
+    i = max(range(len(facts.block_params)), key=facts.block_params.__getitem__)
+    return moe is not None and i in moe.blocks
 
 
 class Activations(NamedTuple):

@@ -46,6 +46,7 @@ class MoeFacts:
     # all-to-all bytes of one token per byte of element, one step (forward + backward): hidden x
     # top_k x 2 directions x 2 passes x MoE layers (ep_report at tokens=1, act_bytes=1)
     all_to_all_per_token: int
+    blocks: frozenset[int] = frozenset()  # the blocks (wrap units, in order) that hold routed experts
 
     @property
     def layer_params(self) -> int:
@@ -65,6 +66,7 @@ def moe_facts(facts: ModelFacts) -> MoeFacts | None:
 
 def _moe_facts(facts: ModelFacts) -> MoeFacts | None:
     from ..layout_preview import ep_report
+    from ..model_plans import wrap_units
     from ..model_plans.ep import experts_layout
 
     try:
@@ -76,9 +78,12 @@ def _moe_facts(facts: ModelFacts) -> MoeFacts | None:
     report = ep_report(facts.model, facts.plan, 1, tokens=1, act_bytes=1)
     trainable = sum(p.numel() for name, params in layout.modules.items() for p in
                     (facts.model.get_submodule(name).get_parameter(n) for n in params) if p.requires_grad)
+    names = {id(m): n for n, m in facts.model.named_modules()}
+    prefixes = [names[id(unit)] + "." for unit in wrap_units(facts.model, facts.plan)]
+    blocks = frozenset(i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in layout.modules))
     return MoeFacts(num_experts=report["num_experts"], top_k=report["top_k"], moe_layers=report["moe_layers"],
                     expert_params=report["expert_params"], trainable_expert_params=trainable,
-                    hidden=report["hidden"], all_to_all_per_token=report["all_to_all_bytes_step"])
+                    hidden=report["hidden"], all_to_all_per_token=report["all_to_all_bytes_step"], blocks=blocks)
 
 
 def ep_degrees(facts: ModelFacts) -> tuple[int, ...]:

@@ -49,6 +49,7 @@ def test_moe_facts_come_from_the_config_and_the_experts_layout(arch, key):
     config = facts.model.config
     assert moe.num_experts == getattr(config, key) == 4 and moe.top_k == config.num_experts_per_tok == 2
     assert moe.moe_layers == (1 if arch == "deepseek_v3" else 2)  # DeepSeek-V3's first layer is dense
+    assert moe.blocks == ({1} if arch == "deepseek_v3" else {0, 1})
     assert ep_degrees(facts) == (1, 2, 4)
 
 
