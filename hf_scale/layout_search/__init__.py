@@ -4,6 +4,8 @@ model's config alone, and the fastest layout that fits.
 - :mod:`.profile`: the model on the meta device; parameter counts per part and the activations
   one forward saves (counted, not guessed); :mod:`.frozen`: which parameters train (adapter
   runs: a peft ``PeftModel`` is read as the transformers model it wraps).
+- :mod:`.experts`: a mixture of experts' routed experts (top-k of E active per token) and what
+  expert parallel (``Layout.ep``) changes: gathered experts, all-to-all buffers and time.
 - :mod:`.estimate`: bytes per rank by what holds them (parameters, gradients, optimizer state,
   activations, logits and loss, communication buffers, process overhead) for one layout.
 - :mod:`.cost`: step time (compute, collectives over links, bubble, optimizer) on a device;

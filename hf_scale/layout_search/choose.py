@@ -24,6 +24,7 @@ from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
 from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, rank_blocks
+from .experts import ep_degrees
 from .profile import ModelFacts
 
 MARGIN = 0.10
@@ -66,13 +67,15 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
                       ranks_per_node: int | None = None, keep=None, pp_schedules=PP_SCHEDULES,
-                      pp_microbatches=None, units=(1,), prefetches=(None,)) -> list[Layout]:
+                      pp_microbatches=None, units=(1,), prefetches=(None,), eps=(1,)) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
     ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines try each
     of ``pp_schedules`` with each of ``pp_microbatches`` microbatches (None: 1, 2 and 4 per
     stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try, and
     ``prefetches``: FSDP prefetch depths (None: FSDP2's default), both for sharded strategies
-    over more than one rank only."""
+    over more than one rank only. ``eps``: expert-parallel degrees (MoE models; 1: none), each
+    tried where the engine accepts it: fsdp or zero2, no pipeline, ep dividing dp_shard (carved
+    out of it)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -99,9 +102,11 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     continue  # offload, unit size and prefetch are FSDP's (one process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
-                for pipe in _pipelines(pp, mb, pp_schedules, pp_microbatches):
+                for pipe, ep in product(_pipelines(pp, mb, pp_schedules, pp_microbatches), eps):
+                    if ep > 1 and (strategy not in ("fsdp", "zero2") or pp > 1 or shard % ep):
+                        continue  # ep: ranks carved out of FSDP's dp_shard, no pipeline (ParallelConfig)
                     layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k,
-                                    prefetch=ahead)
+                                    prefetch=ahead, ep=ep)
                     if keep is None or keep(layout):
                         layouts.append(layout)
     return list(dict.fromkeys(layouts))
@@ -185,6 +190,7 @@ def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, devi
     per_node = max(1, world_size // nodes)
     space.setdefault("units", unit_sizes(facts.layers))
     space.setdefault("prefetches", (None, 1) if device.host_block else (None,))
+    space.setdefault("eps", ep_degrees(facts))  # (1,) for a dense model
     layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
     ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
     if not ranked:

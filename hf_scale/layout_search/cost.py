@@ -1,7 +1,8 @@
 """Step time of a layout: compute at a throughput, communication over links, the pipeline bubble.
 
 - compute: ``6 x N + 12 x L x h x s`` FLOPs per token (N: matmul parameters, the head's
-  included; the attention term of Chinchilla / PaLM's MFU accounting); a frozen weight (an
+  included; the attention term of Chinchilla / PaLM's MFU accounting; a mixture of experts counts
+  its active parameters only: ``top_k`` of each layer's ``E`` routed experts, :mod:`.experts`); a frozen weight (an
   adapter run's base) costs ``4`` per token, not ``6``: backward computes its input's gradient,
   not its own (``4 N + 2 N_trainable``; the first block's input gradient, which nothing needs
   when the embeddings are frozen, is counted: one block in L). Split over tp and the
@@ -19,7 +20,10 @@
   residual stream once per sharded module (a row-parallel output in forward, a column-parallel
   input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
   (measured on CPU); pp sends each microbatch's activations and receives their gradients, once
-  per stage on the rank. The fixed costs (per block, per tp module, per message) are paid once
+  per stage on the rank; ep (MoE) runs each layer's experts as FSDP units of their own over
+  ``dp_shard / ep`` ranks, each rank gathering 1/ep of them, and exchanges the tokens by
+  all-to-all (:func:`.experts.all_to_all_bytes`, ``(ep-1)/ep`` of it off the rank, on the
+  critical path; five all-to-alls per MoE layer and micro-batch, each paying a latency). The fixed costs (per block, per tp module, per message) are paid once
   per microbatch: more pipeline microbatches shrink the bubble but repeat them, the trade the
   chooser weighs. FSDP's collectives run per unit (``blocks_per_unit`` blocks, and the root).
   Each collective pays a latency; all-gather and reduce-scatter may run at their own bus
@@ -61,6 +65,7 @@ from .estimate import (
     rank_blocks,
     rank_params,
 )
+from .experts import all_to_all_bytes, inactive_params, moe_facts
 from .profile import ModelFacts
 
 SELECTIVE_RECOMPUTE = 0.05
@@ -200,11 +205,14 @@ def flops_per_token(facts: ModelFacts, seq: int, ac: str | None = None, chunked:
     """Training FLOPs per token (forward + backward), with checkpointing's recomputation (and the
     chunked loss's: each chunk's head matmul runs again in backward)."""
     attention = 12 * facts.layers * facts.hidden * seq
+    # a MoE token runs top_k of each layer's E experts: the others' weights are no compute of its
+    idle, idle_trainable = inactive_params(facts)
+    active, active_trainable = facts.matmul_params - idle, facts.trainable_matmul_params - idle_trainable
     # forward 2N, input gradients 2N, weight gradients 2N of the trainable weights only
-    base = 4 * facts.matmul_params + 2 * facts.trainable_matmul_params + attention
+    base = 4 * active + 2 * active_trainable + attention
     extra = 2 * facts.head_params if chunked else 0
     if ac == "full":
-        return base + extra + (2 * (facts.matmul_params - facts.head_params) + attention / 3)
+        return base + extra + (2 * (active - facts.head_params) + attention / 3)
     if ac == "selective":
         return base * (1 + SELECTIVE_RECOMPUTE) + extra
     return base + extra
@@ -222,10 +230,12 @@ class StepCost:
     optimizer: float
     offload: float
     tokens_per_step: int  # over all data-parallel ranks
+    comm_ep: float = 0.0  # expert parallel's all-to-alls (on the critical path)
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.comm_dp + self.comm_tp + self.comm_pp + self.optimizer + self.offload
+        return (self.compute + self.bubble + self.comm_dp + self.comm_tp + self.comm_pp + self.comm_ep + self.optimizer
+                + self.offload)
 
     @property
     def tokens_per_second(self) -> float:
@@ -272,12 +282,19 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     within = nodes == 1 or (layout.strategy == "hsdp" and layout.dp_shard * layout.tp <= per_node)
     dp_link = device.intra if within else device.inter
     units = fsdp_units(facts, layout)
-    comm_dp = _dp_seconds(layout, gather_bytes, train, micro, units, dp_link, device)
+    # ep: the experts (1/ep of them here) are FSDP units of their own, over the dp_shard / ep ranks
+    # holding the same ones; the rest of the model as without ep
+    moved, expert_units = _ep_experts(facts, layout, params)
+    comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), micro, units, dp_link, device)
+    if expert_units:
+        comm_dp += _dp_seconds(replace(layout, dp_shard=layout.dp_shard // layout.ep), gather_bytes * moved / layout.ep,
+                               train * moved / layout.ep, micro, expert_units, dp_link, device)
+        gather_bytes *= 1 - moved * (1 - 1 / layout.ep)  # what a host-bound step's forward gathers
     exposed = _host_bound_gathers(layout, gather_bytes, micro, dp_link, device_compute, host) if host > device_compute else 0.0
     comm_dp = max(comm_dp * (1 - dp_link.overlap), exposed)
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):
-            compute += micro * units * device.fsdp_unit_overhead
+            compute += micro * (units + expert_units) * device.fsdp_unit_overhead
         else:
             compute += micro * device.ddp_overhead
     comm_tp = 0.0
@@ -291,6 +308,9 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         comm_tp = calls * size * 2 * (layout.tp - 1) / layout.tp / device.intra.bandwidth \
             + calls * runs * device.intra.latency
         compute += runs * modules * passes * device.tp_module_overhead
+    comm_ep = 0.0
+    if layout.ep > 1:
+        comm_ep = _ep_seconds(facts, layout, tokens, d, runs, device, per_node)
     comm_pp = 0.0
     if layout.pp > 1:
         link = device.intra if layout.world_size <= per_node else device.inter
@@ -311,7 +331,30 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     if layout.cpu_offload and device.name != "cpu":
         # parameters in (frozen ones as stored), gradients out (trainable ones)
         offload = (4 * local + facts.frozen_bytes * (int(frozen) // shards) + 4 * local) / device.host_bandwidth
-    return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp)
+    return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp, comm_ep)
+
+
+def _ep_experts(facts: ModelFacts, layout: Layout, params: int) -> tuple[float, int]:
+    """Under ep: the routed experts' share of the rank's parameters (before ep and FSDP split
+    them), and the FSDP units they form (one per MoE layer); (0, 0) without ep."""
+    moe = moe_facts(facts) if layout.ep > 1 else None
+    if moe is None or not params:
+        return 0.0, 0
+    return moe.expert_params / facts.params, moe.moe_layers
+
+
+def _ep_seconds(facts: ModelFacts, layout: Layout, tokens: int, element_bytes: int, runs: int, device: Device,
+                per_node: int) -> float:
+    """Seconds of expert parallel's all-to-alls in one step of ``tokens`` tokens on this rank:
+    :func:`.experts.all_to_all_bytes` of which ``(ep - 1) / ep`` leaves the rank (routing spread
+    evenly), over the link the ep group spans (ep x tp neighbouring ranks: within a node when they
+    fit), plus a latency per all-to-all: per MoE layer and micro-batch, forward's three (the
+    per-expert counts, the tokens, the outputs back) and backward's two. Not overlapped: the
+    experts wait for their tokens."""
+    moe = moe_facts(facts)
+    link = device.intra if layout.ep * layout.tp <= per_node else device.inter
+    leaving = all_to_all_bytes(facts, tokens, element_bytes) * (layout.ep - 1) / layout.ep
+    return leaving / link.bandwidth + 5 * moe.moe_layers * runs * link.latency
 
 
 def _stages_per_rank(layout: Layout) -> int:

@@ -17,6 +17,13 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   the low-precision weight casts are saved for backward (``compute_copies``).
 - tp: each rank's parameters from :func:`hf_scale.layout_preview.tp_report` (``tp_layout``); pp: the
   busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
+- ep (MoE models, :mod:`.experts`): each of ep ranks holds 1/ep of every MoE layer's experts,
+  FSDP-sharded over the dp_shard / ep ranks holding the same ones: per rank the same weight,
+  gradient and optimizer bytes as FSDP over dp_shard, but a gathered layer holds only 1/ep of its
+  experts (zero2: of every layer's). The all-to-all's token buffers (``tokens x top_k`` rows of
+  ``hidden``, out and back, in the compute dtype) count as activations, one MoE layer's at a
+  time: the experts' inputs and outputs that backward keeps are the model's own, already
+  measured by the meta forward (its experts gather the same ``tokens x top_k`` rows).
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
   CPU device that is the device's own memory, where they stay counted.
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
@@ -58,6 +65,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ParallelConfig
+from .experts import check_layout_ep, dispatch_buffer_bytes, moe_facts
 from .profile import ModelFacts
 
 GiB = 2**30
@@ -97,6 +105,9 @@ class Layout:
     pp_microbatches: int | None = None
     blocks_per_unit: int = 1  # consecutive blocks per FSDP unit (fsdp, zero2, hsdp)
     prefetch: int | None = None  # FSDP units all-gathered ahead, explicitly (None: FSDP2's default)
+    # expert parallel (MoE models): carved out of dp_shard, as ``ParallelDims`` does (each of ep
+    # ranks holds 1/ep of the experts, FSDP-sharded over dp_shard / ep); not a factor of world_size
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -115,6 +126,8 @@ class Layout:
                 extra["blocks_per_unit"] = self.blocks_per_unit
             if self.prefetch:
                 extra["fsdp_prefetch"] = self.prefetch
+        if self.ep > 1:
+            extra["ep"] = self.ep
         return ParallelConfig(
             strategy=self.strategy, mixed_precision=self.precision, cpu_offload=self.cpu_offload,
             activation_checkpointing=self.ac, tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
@@ -122,7 +135,7 @@ class Layout:
 
     def describe(self) -> str:
         mesh = f"{self.dp_replicate}x{self.dp_shard}x{self.tp}x{self.pp}"
-        bits = [self.strategy, mesh, self.precision or "fp32", f"ac={self.ac or 'none'}",
+        bits = [self.strategy, mesh + (f" ep={self.ep}" if self.ep > 1 else ""), self.precision or "fp32", f"ac={self.ac or 'none'}",
                 f"mb={self.micro_batch}"]
         if self.cpu_offload:
             bits.append("offload")
@@ -276,6 +289,7 @@ def _interleaved_inflight(pl, rank: int, m: int, pp: int, factor: int) -> float:
 
 def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> MemoryEstimate:
     """Peak per-rank memory of one training step of ``work`` under ``layout``."""
+    check_layout_ep(facts, layout.ep)  # the engine's refusal (a dense model, experts ep does not divide)
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
     frac = params / facts.params  # this rank's share of every part (tp and pp)
@@ -298,11 +312,16 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     scale = frac if layout.pp == 1 else 1 / layout.tp
     block, block_frozen = biggest * scale, biggest_frozen * scale
     root, root_frozen = facts.root_params * scale, facts.root_frozen * scale
+    # expert parallel: a layer gathers only its 1/ep share of the experts (the rest live on other ranks)
+    away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
+    in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
+    in_unit_frozen = away_frozen if in_unit else 0.0
     comm = compute = prefetched = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
-        unit = unit_blocks(facts, layout) * gathered(block, block_frozen)
-        comm = int(gathered(params, frozen) if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
+        unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
+        everything = gathered(params, frozen) - moe_layers * gathered(away, away_frozen)  # zero2: every block
+        comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
@@ -335,11 +354,32 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
     first_block = max(0, acts.first_block - (4 * int(block - block_frozen) // n if g_bytes else 0))
-    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved,
+    # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved activations
+    exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq, d) if layout.ep > 1 else 0
+    return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped, grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block)
+
+
+def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple[float, float, int]:
+    """Under ep: one MoE layer's expert parameters held by the other ep ranks (``1 - 1/ep`` of
+    them, at this rank's tp / pp ``scale``), of them the frozen ones, and the MoE layers; zeros
+    without ep."""
+    moe = moe_facts(facts) if layout.ep > 1 else None
+    if moe is None:
+        return 0.0, 0.0, 0
+    away = moe.layer_params * (1 - 1 / layout.ep) * scale
+    frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
+    return away, away * frozen, moe.moe_layers
+
+
+def _largest_holds_experts(facts: ModelFacts) -> bool:
+    """Whether the largest block (the gathered unit's size) is a MoE layer."""
+    moe = moe_facts(facts)
+    i = max(range(len(facts.block_params)), key=facts.block_params.__getitem__)
+    return moe is not None and i in moe.blocks
 
 
 class Activations(NamedTuple):

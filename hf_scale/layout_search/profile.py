@@ -268,6 +268,35 @@ def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
             c._attn_implementation = b
 
 
+@contextlib.contextmanager
+def _experts_kernel():
+    """transformers' grouped experts matmul on meta tensors of any dtype: ``torch._grouped_mm``'s
+    meta kernel accepts bf16 only, so a meta fp32 / fp16 forward takes transformers' own fallback
+    op (``transformers::grouped_mm_fallback``, shapes from its registered fake), which saves the
+    same input and weight for backward. Without it a mixture-of-experts model could not be
+    profiled in fp32 (a RuntimeError from the meta kernel). Dense models never reach it."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = getattr(moe, "_can_use_grouped_mm", None)
+    if original is None:
+        yield
+        return
+
+    def usable(input, weight, offs):
+        if weight.is_meta and weight.dtype != torch.bfloat16:
+            return False
+        return original(input, weight, offs)
+
+    moe._can_use_grouped_mm = usable
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 def _tp_styles(facts: ModelFacts) -> dict[str, str]:
     """Module name -> tensor-parallel style (none without a tp plan), expanded once per model."""
     from ..model_plans.tp import tp_layout
@@ -347,7 +376,8 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
 
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
-        with _attention(model, attn, mode), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+        with _attention(model, attn, mode), _experts_kernel(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             model(input_ids=ids, labels=ids)
     finally:
         for h in hooks:

@@ -75,6 +75,7 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
                  f"{lay.loss_chunk_tokens}"
                  + (f", blocks_per_unit={lay.blocks_per_unit}" if lay.strategy in ("fsdp", "zero2", "hsdp") else "")
                  + (f", fsdp_prefetch={lay.prefetch}" if lay.prefetch else "")
+                 + (f", ep={lay.ep}" if lay.ep > 1 else "")
                  + (f", pp_schedule={lay.pp_schedule}, pp_microbatches={lay.pp_microbatches}"
                     if lay.pp > 1 else "")
                  + f"; micro-batch {lay.micro_batch} (grad_accum "

@@ -162,12 +162,19 @@ def _gpus_per_node(world_size: int, device: str) -> int:
     return max(d for d in range(1, most + 1) if world_size % d == 0)
 
 
+_NO_EP = ("ep={ep}: expert parallel is not simulated yet (the token exchange sizes its buffers from counts a "
+          "fake process group does not carry). Simulate the layout without ep (the experts are then sharded by "
+          "FSDP over the same ranks), and see `hf-scale plan --ep N` for the experts' bytes per rank.")
+
+
 def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
     """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks (its degrees resolved
     as ``parallelize`` resolves them)."""
     from ..mesh import ParallelDims
 
     if isinstance(parallel, Layout):
+        if parallel.ep > 1:
+            raise HfScaleConfigError(_NO_EP.format(ep=parallel.ep))
         if parallel.world_size != world_size:
             raise HfScaleConfigError(
                 f"layout {parallel.describe()} has {parallel.world_size} ranks, but world_size={world_size}: "
@@ -176,12 +183,7 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
     if config.ep > 1:
-        raise HfScaleConfigError(
-            f"ep={config.ep}: expert parallel is not simulated yet (the planner's layouts have no ep "
-            "degree, and the token exchange sizes its buffers from counts a fake process group does not "
-            "carry). Simulate the layout without ep (the experts are then sharded by FSDP over the same "
-            "ranks), and see `hf-scale plan --ep N` for the experts' bytes per rank."
-        )
+        raise HfScaleConfigError(_NO_EP.format(ep=config.ep))
     dims = ParallelDims.resolve(config, world_size)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,

@@ -151,3 +151,5 @@ def test_expert_parallel_is_refused_not_dropped():
 
     with pytest.raises(HfScaleConfigError, match="ep=2: expert parallel is not simulated yet"):
         as_layout({"strategy": "fsdp", "ep": 2}, 8)
+    with pytest.raises(HfScaleConfigError, match="ep=4: expert parallel is not simulated yet"):
+        as_layout(Layout("fsdp", dp_shard=8, ep=4), 8)  # the planner's layouts carry ep now

@@ -1,0 +1,183 @@
+"""Expert parallel in the auto-planner (issue 27, item 4): ep layouts only for mixture-of-experts
+models and only where the engine accepts them, the experts gathered per layer shrinking to 1/ep,
+the all-to-all bytes and seconds from ``ep_report``'s formula, MoE compute counted on the active
+experts, and a Qwen3-MoE-shaped model at 16 GPUs ranked with its ep layouts. One process, meta
+models only."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hf_scale.layout_search.choose import choose, evaluate
+from hf_scale.layout_search.cost import H100, Device, Link, flops_per_token, step_cost
+from hf_scale.layout_search.estimate import GiB, Layout, Workload, estimate_memory
+from hf_scale.layout_search.experts import all_to_all_bytes, ep_degrees, moe_facts
+from hf_scale.layout_search.profile import model_facts
+from tests.distributed.moe_checks import moe_config
+from tests.tiny_models import tiny_config
+
+LINK = Link(bandwidth=1e9, latency=1e-5, overlap=0.5)
+GPU = Device("gpu", flops_fp32=1e12, flops_low=2e12, mem_bandwidth=1e12, intra=LINK, inter=LINK)
+WORK = Workload(seq=16, batch=4, device="cuda")
+SMALL = dict(acs=(None,), chunks=(None,), offloads=(False,), units=(1,))
+
+
+def _moe(arch: str = "qwen3_moe", **changes):
+    config = moe_config(arch, False)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return model_facts(config)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return _moe(num_experts=8)  # 8 experts, top-2, 2 MoE layers, hidden 64
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return model_facts(tiny_config("llama"))
+
+
+@pytest.mark.parametrize("arch, key", [("qwen3_moe", "num_experts"), ("mixtral", "num_local_experts"),
+                                       ("deepseek_v3", "n_routed_experts")])
+def test_moe_facts_come_from_the_config_and_the_experts_layout(arch, key):
+    facts = _moe(arch)
+    moe = moe_facts(facts)
+    config = facts.model.config
+    assert moe.num_experts == getattr(config, key) == 4 and moe.top_k == config.num_experts_per_tok == 2
+    assert moe.moe_layers == (1 if arch == "deepseek_v3" else 2)  # DeepSeek-V3's first layer is dense
+    assert moe.blocks == ({1} if arch == "deepseek_v3" else {0, 1})
+    assert ep_degrees(facts) == (1, 2, 4)
+
+
+def test_ep_layouts_only_for_moe_models_and_only_valid_ones(moe, dense):
+    _, ranked = choose(moe, WORK, 8, 100 * GiB, GPU, tps=(1, 2), **SMALL)  # tp 4 splits no kv head pair
+    eps = {c.layout.ep for c in ranked}
+    assert eps == {1, 2, 4, 8}
+    for c in ranked:
+        lay = c.layout
+        if lay.ep > 1:  # the engine's conditions: fsdp / zero2, no pp, ep | dp_shard and | experts
+            assert lay.strategy in ("fsdp", "zero2") and lay.pp == 1 and lay.dp_shard % lay.ep == 0, lay
+            assert 8 % lay.ep == 0 and c.fits, (lay, c.reason)
+            assert f"ep={lay.ep}" in lay.describe() and lay.parallel_config().ep == lay.ep
+    assert any(c.layout.ep == 8 and c.layout.dp_shard == 8 for c in ranked)
+    assert not any(c.layout.ep > 1 and c.layout.tp * c.layout.pp > 1 and c.layout.dp_shard < c.layout.ep for c in ranked)
+
+    # a dense model never gets ep, and one forced on it is refused with the engine's message
+    assert ep_degrees(dense) == (1,) and moe_facts(dense) is None
+    _, ranked = choose(dense, WORK, 8, 100 * GiB, GPU, **SMALL)
+    assert {c.layout.ep for c in ranked} == {1}
+    forced = evaluate(dense, Layout("fsdp", 1, 4, ep=2), WORK, 100 * GiB, GPU)
+    assert "has no mixture-of-experts layers" in forced.reason
+    # an ep that divides dp_shard but not the experts: the engine's reason too
+    six = _moe(num_experts=6)
+    assert ep_degrees(six) == (1, 2, 3, 6)
+    assert "ep=4 does not divide the 6 experts" in evaluate(six, Layout("fsdp", 1, 4, ep=4), WORK, 100 * GiB,
+                                                            GPU).reason
+    _, ranked = choose(six, WORK, 4, 100 * GiB, GPU, **SMALL)
+    assert {c.layout.ep for c in ranked} == {1, 2}  # 3 and 6 do not divide dp_shard 1, 2 or 4
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_gathered_experts_shrink_to_one_over_ep_and_state_stays(moe, precision):
+    d = 2 if precision else 4
+    per_layer = moe_facts(moe).layer_params
+    assert per_layer == 8 * (64 * 64 + 64 * 32)  # gate_up [E, 2I, H] + down [E, H, I]
+    base = {s: estimate_memory(moe, Layout(s, 1, 8, precision=precision), WORK) for s in ("fsdp", "zero2")}
+    for ep in (2, 4, 8):
+        for strategy, layers in (("fsdp", 1), ("zero2", 2)):  # fsdp gathers one block at a time, zero2 every one
+            mem = estimate_memory(moe, Layout(strategy, 1, 8, precision=precision, ep=ep), WORK)
+            ref = base[strategy]
+            assert ref.comm_buffers - mem.comm_buffers == pytest.approx(layers * per_layer * (1 - 1 / ep) * d, abs=2)
+            # the same weight, gradient and optimizer bytes per rank as fsdp over dp_shard
+            assert (mem.params, mem.grads, mem.optimizer) == (ref.params, ref.grads, ref.optimizer)
+            # one MoE layer's all-to-all buffers: tokens x top_k x hidden, out and back
+            assert mem.activations - ref.activations == 2 * (1 * 16) * 2 * 64 * d
+
+
+def test_all_to_all_bytes_and_seconds_follow_the_formula(moe):
+    from hf_scale.layout_preview import ep_report
+
+    tokens, d = 4 * 16, 2
+    expected = tokens * 64 * 2 * 2 * 2 * 2 * d  # tokens x hidden x top_k x 2 directions x fwd+bwd x layers x bytes
+    assert all_to_all_bytes(moe, tokens, d) == expected
+    assert ep_report(moe.model, moe.plan, 2, tokens=tokens, act_bytes=d)["all_to_all_bytes_step"] == expected
+    for ep in (2, 4, 8):
+        lay = Layout("fsdp", 1, 8, precision="bf16", micro_batch=2, ep=ep)
+        cost = step_cost(moe, lay, WORK, GPU)
+        runs = WORK.batch // lay.micro_batch  # micro-batches: five all-to-alls per MoE layer each
+        assert cost.comm_ep == pytest.approx(expected * (ep - 1) / ep / LINK.bandwidth + 5 * 2 * runs * LINK.latency)
+        assert cost.total == pytest.approx(sum(v for k, v in cost.as_dict().items()
+                                               if k not in ("tokens_per_step", "total", "tokens_per_second")))
+    assert step_cost(moe, Layout("fsdp", 1, 8, precision="bf16"), WORK, GPU).comm_ep == 0.0
+    # the ep group leaves the node when ep x tp exceeds its ranks: the inter-node link
+    slow = replace(GPU, inter=Link(bandwidth=1e8, latency=1e-4, overlap=0.5))
+    assert step_cost(moe, Layout("fsdp", 1, 8, ep=8), WORK, slow, nodes=2).comm_ep > \
+        step_cost(moe, Layout("fsdp", 1, 8, ep=4), WORK, slow, nodes=2).comm_ep * 5
+
+
+def test_moe_compute_counts_the_active_experts_only(moe, dense):
+    facts = moe_facts(moe)
+    idle = facts.expert_params * (1 - 2 / 8)  # top-2 of 8: 3/4 of the experts' weights idle per token
+    attention = 12 * 2 * 64 * 16
+    active = moe.matmul_params - idle
+    assert flops_per_token(moe, 16) == pytest.approx(6 * active + attention)
+    assert flops_per_token(moe, 16, "full") == pytest.approx(6 * active + 2 * (active - moe.head_params)
+                                                             + attention * 4 / 3)
+    assert flops_per_token(dense, 16) == 6 * dense.matmul_params + 12 * dense.layers * dense.hidden * 16
+    # ep moves no compute: the same FLOPs per rank with and without it
+    a = step_cost(moe, Layout("fsdp", 1, 8), WORK, GPU)
+    b = step_cost(moe, Layout("fsdp", 1, 8, ep=4), WORK, GPU)
+    assert a.compute == pytest.approx(b.compute)
+
+
+def test_qwen3_moe_shaped_model_at_16_gpus_ranks_ep_layouts():
+    """Qwen3-30B-A3B's widths (128 experts, top-8, moe_intermediate 768, hidden 2048), 4 of its 48
+    layers: at 16 H100s over 2 nodes, ep layouts are ranked by the model's numbers, not a
+    preference: each against the same layout without ep, the experts gathered shrink, the
+    all-to-all appears, and the order follows tokens/s."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                            num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                            num_experts=128, num_experts_per_tok=8)
+    facts = model_facts(config)
+    work = Workload(seq=4096, batch=1, device="cuda")
+    best, ranked = choose(facts, work, 16, 80 * 10**9, H100, nodes=2, acs=(None,), chunks=(None,), units=(1,),
+                          micro_batches=(1,), precisions=("bf16",), prefetches=(None,))
+    fits = [c for c in ranked if c.fits]
+    position = {c.layout: i for i, c in enumerate(fits)}
+    with_ep = [c for c in fits if c.layout.ep > 1]
+    assert {c.layout.ep for c in with_ep} == {2, 4, 8, 16}
+    moe = moe_facts(facts)
+    for c in with_ep:
+        plain = next(x for x in fits if x.layout == replace(c.layout, ep=1))
+        ep = c.layout.ep
+        gathered = moe.layer_params * (1 - 1 / ep) * 2 * (moe.moe_layers if c.layout.strategy == "zero2" else 1)
+        if c.layout.tp == 1:  # under tp each rank gathers its tp share of them (the block's share: estimated)
+            assert plain.memory.comm_buffers - c.memory.comm_buffers == pytest.approx(gathered, abs=2)
+        assert gathered / c.layout.tp / 2 < plain.memory.comm_buffers - c.memory.comm_buffers <= gathered
+        link = H100.intra if ep * c.layout.tp <= 8 else H100.inter  # an ep group: ep x tp neighbouring ranks
+        leaving = 4096 * 2048 * 8 * 2 * 2 * 4 * 2 * (ep - 1) / ep
+        assert c.cost.comm_ep == pytest.approx(leaving / link.bandwidth + 5 * 4 * link.latency)
+        assert c.cost.comm_dp < plain.cost.comm_dp  # the experts' FSDP traffic runs over dp_shard / ep
+        # ranked by the estimate: whichever of the two is more than 1% faster comes first
+        if c.cost.tokens_per_second > plain.cost.tokens_per_second * 1.01:
+            assert position[c.layout] < position[plain.layout]
+        elif plain.cost.tokens_per_second > c.cost.tokens_per_second * 1.01:
+            assert position[plain.layout] < position[c.layout]
+    assert best is fits[0] and best.cost.tokens_per_second >= max(c.cost.tokens_per_second for c in fits) * 0.99
+
+
+def test_auto_keeps_a_fixed_ep_and_the_report_names_it(moe):
+    from hf_scale.layout_search.auto import auto_config
+    from hf_scale.layout_search.ranking import format_candidates
+
+    config, best = auto_config(moe.model.config, world_size=4, budget=100 * GiB, device_type="cuda", seq=16,
+                               fixed={"ep": 2})
+    assert config.ep == 2 and best.layout.ep == 2 and config.strategy in ("fsdp", "zero2")
+    text = format_candidates(moe, best, [best], 100 * GiB, WORK)
+    assert "ep=2" in text.splitlines()[-1]
