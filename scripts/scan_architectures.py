@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -337,11 +338,15 @@ def judge(ref: dict, ranks: dict) -> tuple[str, str]:
     bad = [o for o in outs if o["status"] != "ran"]
     if bad:
         return "fails", bad[0]["reason"]
-    out = outs[0]
+    want = ref["losses"] + ref["norms"]
     diff = 0.0
-    for got, want in zip(out["losses"] + out["norms"], ref["losses"] + ref["norms"]):
-        diff = max(diff, abs(got - want) / max(abs(want), 1e-12))
-    if diff > RTOL or got != got:
+    for out in outs:  # every rank: a rank that diverges alone is a failure too
+        got = out["losses"] + out["norms"]
+        if len(got) != len(want) or not all(math.isfinite(v) for v in got):
+            return "fails", f"parity: {len(out['losses'])} steps with losses {out['losses']} (want {len(ref['losses'])}, finite)"
+        for a, b in zip(got, want):
+            diff = max(diff, abs(a - b) / max(abs(b), 1e-12))
+    if diff > RTOL:
         return "fails", f"parity: max relative difference {diff:.1e} of losses / grad norms (> {RTOL:g})"
     return "works", ""
 

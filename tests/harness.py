@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,13 +91,24 @@ def _child(fn, rank, world, port, args, env, results, launcher=torchrun_vars) ->
 def _pool_child(rank, world, tasks, results) -> None:
     """A pooled rank: run each task (fn, port, args, the caller's environment) as :func:`_child`
     would, until None."""
+    import warnings
+
     import torch
 
+    import hf_scale.log
+
     torch.set_num_threads(1)
+    filters, seed = list(warnings.filters), torch.initial_seed()  # as a fresh process has them
     while (task := tasks.get()) is not None:
         fn, port, args, environ = task
+        # what a fresh process would start with: the caller's environment, the warning filters,
+        # torch's initial seed and default dtype, no once-only log line said yet
         os.environ.clear()
         os.environ.update(environ)
+        warnings.filters[:] = filters
+        torch.manual_seed(seed)
+        torch.set_default_dtype(torch.float32)
+        hf_scale.log._said.clear()
         _child(fn, rank, world, port, args, {}, results)
 
 
@@ -144,10 +156,12 @@ def run_ranks(
     port = free_port()
     pool = None
     if not fresh and env is None and launcher is torchrun_vars:
+        task = (fn, port, args, dict(os.environ))
+        ForkingPickler.dumps(task)  # here, not in the queue's feeder thread (which drops what fails)
         pool = _POOLS.get(world_size) or _POOLS.setdefault(world_size, _Pool(world_size))
         results, procs = pool.results, pool.procs
         for q in pool.tasks:
-            q.put((fn, port, args, dict(os.environ)))
+            q.put(task)
     else:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()

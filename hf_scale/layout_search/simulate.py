@@ -264,7 +264,9 @@ def _meta_model(source, task: str) -> nn.Module:
     from ..layout_preview import meta_model
 
     # a copy of the config: parallelize may change the model's (activation checkpointing turns off its cache)
-    model = source if isinstance(source, nn.Module) else meta_model(copy.deepcopy(source), task)
+    # a module source is copied (cheap on meta): the simulation turns its tensors fake and parallelizes
+    # it, and the caller may simulate it again (simulate_ranks: one run per rank)
+    model = copy.deepcopy(source) if isinstance(source, nn.Module) else meta_model(copy.deepcopy(source), task)
     if any(not p.is_meta for p in model.parameters()):
         raise HfScaleConfigError(
             f"simulate() needs a config or a model on the meta device; this {type(model).__name__} holds real "

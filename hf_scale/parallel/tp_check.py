@@ -3,8 +3,10 @@ probe batch must give the unsharded copy's outputs, block by block.
 
 Used for plans inferred from a model's structure (:mod:`hf_scale.model_plans.tp_infer`): they
 are guesses from names and shapes, so they are checked, not trusted. The check runs on every
-rank of the job (the verdict is gathered, so all ranks agree) on a copy of the model; the model
-itself is untouched.
+rank of the job (the verdict is gathered, so all ranks agree) on an fp32 copy of the model; the
+model itself is untouched. The copy is whole: a model that does not fit twice (host or device)
+should be built on the meta device (``hf_scale.from_pretrained``), where the check is skipped and
+logged, or given an explicit ``plan={'tp_plan': ...}``.
 
 Usage::
 
@@ -41,7 +43,9 @@ def check_tp_forward(model: nn.Module, tp_mesh, styles: dict[str, str], local_at
 
 
 def _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device) -> str | None:
-    probe = copy.deepcopy(model).to(device)
+    # fp32: a bf16 model's row-parallel partial sums round differently from the whole matmul by
+    # more than the tolerance (a correct plan would be refused); the check is of the layout
+    probe = copy.deepcopy(model).float().to(device)
     probe.eval()
     vocab = probe.get_input_embeddings().weight.shape[0]
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ EXPECTED = {
     "llama": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # transformers' plans
     "gemma3_text": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # sliding / global layers
     "qwen3_5_text": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # hybrid: linear attention + attention
-    "mixtral": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # MoE: experts whole under tp (issue 27)
+    "mixtral": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # MoE: each expert split over the tp ranks (issue 27)
     "gpt2": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # registry plans
     "bert": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # registry tp, blocks one level down for pp
     "stablelm": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred tp plan, checked

@@ -98,6 +98,11 @@ def test_lora_adapters(config):
     placed(result, layout)
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     assert sum(result.placement["gradients"].values()) == trainable  # frozen weights make none
+    # the caller's model is left on the meta device: it simulates again, the same
+    assert all(p.is_meta and type(p) is torch.nn.Parameter for p in model.parameters())
+    again = simulate(model, world_size=8, rank=1, parallel=layout, seq=SEQ, batch=BATCH)
+    placed(again, layout)
+    assert again.peak["total"] == result.peak["total"]
 
 
 def test_a_layout_that_cannot_run_at_that_size_fails_as_on_the_cluster(config):
