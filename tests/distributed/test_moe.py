@@ -86,10 +86,10 @@ def result(ranks: list[dict], cases: list[dict], case: dict) -> dict:
     index = [c["id"] for c in cases if "error" not in c].index(case["id"])
     got = ranks[0]["parity"][index]
     assert "traceback" not in got, got.get("traceback")
-    for rank, other in enumerate(ranks[1:], 1):  # every rank saw the same global losses and norms
+    for rank, other in enumerate(ranks[1:], 1):  # every rank saw the same global losses (moe_checks sends
+        # the other ranks' losses only)
         assert "traceback" not in other["parity"][index], other["parity"][index].get("traceback")
         np.testing.assert_allclose(other["parity"][index]["losses"], got["losses"], rtol=1e-6, err_msg=f"rank {rank}")
-        np.testing.assert_allclose(other["parity"][index]["norms"], got["norms"], rtol=1e-6, err_msg=f"rank {rank}")
     return got
 
 
