@@ -190,8 +190,9 @@ def fake_cuda(count: int) -> Iterator[None]:
     replaced = runtime.functions()
     saved = {name: getattr(torch.cuda, name) for name in replaced}
     library = None if torch.cuda._is_compiled() else _hooks_library()
-    if library is not None:
-        runtime.guarded = library.hf_scale_simulated_cuda(1) == 0
+    # 0: installed here; 1: already in place (an enclosing fake_cuda), which this one leaves there
+    installed = library is not None and library.hf_scale_simulated_cuda(1) == 0
+    runtime.guarded = installed
     try:
         for name, fn in replaced.items():
             setattr(torch.cuda, name, fn)
@@ -200,7 +201,7 @@ def fake_cuda(count: int) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
-        if library is not None:
+        if installed:
             library.hf_scale_simulated_cuda(0)
 
 

@@ -158,3 +158,17 @@ def test_expert_parallel_is_refused_not_dropped():
         as_layout({"strategy": "fsdp", "ep": 2}, 8)
     with pytest.raises(HfScaleConfigError, match="ep=4: expert parallel is not simulated yet"):
         as_layout(Layout("fsdp", dp_shard=8, ep=4), 8)  # the planner's layouts carry ep now
+
+
+def test_a_nested_fake_cuda_leaves_the_enclosing_one_in_place():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hf_scale.layout_search.fake_cuda import fake_cuda
+
+    with fake_cuda(2):
+        with fake_cuda(2):
+            pass
+        with FakeTensorMode():  # autograd on fake CUDA still has its device guard
+            x = torch.empty(4, 4, device="cuda:1", requires_grad=True)
+            (x @ x).sum().backward()
+            assert x.grad.device == torch.device("cuda", 1)
