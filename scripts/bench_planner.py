@@ -163,8 +163,10 @@ def worker(args) -> None:
         step(data[args.warmup])  # MemTracker's hooks refuse autograd.grad of a stage's inputs alone
         parts = {"Total": None}
     else:
+        from hf_scale.layout_search.simulate import device_tracker, inner_optimizers
+
         tracker = device_tracker()
-        tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
+        tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
         with tracker:
             step(data[args.warmup])
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
@@ -207,8 +209,10 @@ def peak_module(model, optimizer, step, ids) -> str:
     import torch
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
 
+    from hf_scale.layout_search.simulate import inner_optimizers
+
     tracker = MemTracker()
-    tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
+    tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
     with tracker:
         step(ids)
     cpu = torch.device("cpu")
@@ -240,38 +244,6 @@ def _heap_allocations() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD
-
-
-def _inner_optimizers(optimizer) -> list:
-    """ZeroRedundancyOptimizer keeps its state in an inner optimizer the tracker must be told of."""
-    inner = getattr(optimizer, "optim", None)
-    return [inner] if inner is not None and inner is not optimizer else []
-
-
-def _device_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class DeviceTracker(MemTracker):
-        """MemTracker's per-device peak without its per-module statistics, which refuse a module
-        that runs several forwards in one step (a pipeline stage's microbatches)."""
-
-        def _pre_fw_hook(self, module, inputs):
-            pass
-
-        def _post_fw_hook(self, module, inputs, outputs):
-            pass
-
-        def _pre_bw_hook(self, module, args):
-            pass
-
-        def _post_bw_hook(self, module, args):
-            pass
-
-    return DeviceTracker
-
-
-def device_tracker():
-    return _device_tracker_class()()
 
 
 def _dp(model) -> tuple[int, int]:

@@ -222,8 +222,8 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     # tracked from the first step on, so that what the first step builds and keeps (DDP's gradient
     # buckets, made by its lazy initialisation in the first forward; AdamW's state) is counted;
     # the peak is the last step's
-    tracker = _device_tracker()
-    tracker.track_external(model, optimizer, *_inner_optimizers(optimizer))
+    tracker = device_tracker()
+    tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
     grads: list[tuple[str, torch.device]] = []
     with tracker:
         for _ in range(max(0, steps - 1)):
@@ -337,19 +337,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _optimizer_states(optimizer) -> Iterator[dict]:
-    for opt in (optimizer, *_inner_optimizers(optimizer)):
+    for opt in (optimizer, *inner_optimizers(optimizer)):
         yield from opt.state.values()
 
 
-def _inner_optimizers(optimizer) -> list:
+def inner_optimizers(optimizer) -> list:
     """ZeroRedundancyOptimizer keeps its state in an inner optimizer the tracker must be told of."""
     inner = getattr(optimizer, "optim", None)
     return [inner] if inner is not None and inner is not optimizer else []
 
 
-def _device_tracker():
+def device_tracker():
     """torch's ``MemTracker`` without its per-module statistics (they refuse a module that runs
-    several forwards in one step, a pipeline stage's microbatches), as ``bench_planner.py`` uses it."""
+    several forwards in one step, a pipeline stage's microbatches); ``scripts/bench_planner.py``
+    measures with it too."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class DeviceTracker(MemTracker):
