@@ -25,7 +25,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
+import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import HfScaleConfigError, HfScalePlanError
 from .base import ModelPlan
@@ -106,8 +108,19 @@ def pp_layout(
     blocks = modules[entries[cut]]
     head_name, head = _head(model)
     outside = [n for n, _ in model.named_children() if n != base_name]
-    first = tuple(f"{base_name}.{e}" for e in entries[:cut] if modules[e] is not None)
-    last = tuple(f"{base_name}.{e}" for e in entries[cut + 1 :]) + tuple(outside)
+    others = [e for e in entries[:cut] + entries[cut + 1 :] if modules[e] is not None]
+    # first stage: what is registered before the blocks (a vision tower that a text probe does not
+    # run stays with the embeddings), and what the forward runs before them wherever registered
+    called, fed = _run_before_blocks(base, {e: modules[e] for e in others}, blocks) or (set(), [])
+    if fed:
+        raise HfScaleConfigError(
+            f"pipeline parallel cannot split {type(model).__name__} yet: its base forward hands the output of "
+            f"{base_name}.{fed[0]} to every block beside the hidden states, and only the first stage would "
+            "hold it. Use fsdp / tp for this model, or pp=1."
+        )
+    before = set(entries[:cut]) | called
+    first = tuple(f"{base_name}.{e}" for e in others if e in before)
+    last = tuple(f"{base_name}.{e}" for e in others if e not in before) + tuple(outside)
 
     stages = pp * stages_per_rank
     count = len(blocks)
@@ -148,38 +161,23 @@ def pp_layout(
     )
 
 
-# Architectures whose stages do not compose (a one-process chain of stage views differs from the
-# model's own loss, review of 2026-11-23; a hang in the architecture scan of 2026-11-26), each with
-# the reason a user reads.
-_TRANSFORMS = ("its base forward transforms the hidden states it receives on every stage, so a "
-               "later stage would compute something else than the whole model")
+# Architectures whose stages do not compose (a hang in the architecture scan of 2026-11-26), each
+# with the reason a user reads.
 _SECOND_STREAM = ("its base forward carries a second stream from block to block beside the hidden "
                   "states ({}), which a stage boundary does not pass on (the scan saw the stages hang)")
 NOT_STAGEWISE = {
-    "ctrl": _TRANSFORMS + " (sqrt(d_model) scaling)",
-    "recurrent_gemma": _TRANSFORMS + " (its normaliser)",
-    "xglm": "its base forward adds a parameter-free position embedding on every stage",
-    "beam": "its stages' losses differ from the whole model's (cause not traced yet)",
-    "deepseek_v4": "its stages' losses differ from the whole model's (cause not traced yet)",
     "hy_v4": _SECOND_STREAM.format("a 'shared' layer reuses the previous full layer's top-k selection"),
     "inkling2_text": _SECOND_STREAM.format("block_states, the hidden states of every block boundary"),
     "inkling2_loop_text": _SECOND_STREAM.format("block_states, the hidden states of every block boundary"),
 }
-# config attributes that scale the embeddings inside the base forward (Granite: 12 in its configs)
-_EMBEDDING_SCALES = {"embedding_multiplier": 1.0, "scale_embedding": False}
 
 
 def _check_stagewise(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", "")
-    scaled = [f"{a}={getattr(config, a)!r}" for a, plain in _EMBEDDING_SCALES.items()
-              if getattr(config, a, plain) not in (plain, None)]
-    if model_type in NOT_STAGEWISE or scaled:
-        why = (f"its config sets {', '.join(scaled)} ({_TRANSFORMS})" if scaled
-               else f"{NOT_STAGEWISE[model_type]} (model_type {model_type!r})")
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    if model_type in NOT_STAGEWISE:
         raise HfScaleConfigError(
-            f"pipeline parallel cannot split {type(model).__name__} yet: {why}. Use fsdp / tp for "
-            "this model, or pp=1."
+            f"pipeline parallel cannot split {type(model).__name__} yet: {NOT_STAGEWISE[model_type]} "
+            f"(model_type {model_type!r}). Use fsdp / tp for this model, or pp=1."
         )
 
 
@@ -228,29 +226,77 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
             inner = [(n, c) for n, c in inner if "language" in n or "text" in n] or inner
         if any(is_blocks(c) for c in node.children()) or len(inner) != 1:
             break
-        embeds = [n for n, m in inner[0][1].named_modules() if isinstance(m, nn.Embedding)]
-        if embeds and not any(w in inner[0][0] for w in ("language", "text")):  # a VLM's language model composes
-            # the embeddings live inside with the blocks (BART-family decoders behind a wrapper):
-            # those stage views do not compose (measured: their losses differ), refused
-            raise HfScaleConfigError(
-                f"pipeline parallel cannot split {type(base).__name__} yet: its blocks sit in {prefix}{inner[0][0]} "
-                f"together with its embeddings ({prefix}{inner[0][0]}.{embeds[0]}), and such stages do not compose. "
-                "Use fsdp / tp for this model, or pp=1."
-            )
         before = [n for n, c in node.named_children() if n != inner[0][0]]
         entries += [prefix + n for n in before[: [n for n, _ in node.named_children()].index(inner[0][0])]
                     if _numel(node.get_submodule(n)) or isinstance(node.get_submodule(n), nn.Dropout)]
         prefix, node = f"{prefix}{inner[0][0]}.", inner[0][1]
     names = [n for n, c in node.named_children() if is_blocks(c) or isinstance(c, nn.Dropout) or _numel(c)]
-    after = names[next((i for i, n in enumerate(names) if is_blocks(node.get_submodule(n))), len(names)):]
-    early = [n for n in after if "embed" in n]
-    if early:
-        raise HfScaleConfigError(
-            f"pipeline parallel cannot split {type(base).__name__} yet: {prefix}{early[0]} is registered after its "
-            "blocks but runs on the embeddings before them (its stages would not compose). Use fsdp / tp "
-            "for this model, or pp=1."
-        )
     return entries + [prefix + n for n in names]
+
+
+class _MetaScalars(TorchDispatchMode):
+    """On the meta device, a tensor's value read as a Python scalar (``.item()``, ``bool(t.all())``:
+    transformers' mask code checks for padding) is 1 / True: the probe below only records which
+    modules run, and the mask of all-ones probe tokens has no padding anyway."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Reached(Exception):
+    """Raised by the probe's hook on the first block: the rest of the forward is not needed."""
+
+
+def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
+                       blocks: nn.ModuleList) -> tuple[set[str], list[str]] | None:
+    """Which of ``candidates`` the base forward runs before its first block, and which of those
+    hand their output to the block beside the hidden states, from one forward on two tokens
+    stopped at that block (no block runs; on the meta device if the model is there).
+
+    A module registered after the blocks may run before them (BART-family decoders'
+    ``layernorm_embedding``) and one named for the embeddings may run after (LFM2's
+    ``embedding_norm`` is its final norm): the order of registration tells neither. A module
+    whose output (or a view of it) reaches the block as another argument (RoFormer's sinusoidal
+    positions) is needed on every stage, which a stage split does not give.
+    None when the forward cannot be run this way (registration order then decides alone)."""
+    called: set[str] = set()
+    outputs: dict[int, str] = {}
+
+    def ran(name, module, args, out):
+        called.add(name)
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                outputs[id(t)] = name
+
+    fed: list[str] = []
+
+    def stop(module, args, kwargs):
+        rest = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")] if args else \
+            [v for k, v in kwargs.items() if k != "hidden_states"]
+        for t in rest:
+            if isinstance(t, torch.Tensor):
+                name = outputs.get(id(t)) or outputs.get(id(t._base))
+                if name and name not in fed:
+                    fed.append(name)
+        raise _Reached
+
+    handles = [m.register_forward_hook(lambda mod, a, o, name=n: ran(name, mod, a, o)) for n, m in candidates.items()]
+    handles.append(blocks[0].register_forward_pre_hook(stop, with_kwargs=True))
+    param = next(base.parameters(), None)
+    ids = torch.zeros((1, 2), dtype=torch.long, device=param.device if param is not None else "cpu")
+    try:
+        with torch.no_grad(), _MetaScalars():
+            base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except _Reached:
+        return called, fed
+    except Exception:  # noqa: BLE001 - a forward that needs more than token ids: fall back
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None  # the blocks never ran
 
 
 def _set_to_none(base: nn.Module, dotted: str) -> bool:

@@ -9,16 +9,23 @@ stage is made of the pretrained modules themselves, and runs the model's own for
   checkpoints, are those of the unsplit model. Modules of stages held elsewhere become
   parameter-free stand-ins: an embedding adds zeros, anything else passes the hidden states on.
 - :func:`stage_module` gives one stage a *view* of that model: shallow copies of the modules on
-  the path to what differs (the block list, the stand-ins), sharing every parameter. The first
-  stage runs the base model from ``input_ids``, later ones from the received hidden states
-  (``inputs_embeds``): transformers then builds the causal mask and the rotary embeddings on
-  each stage as it would in one process. The last stage runs the top model with ``labels`` and
-  returns its loss, a sum over the microbatch's label tokens divided by the batch's count.
+  the path to what differs (the block list, the stand-ins), sharing every parameter. Every stage
+  runs the base model's own forward from the microbatch's ``input_ids``, so transformers builds
+  the causal mask, the positions and the rotary embeddings as it would in one process. On a
+  later stage the embeddings are stand-ins that give zeros of the received hidden states' shape
+  and dtype, and the first block it holds runs on the received hidden states in place of what
+  the base forward computed before it (a forward pre-hook, for the length of the stage's
+  forward). Whatever the base forward does to the embeddings before the blocks (a
+  ``sqrt(d_model)`` scale, learned or sinusoidal positions, an embedding norm: BART-family
+  decoders, XGLM, CTRL, Granite's multiplier) is therefore computed on stage 0 only, as in one
+  process. The last stage runs the top model with ``labels`` and returns its loss, a sum over
+  the microbatch's label tokens divided by the batch's count.
 
 Usage::
 
     prune_to_stages(model, layout, [0])
     wrapper = stage_module(model, layout, 0)      # an nn.Module for PipelineStage
+    hidden = wrapper(input_ids, attention_mask)   # a later stage: wrapper(hidden, mask, input_ids=ids)
 """
 
 from __future__ import annotations
@@ -52,29 +59,57 @@ class SparseModuleList(nn.ModuleList):
         return [int(k) for k in self._modules]
 
 
-class ZeroEmbedding(nn.Module):
-    """Stands in for an embedding held by the first stage: adds nothing (GPT-2's position
-    embeddings are added to the received hidden states on every stage)."""
+class Received:
+    """The hidden states a later stage received, set for the length of its forward."""
 
-    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+    tensor: torch.Tensor | None = None
+
+
+class ZeroEmbedding(nn.Module):
+    """Stands in for an embedding held by the first stage. In a stage's view it gives zeros
+    shaped as its indices plus the received hidden states' last dimension, in their dtype: the
+    base forward's code up to the first block runs on them (masks and positions need the shape,
+    eager masks the dtype), and the first block then takes the received hidden states instead."""
+
+    def __init__(self, dim: int, dtype: torch.dtype, received: Received | None = None) -> None:
         super().__init__()
-        self.dim, self.dtype = dim, dtype
+        self.dim, self.dtype, self.received = dim, dtype, received
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """An empty weight on the stage's device (Llama 4 moves the ids to ``embed_tokens.weight.device``)."""
+        hidden = self.received.tensor if self.received is not None else None
+        return torch.empty(0, self.dim, dtype=self.dtype, device=hidden.device if hidden is not None else "meta")
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        # one zero (0-dim: it broadcasts, and adds nothing nor promotes a bf16 sum to fp32)
-        ids = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
-        return torch.zeros((), dtype=self.dtype, device=ids.device)
+        ids = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        hidden = self.received.tensor if self.received is not None else None
+        if hidden is None:  # outside a stage's forward (the pruned model itself never runs)
+            shape, dtype = (*ids.shape, self.dim) if ids is not None else (), self.dtype
+            return torch.zeros(shape, dtype=dtype, device=ids.device if ids is not None else None)
+        if ids is None:  # called with a shape (RoFormer's positions): one zero broadcasts
+            return hidden.new_zeros(())
+        return hidden.new_zeros((*ids.shape, hidden.shape[-1]))
 
 
 class PassThrough(nn.Module):
     """Stands in for a module another stage runs (final norm, dropout, head): returns the
-    hidden states it was given."""
+    hidden states it was given; on a later stage, a module that is given none (RoFormer's
+    embeddings take keyword token ids) gives zeros shaped as the received hidden states."""
+
+    def __init__(self, received: Received | None = None) -> None:
+        super().__init__()
+        self.received = received
 
     def forward(self, *args, **kwargs):
         for key in ("hidden_states", "inputs_embeds"):
             if kwargs.get(key) is not None:
                 return kwargs[key]
-        return next(a for a in args if isinstance(a, torch.Tensor))
+        given = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+        hidden = self.received.tensor if self.received is not None else None
+        if given is None and hidden is not None:
+            return torch.zeros_like(hidden)
+        return given if given is not None else next(a for a in args if isinstance(a, torch.Tensor))
 
 
 def is_stand_in(module: nn.Module) -> bool:
@@ -82,10 +117,12 @@ def is_stand_in(module: nn.Module) -> bool:
     return isinstance(module, (ZeroEmbedding, PassThrough))
 
 
-def stand_in(module: nn.Module) -> nn.Module:
+def stand_in(module: nn.Module, received: Received | None = None) -> nn.Module:
+    if isinstance(module, ZeroEmbedding):
+        return ZeroEmbedding(module.dim, module.dtype, received)
     if isinstance(module, nn.Embedding):
-        return ZeroEmbedding(module.embedding_dim, module.weight.dtype)
-    return module if is_stand_in(module) else PassThrough()
+        return ZeroEmbedding(module.embedding_dim, module.weight.dtype, received)
+    return PassThrough(received) if received is not None or not is_stand_in(module) else module
 
 
 def prune_to_stages(model: nn.Module, layout: PipelineLayout, stages: list[int]) -> None:
@@ -118,44 +155,118 @@ def stage_module(model: nn.Module, layout: PipelineLayout, stage: int) -> StageM
     mine = {i: blocks._modules[str(i)] for i in layout.stage_blocks[stage]}
     _replace(view, layout.blocks, SparseModuleList(mine), copied)
     _stage_config(view.get_submodule(layout.blocks.rpartition(".")[0]), sorted(mine), sum(map(len, layout.stage_blocks)))
+    received = Received()
     if stage != 0:
         for name in layout.first:
-            _replace(view, name, stand_in(model.get_submodule(name)), copied)
+            _replace(view, name, stand_in(model.get_submodule(name), received), copied)
     if stage != layout.num_stages - 1:
         for name in layout.last:
             _replace(view, name, stand_in(model.get_submodule(name)), copied)
-    return StageModule(view, layout.base, first=stage == 0, last=stage == layout.num_stages - 1)
+    return StageModule(view, layout.base, first=stage == 0, last=stage == layout.num_stages - 1,
+                       entry=mine[min(mine)], exit=mine[max(mine)], received=received)
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: ``(tokens or hidden states, attention_mask, position_ids, labels) ->
-    hidden states``,
-    or the loss on the last stage. The model view is its only child, so under FSDP this module
-    is the stage's root unit (the blocks are units of their own)."""
+    """One pipeline stage: ``(tokens or hidden states, attention_mask, labels, position_ids,
+    input_ids) -> hidden states``, or the loss on the last stage. A later stage needs the
+    microbatch's ``input_ids`` too (the pipeline passes them to every stage): its base forward
+    runs from them up to the first block, which takes the received hidden states (see the module
+    docstring). The model view is its only child, so under FSDP this module is the stage's root
+    unit (the blocks are units of their own)."""
 
-    def __init__(self, view: nn.Module, base: str, first: bool, last: bool) -> None:
+    def __init__(self, view: nn.Module, base: str, first: bool, last: bool, entry: nn.Module,
+                 exit: nn.Module, received: Received | None = None) -> None:
         super().__init__()
         self.view = view
         self.base, self.first, self.last = base, first, last
-        self.label_tokens: int = 1  # set by the pipeline before each batch
+        self.label_tokens: int = 1  # set by the pipeline before each batch: label tokens after the shift
+        self.label_positions: int = 1  # and labelled positions (the shift not applied)
+        # a top model that reduces its own loss to a mean (BART-family heads) ignores
+        # num_items_in_batch: its microbatch means are weighted by their share of labels instead
+        self.own_mean = last and not honours_num_items(view)
+        # not submodules (the blocks are the view's; the holder is no module)
+        self.__dict__.update(_entry=entry, _exit=exit, _received=received or Received())
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        inputs = {"input_ids" if self.first else "inputs_embeds": x, "use_cache": False}
+                labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if self.first:
+            input_ids = x
+        elif input_ids is None:
+            raise ValueError("a later pipeline stage needs the microbatch's input_ids beside the hidden states")
+        inputs = {"input_ids": input_ids, "use_cache": False}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask
         if position_ids is not None:  # every stage: rotary blocks read them, GPT-2 / OPT embed them
             inputs["position_ids"] = position_ids
+        handles = []
+        if not self.first:  # prepended: FSDP's pre-forward hook then casts what we pass
+            handles.append(self._entry.register_forward_pre_hook(_Inject(x), with_kwargs=True, prepend=True))
+        out: list[torch.Tensor] = []
         if not self.last:
-            out = getattr(self.view, self.base)(**inputs)
-            hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state
-            # GPT-2 returns a view (.view(output_shape)); the zero-bubble schedules detach a
-            # stage's output in place after the input gradient, which a view refuses.
-            return hidden.clone() if hidden._is_view() else hidden
+            handles.append(self._exit.register_forward_hook(
+                lambda m, a, o: out.append(o[0] if isinstance(o, (tuple, list)) else o)))
+        self._received.tensor = None if self.first else x
+        try:
+            loss = self._run(inputs, labels)
+        finally:
+            self._received.tensor = None
+            for handle in handles:
+                handle.remove()
+        if self.last:
+            return loss
+        # what the last block held here gave, as the next stage's first block takes it (DeepSeek-V4's
+        # blocks pass several residual streams; the base forward merges them after its last block).
+        # GPT-2's blocks return views; the zero-bubble schedules detach a stage's output in place
+        # after the input gradient, which a view refuses.
+        hidden = out[-1]
+        return hidden.clone() if hidden._is_view() else hidden
+
+    def _run(self, inputs: dict, labels: torch.Tensor | None) -> torch.Tensor | None:
+        if not self.last:
+            getattr(self.view, self.base)(**inputs)
+            return None
         out = self.view(**inputs, labels=labels, num_items_in_batch=self.label_tokens)
         loss = out.loss if hasattr(out, "loss") else out[0]
         full = getattr(loss, "full_tensor", None)  # a tensor-parallel loss is a DTensor
-        return full() if full else loss
+        loss = full() if full else loss
+        if self.own_mean:  # its mean is over the labelled positions it holds (no shift: BART's)
+            loss = loss * ((labels != -100).sum() / self.label_positions)
+        return loss
+
+
+def honours_num_items(model: nn.Module) -> bool:
+    """Whether ``model``'s loss is transformers' ``loss_function``, which sums the token losses
+    over ``num_items_in_batch`` (a microbatch's loss is then its share of the batch mean), not a
+    ``CrossEntropyLoss()`` mean the forward computes itself. Read from the forward's source, as a
+    signature does not tell (both take ``**kwargs``); ``accepts_loss_kwargs = False`` says no."""
+    import inspect
+
+    if getattr(model, "accepts_loss_kwargs", True) is False:
+        return False
+    try:
+        return "loss_function" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):  # no source (compiled, interactive): assume transformers' loss
+        return True
+
+
+class _Inject:
+    """Forward pre-hook of a later stage's first block: its hidden states are the received ones.
+    Once per stage forward (a model that calls a block twice gets the received states once)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden: torch.Tensor | None = hidden
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        hidden, self.hidden = self.hidden, None
+        if hidden is None:
+            return None
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": hidden}
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise ValueError(f"{type(module).__name__} received no hidden states to replace (first argument "
+                             "or hidden_states=): pipeline parallel cannot feed this block")
+        return (hidden, *args[1:]), kwargs
 
 
 _MODULE_DICTS = (

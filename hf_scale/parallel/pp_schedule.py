@@ -2,8 +2,9 @@
 
 :class:`Pipeline` is what ``model.train_step`` / ``model.eval_step`` call under pipeline
 parallel. Per batch it splits the batch into microbatches (every rank of a pipeline holds the
-same batch: the input ids go to the first stage; the attention mask, position ids and the
-labels, as keyword arguments, to every stage, which the last one uses for the loss), runs the
+same batch: the input ids go to the first stage; the input ids again, the attention mask,
+position ids and the labels, as keyword arguments, to every stage: later stages run their base
+forward from the ids up to their first block, the last one uses the labels), runs the
 schedule, sums the gradients of a weight tied across stages (the input
 embedding of the first stage and the head of the last: Megatron's embedding group), and hands
 every rank the batch's loss.
@@ -87,10 +88,14 @@ class Pipeline:
             if module.training != self.model.training:
                 module.train(self.model.training)
         count = int((labels[:, 1:] != -100).sum())
+        positions = int((labels != -100).sum())
         for module in self.stage_modules:
-            module.label_tokens = max(count, 1)
+            module.label_tokens, module.label_positions = max(count, 1), max(positions, 1)
         self._losses, self._scale = [], loss_scale
-        kwargs = {"labels": labels, **extra} if mask is None else {"attention_mask": mask, "labels": labels, **extra}
+        # every stage gets the token ids too: a later stage's base forward runs from them (pp.py)
+        kwargs = {"labels": labels, "input_ids": ids, **extra}
+        if mask is not None:
+            kwargs["attention_mask"] = mask
         schedule = self._schedule(tuple(ids.shape), train)
         if train:
             before = self._tied_grads_before()

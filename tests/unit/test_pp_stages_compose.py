@@ -1,9 +1,11 @@
 """A model's pipeline stages, chained in one process, compute the model's own loss.
 
 Each stage runs the model's own forward on a view that holds only its modules (stage 0 from
-the token ids, stage 1 from the hidden states it would receive). An architecture whose base
-forward transforms the received hidden states again (Granite's embedding multiplier) would
-differ: such models are refused by ``pp_layout``.
+the token ids; a later stage from the token ids too, its first block taking the hidden states it
+would receive). What a base forward does to the embeddings before the blocks (Granite's
+multiplier, BART-family decoders' scale, positions and embedding norm registered after the
+blocks) therefore runs on stage 0 only, as in one process; a module whose output reaches every
+block beside the hidden states is refused by ``pp_layout``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from hf_scale.model_plans import resolve_plan
 from hf_scale.model_plans.pp import pp_layout
 from hf_scale.parallel.pp import prune_to_stages, stage_module
 from tests.distributed.pp_checks import label_tokens, padded_batch, pp_model
+from tests.tiny_models import VOCAB
 
 ARCHS = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2", "gpt_neox", "opt")
 
 
-def chained_loss(model: torch.nn.Module, batch: dict, stages: int = 2) -> float:
+def chained_loss(model: torch.nn.Module, batch: dict, stages: int = 2, microbatches: int = 1) -> float:
+    """The batch's loss as the pipeline computes it: each microbatch through the stages in
+    turn, the last stage's microbatch losses summed."""
     layout = pp_layout(model, resolve_plan(model), stages)
     modules = []
     for stage in range(stages):
@@ -31,12 +36,17 @@ def chained_loss(model: torch.nn.Module, batch: dict, stages: int = 2) -> float:
         prune_to_stages(held, layout, [stage])
         module = stage_module(held, layout, stage)
         module.label_tokens = label_tokens(batch)
+        module.label_positions = int((batch["labels"] != -100).sum())
         modules.append(module.eval())
+    total = 0.0
     with torch.no_grad():
-        x = batch["input_ids"]
-        for module in modules:
-            x = module(x, batch["attention_mask"], batch["labels"])
-    return float(x)
+        for part in zip(*(batch[k].chunk(microbatches) for k in ("input_ids", "attention_mask", "labels"))):
+            ids, mask, labels = part
+            x = ids
+            for module in modules:
+                x = module(x, mask, labels, input_ids=ids)
+            total += float(x)
+    return total
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -48,11 +58,60 @@ def test_stages_chained_in_one_process_give_the_models_loss(arch):
     assert chained_loss(model, batch) == pytest.approx(expected, rel=1e-6, abs=0)
 
 
-def test_a_model_that_scales_its_embeddings_in_the_base_forward_is_refused():
-    config = transformers.GraniteConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                        num_attention_heads=4, vocab_size=128, embedding_multiplier=12.0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(HfScaleConfigError, match="embedding_multiplier=12.0.*Use fsdp / tp"):
+def tiny(model_type: str, **overrides) -> torch.nn.Module:
+    """``model_type``'s default config at a tiny size (4 blocks), random weights, eval mode."""
+    sizes = dict(hidden_size=32, d_model=32, intermediate_size=64, ffn_dim=64, decoder_ffn_dim=64,
+                 num_hidden_layers=4, decoder_layers=4, num_attention_heads=4, decoder_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0)
+    config = transformers.AutoConfig.for_model(model_type, **{**sizes, **overrides})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(("model_type", "overrides"), [
+    ("granite", {"embedding_multiplier": 12.0}),  # scales the embeddings in the base forward
+    ("bart", {"scale_embedding": True}),  # embeddings, positions and norm inside a decoder wrapper,
+    ("mbart", {"scale_embedding": True}),  # its layernorm_embedding registered after the blocks
+    ("xglm", {}),  # sinusoidal positions added in the base forward
+    ("lfm2", {}),  # embedding_norm: registered after the blocks, and run after them
+])
+def test_what_the_base_forward_does_before_the_blocks_runs_on_stage_0_only(model_type, overrides):
+    model = tiny(model_type, **overrides)
+    batch = padded_batch(5)
+    with torch.no_grad():
+        expected = float(model(**batch).loss)
+    assert chained_loss(model, batch) == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "bart"])
+def test_microbatch_losses_add_up_to_the_batch_mean_whether_the_model_reduces_its_own_loss_or_not(model_type):
+    """Llama's loss sums over ``num_items_in_batch``; BART's head takes a ``CrossEntropyLoss()``
+    mean of its microbatch (no shift), which the last stage weights by its share of the labels.
+    The padded rows make the microbatches' label counts differ."""
+    model = tiny(model_type)
+    batch = padded_batch(6)
+    with torch.no_grad():
+        expected = float(model(**batch).loss)
+    assert chained_loss(model, batch, microbatches=2) == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_a_module_registered_after_the_blocks_that_runs_before_them_is_on_the_first_stage():
+    layout = pp_layout(tiny("mbart"), resolve_plan(tiny("mbart")), 2)
+    assert "model.decoder.layernorm_embedding" in layout.first
+    assert "model.decoder.layer_norm" in layout.last  # the final norm stays last
+    lfm2 = tiny("lfm2")
+    assert "model.embedding_norm" in pp_layout(lfm2, resolve_plan(lfm2), 2).last  # its final norm
+
+
+def test_the_order_is_found_on_the_meta_device_too():
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny("mbart").config)
+    assert "model.decoder.layernorm_embedding" in pp_layout(model, resolve_plan(model), 2).first
+
+
+def test_a_module_whose_output_reaches_every_block_is_refused_naming_it():
+    model = tiny("roformer", embedding_size=32, is_decoder=True)
+    with pytest.raises(HfScaleConfigError, match="output of roformer.encoder.embed_positions to every block.*pp=1"):
         pp_layout(model, resolve_plan(model), 2)
 
 
