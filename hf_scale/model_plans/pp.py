@@ -212,12 +212,15 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
     wanted = set(plan.wrap_modules)
 
     def is_blocks(child: nn.Module) -> bool:
-        return isinstance(child, nn.ModuleList) and len(child) > 0 and type(child[0]).__name__ in wanted
+        # a list of the wrap units, or of modules holding them (RoBERTa-PreLayerNorm's
+        # _no_split_modules names its attention, not its layer)
+        return isinstance(child, nn.ModuleList) and len(child) > 0 and any(
+            type(m).__name__ in wanted for m in child[0].modules())
 
     def holds_blocks(module: nn.Module) -> bool:
         return any(is_blocks(m) for m in module.modules())
 
-    entries, prefix, node = [], "", base
+    entries, tail, prefix, node = [], [], "", base
     while True:
         # the blocks one level down (BERT's encoder.layer, BART's decoder.layers): the child that
         # holds them is entered and its children listed in its place, dotted
@@ -226,12 +229,13 @@ def _inferred_entries(base: nn.Module, plan: ModelPlan) -> list[str]:
             inner = [(n, c) for n, c in inner if "language" in n or "text" in n] or inner
         if any(is_blocks(c) for c in node.children()) or len(inner) != 1:
             break
-        before = [n for n, c in node.named_children() if n != inner[0][0]]
-        entries += [prefix + n for n in before[: [n for n, _ in node.named_children()].index(inner[0][0])]
-                    if _numel(node.get_submodule(n)) or isinstance(node.get_submodule(n), nn.Dropout)]
+        children = [n for n, c in node.named_children() if _numel(c) or isinstance(c, nn.Dropout) or n == inner[0][0]]
+        at = children.index(inner[0][0])
+        entries += [prefix + n for n in children[:at]]
+        tail = [prefix + n for n in children[at + 1:]] + tail  # RoBERTa-PreLayerNorm's final LayerNorm
         prefix, node = f"{prefix}{inner[0][0]}.", inner[0][1]
     names = [n for n, c in node.named_children() if is_blocks(c) or isinstance(c, nn.Dropout) or _numel(c)]
-    return entries + [prefix + n for n in names]
+    return entries + [prefix + n for n in names] + tail
 
 
 class _MetaScalars(TorchDispatchMode):
