@@ -95,6 +95,7 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
                 f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
             )
     styles = lora_tp_styles(styles, modules)  # a LoRA layer's style goes to its base and one factor
+    _add_local_params(modules, styles)
     _add_vocabulary(model, styles)
     _check_head(model, styles)
     _add_tied(model, plan, styles)
@@ -198,6 +199,55 @@ def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
         name = names.get(id(module))
         if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)):
             styles[name] = style
+
+
+_COLS = ("colwise", "packed_colwise")
+_ROWS = ("rowwise",)
+
+
+def _add_local_params(modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
+    """Parameters that compute on a rank's local features (between a group's column- and
+    row-parallel layers) but are whole on every rank get ``replicated_with_grad_allreduce``:
+    their gradient on each rank covers its own heads / features only and must be summed.
+
+    Found by shape, in the innermost modules holding both a column- and a row-parallel layer
+    (an attention or an MLP, not the block holding both), for an unstyled module with parameters of its own that is not Linear / Embedding:
+    a norm over the head width (``q_layernorm`` of ``[..., heads, head_dim]``: a 1-D weight
+    narrower than the projections, whose width it divides) or an activation with scalar
+    parameters (xIELU's ``alpha_p``, ``alpha_n``). Without it training diverges from one process
+    by the missing gradient halves (the forward is right: a probe of the forward alone passes)."""
+    groups = {}
+    for group in modules:
+        inside = [n for n in styles if group and n.startswith(group + ".")]
+        cols = [n for n in inside if styles[n].startswith(_COLS)]
+        if cols and any(styles[n] in _ROWS for n in inside):
+            groups[group] = cols
+    for group, cols in groups.items():
+        if any(g.startswith(group + ".") for g in groups):  # a block holding its attention and MLP
+            continue
+        widths = {_out_features(modules[n]) for n in cols}
+        for name, module in modules.items():
+            if not name.startswith(group + ".") or name in styles or _under_styled(name, styles):
+                continue
+            own = dict(module.named_parameters(recurse=False))
+            if not own or isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module):
+                continue
+            scalars = all(p.numel() == 1 for p in own.values())
+            weight = own.get("weight")
+            per_head = (weight is not None and weight.dim() == 1 and all(w > weight.shape[0] and w % weight.shape[0] == 0
+                                                                         for w in widths))
+            if scalars or per_head:
+                styles[name] = "replicated_with_grad_allreduce"
+
+
+def _out_features(module: nn.Module) -> int:
+    weight = module.weight
+    return int(weight.shape[1] if is_conv1d(module) else weight.shape[0])
+
+
+def _under_styled(name: str, styles: dict[str, str]) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in styles for i in range(1, len(parts)))
 
 
 def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
