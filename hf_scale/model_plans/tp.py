@@ -38,8 +38,9 @@ SIZE_ATTRS = {
 }
 _STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-    "replicated_with_grad_allreduce", "replicate",
+    "replicated_with_grad_allreduce", "replicate", "local_params", "mla_kv_a_proj",
 )
+_WHOLE = ("replicate", "replicated_with_grad_allreduce", "local_params", "mla_kv_a_proj")  # parameters stay whole
 _VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output")
 
 
@@ -51,6 +52,9 @@ class TPLayout:
     local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dotted: "config.num_heads"
     # experts module -> parameter -> (split dim or None, parts): see model_plans.ep.experts_tp_split
     experts: dict[str, dict[str, tuple[int | None, int]]] = field(default_factory=dict)
+    # a bare per-head parameter (attention sinks, a gate bias) -> the dim split with its heads; its
+    # module computes with the local shard ("local_params")
+    params: dict[str, int] = field(default_factory=dict)
 
 
 def packed_parts(style: str) -> int:
@@ -87,7 +91,16 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
         )
     _check_config_sizes(model, tp)
     modules = dict(model.named_modules())
-    styles = _expand({k: v for k, v in plan.tp_plan.items() if v is not None}, modules, name, "tp_plan")
+    entries, params = _param_entries({k: v for k, v in plan.tp_plan.items() if v is not None}, modules, tp)
+    styles = _expand(entries, modules, name, "tp_plan")
+    for owner in {p.rpartition(".")[0] for p in params}:
+        styles.setdefault(owner, "local_params")
+    if "mla_kv_a_proj" in styles.values() and not isinstance(rope_dim(model), int):
+        raise HfScalePlanError(
+            f"tp_plan gives a module of {name} the style 'mla_kv_a_proj', which splits its output at the "
+            "config's qk_rope_head_dim, and the config has none: give the module 'replicate' and its "
+            "rope part's consumers a plan of their own."
+        )
     for module_name, style in styles.items():
         if style not in _STYLES and not packed_parts(style):
             raise HfScalePlanError(
@@ -110,7 +123,42 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
             if value % tp:
                 raise HfScalePlanError(f"tp={tp} does not divide {module_name}.{attr}={value}: choose a tp that divides it.")
     split = experts_tp_split(model, experts, tp) if experts.is_moe else {}
-    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()}, split)
+    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()}, split, params)
+
+
+def rope_dim(model: nn.Module):
+    """The rotary width an ``mla_kv_a_proj`` output ends with (the config's ``qk_rope_head_dim``)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "qk_rope_head_dim", None)
+
+
+def _param_entries(patterns: dict, modules: dict[str, nn.Module], tp: int) -> tuple[dict, dict[str, int]]:
+    """``patterns`` less the ``colwise`` entries naming a bare parameter of a module (attention
+    ``sinks`` ``[heads]``, a per-head ``gate_bias``: transformers' plans shard them with their
+    heads), and those parameters' full names -> the dim split (transformers' ``colwise`` of a
+    parameter: ``ndim - 2``, the only dim of a 1-D one)."""
+    kept, params = {}, {}
+    for key, style in patterns.items():
+        regex, (owner, _, leaf) = _pattern(key), key.rpartition(".")
+        if style != "colwise" or any(m and regex.fullmatch(m) for m in modules):
+            kept[key] = style
+            continue
+        found = [m for m in modules if m and _pattern(owner).fullmatch(m)
+                 and isinstance(modules[m]._parameters.get(leaf), nn.Parameter)]
+        if not found:
+            kept[key] = style  # _expand says what it matches
+            continue
+        for m in found:
+            param = modules[m]._parameters[leaf]
+            dim = max(param.dim() - 2, 0)
+            if param.shape[dim] % tp:
+                raise HfScalePlanError(
+                    f"tp={tp} does not divide {m}.{leaf} ({tuple(param.shape)}, split on dim {dim} with its "
+                    "heads): choose a tp that divides the head count."
+                )
+            params[f"{m}.{leaf}"] = dim
+    return kept, params
 
 
 def _without_expert_entries(tp_plan, modules: dict[str, nn.Module], experts: ExpertsLayout) -> dict:
@@ -213,7 +261,8 @@ def _add_local_params(modules: dict[str, nn.Module], styles: dict[str, str]) -> 
     Found by shape, in the innermost modules holding both a column- and a row-parallel layer
     (an attention or an MLP, not the block holding both), for an unstyled module with parameters of its own that is not Linear / Embedding:
     a norm over the head width (``q_layernorm`` of ``[..., heads, head_dim]``: a 1-D weight
-    narrower than the projections, whose width it divides) or an activation with scalar
+    narrower than the column-parallel outputs, whose widths it divides, and not as wide as their
+    inputs -- multi-head latent attention's ``q_a_layernorm`` feeds ``q_b_proj`` whole) or an activation with scalar
     parameters (xIELU's ``alpha_p``, ``alpha_n``). Without it training diverges from one process
     by the missing gradient halves (the forward is right: a probe of the forward alone passes)."""
     groups = {}
@@ -226,6 +275,7 @@ def _add_local_params(modules: dict[str, nn.Module], styles: dict[str, str]) -> 
         if any(g.startswith(group + ".") for g in groups):  # a block holding its attention and MLP
             continue
         widths = {_out_features(modules[n]) for n in cols}
+        inputs = {_in_features(modules[n]) for n in cols}
         for name, module in modules.items():
             if not name.startswith(group + ".") or name in styles or _under_styled(name, styles):
                 continue
@@ -234,8 +284,8 @@ def _add_local_params(modules: dict[str, nn.Module], styles: dict[str, str]) -> 
                 continue
             scalars = all(p.numel() == 1 for p in own.values())
             weight = own.get("weight")
-            per_head = (weight is not None and weight.dim() == 1 and all(w > weight.shape[0] and w % weight.shape[0] == 0
-                                                                         for w in widths))
+            per_head = (weight is not None and weight.dim() == 1 and weight.shape[0] not in inputs
+                        and all(w > weight.shape[0] and w % weight.shape[0] == 0 for w in widths))
             if scalars or per_head:
                 styles[name] = "replicated_with_grad_allreduce"
 
@@ -245,9 +295,14 @@ def _out_features(module: nn.Module) -> int:
     return int(weight.shape[1] if is_conv1d(module) else weight.shape[0])
 
 
+def _in_features(module: nn.Module) -> int:
+    weight = module.weight
+    return int(weight.shape[0] if is_conv1d(module) else weight.shape[-1])
+
+
 def _under_styled(name: str, styles: dict[str, str]) -> bool:
     parts = name.split(".")
-    return any(".".join(parts[:i]) in styles for i in range(1, len(parts)))
+    return any(styles.get(".".join(parts[:i]), "local_params") != "local_params" for i in range(1, len(parts)))
 
 
 def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
@@ -283,7 +338,7 @@ def shard_dim(module: nn.Module, param_name: str, style: str) -> int | None:
     """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
     when it stays whole: replicated modules, a row-parallel bias (added after the all-reduce)
     and a packed bias (DTensor takes each rank's part columns in forward)."""
-    if style in ("replicate", "replicated_with_grad_allreduce") or param_name not in ("weight", "bias"):
+    if style in _WHOLE or param_name not in ("weight", "bias"):
         return None
     rowwise = style in ("rowwise", "rowwise_split_input", "embedding_rowwise")
     if param_name == "bias":
@@ -299,7 +354,7 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
-    if style in ("replicate", "replicated_with_grad_allreduce"):
+    if style in _WHOLE:
         return
     weight = getattr(module, "weight", None)
     kind = type(module).__name__

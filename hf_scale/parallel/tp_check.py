@@ -30,19 +30,19 @@ RTOL, ATOL = 1e-4, 1e-5
 
 
 def check_tp_forward(model: nn.Module, tp_mesh, styles: dict[str, str], local_attrs: dict[str, tuple[str, ...]],
-                     ties: tuple, blocks: list[str], device: torch.device) -> str | None:
+                     ties: tuple, blocks: list[str], device: torch.device, params: dict[str, int] | None = None) -> str | None:
     """None when the sharded copy's block outputs and logits equal the unsharded copy's on every
     rank; else what differed first (block name, class, largest difference). A collective."""
     error = None
     try:
-        error = _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device)
+        error = _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device, params)
     except Exception as e:  # noqa: BLE001 - a forward that fails sharded is a mismatch too
         error = f"the sharded forward raised {type(e).__name__}: {str(e).strip()[:300]}"
     errors = [e for e in gather([error]) if e]
     return errors[0] if errors else None
 
 
-def _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device) -> str | None:
+def _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device, params=None) -> str | None:
     # fp32: a bf16 model's row-parallel partial sums round differently from the whole matmul by
     # more than the tolerance (a correct plan would be refused); the check is of the layout
     probe = copy.deepcopy(model).float().to(device)
@@ -55,7 +55,7 @@ def _compare(model, tp_mesh, styles, local_attrs, ties, blocks, device) -> str |
         want = _outputs(probe, batch, blocks)
     except Exception:  # noqa: BLE001 - the model needs other inputs: nothing to compare against
         return None
-    apply_tp(probe, tp_mesh, styles, local_attrs, ties)
+    apply_tp(probe, tp_mesh, styles, local_attrs, ties, params)
     got = _outputs(probe, batch, blocks)
     for name in [*blocks, "logits"]:
         a, b = got.get(name), want.get(name)
