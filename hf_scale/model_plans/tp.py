@@ -38,9 +38,10 @@ SIZE_ATTRS = {
 }
 _STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-    "replicated_with_grad_allreduce", "replicate", "local_params", "mla_kv_a_proj",
+    "replicated_with_grad_allreduce", "replicate", "local_params", "mla_kv_a_proj", "all_reduce",
 )
-_WHOLE = ("replicate", "replicated_with_grad_allreduce", "local_params", "mla_kv_a_proj")  # parameters stay whole
+# styles that leave the module's own weight / bias whole (bare parameters are split by their own entries)
+_WHOLE = ("replicate", "replicated_with_grad_allreduce", "local_params", "mla_kv_a_proj", "all_reduce")
 _VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output")
 
 
@@ -109,6 +110,11 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
             )
     styles = lora_tp_styles(styles, modules)  # a LoRA layer's style goes to its base and one factor
     _add_local_params(modules, styles)
+    for module_name, style in styles.items():
+        if style == "embedding_rowwise" and next(modules[module_name].children(), None) is not None:
+            # its forward does more than the lookup (Inkling's holds a norm applied after it): each
+            # rank would normalise its partial rows before the all-reduce. Whole on every rank.
+            styles[module_name] = "replicate"
     _add_vocabulary(model, styles)
     _check_head(model, styles)
     _add_tied(model, plan, styles)
@@ -134,14 +140,15 @@ def rope_dim(model: nn.Module):
 
 
 def _param_entries(patterns: dict, modules: dict[str, nn.Module], tp: int) -> tuple[dict, dict[str, int]]:
-    """``patterns`` less the ``colwise`` entries naming a bare parameter of a module (attention
-    ``sinks`` ``[heads]``, a per-head ``gate_bias``: transformers' plans shard them with their
-    heads), and those parameters' full names -> the dim split (transformers' ``colwise`` of a
-    parameter: ``ndim - 2``, the only dim of a 1-D one)."""
+    """``patterns`` less the ``colwise`` / ``rowwise`` entries naming a bare parameter of a module
+    (attention ``sinks`` ``[heads]``, a per-head ``gate_bias``, shared experts' stacked
+    ``gate_proj`` ``[n, inter, hidden]``: transformers' plans shard them so), and those parameters'
+    full names -> the dim split: transformers' ``colwise`` of a parameter splits ``ndim - 2`` (the
+    only dim of a 1-D one), its ``rowwise`` the last dim of a matrix."""
     kept, params = {}, {}
     for key, style in patterns.items():
         regex, (owner, _, leaf) = _pattern(key), key.rpartition(".")
-        if style != "colwise" or any(m and regex.fullmatch(m) for m in modules):
+        if style not in ("colwise", "rowwise") or any(m and regex.fullmatch(m) for m in modules):
             kept[key] = style
             continue
         found = [m for m in modules if m and _pattern(owner).fullmatch(m)
@@ -151,7 +158,10 @@ def _param_entries(patterns: dict, modules: dict[str, nn.Module], tp: int) -> tu
             continue
         for m in found:
             param = modules[m]._parameters[leaf]
-            dim = max(param.dim() - 2, 0)
+            if style == "rowwise" and param.dim() < 2:
+                kept[key] = style  # a row-parallel bias stays whole: nothing to split
+                break
+            dim = max(param.dim() - 2, 0) if style == "colwise" else param.dim() - 1
             if param.shape[dim] % tp:
                 raise HfScalePlanError(
                     f"tp={tp} does not divide {m}.{leaf} ({tuple(param.shape)}, split on dim {dim} with its "
@@ -236,7 +246,9 @@ def _divisors(config, tp: int) -> str:
 
 def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
     """The input embedding shards its vocabulary, and so does the output head (whose loss then
-    never gathers the full logits), unless the plan says otherwise."""
+    never gathers the full logits), unless the plan says otherwise. A module whose forward does
+    more than its own lookup or matmul (Inkling's embedding holds a norm applied after the
+    lookup: it would normalise each rank's partial rows) stays whole."""
     names = {id(m): n for n, m in model.named_modules()}
     pairs = (("get_input_embeddings", "embedding_rowwise"), ("get_output_embeddings", "colwise_gather_output"))
     for getter, style in pairs:
@@ -245,7 +257,8 @@ def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
         except (NotImplementedError, AttributeError):
             module = None
         name = names.get(id(module))
-        if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)):
+        if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)) \
+                and next(module.children(), None) is None:
             styles[name] = style
 
 
@@ -307,11 +320,12 @@ def _under_styled(name: str, styles: dict[str, str]) -> bool:
 
 def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
     """The output head must give the loss whole-vocabulary logits: ``colwise`` alone would hand
-    transformers' loss each rank's vocabulary slice (an index error, or a device assert)."""
+    transformers' loss each rank's vocabulary slice (an index error, or a device assert).
+    ``rowwise_split_input`` (Inkling's plan) sums whole logits over the ranks' hidden features."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
     style = styles.get(name) if name else None
-    if style is not None and style not in ("colwise_gather_output", "replicate"):
+    if style is not None and style not in ("colwise_gather_output", "replicate", "rowwise_split_input"):
         raise HfScalePlanError(
             f"tp_plan gives the output head {name!r} the style {style!r}; the loss and generate need "
             "the whole vocabulary's logits: use 'colwise_gather_output' (training still computes the "

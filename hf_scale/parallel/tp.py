@@ -79,7 +79,7 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
-            if style not in ("replicate", "local_params", "mla_kv_a_proj")}
+            if style not in ("replicate", "local_params", "mla_kv_a_proj", "all_reduce")}
     parallelize_module(model, tp_mesh, plan)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
@@ -88,8 +88,10 @@ def apply_tp(
         module.register_parameter(leaf, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(dim)]),
                                                      requires_grad=param.requires_grad))
     for name, style in styles.items():
-        if style == "local_params":
+        if style in ("local_params", "all_reduce"):
             _compute_locally(model.get_submodule(name))
+        if style == "all_reduce":
+            _sum_partial_output(model.get_submodule(name), tp_mesh)
         elif style == "mla_kv_a_proj":
             _sum_rope_grad(model.get_submodule(name), tp_mesh, rope_dim(model))
     for name, attrs in (local_attrs or {}).items():
@@ -175,6 +177,29 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
+
+
+def _sum_partial_output(module: nn.Module, mesh) -> None:
+    """``all_reduce``: ``module`` computes a partial sum over the features its parameters split
+    (stacked shared experts: colwise ``gate/up``, rowwise ``down``). Its tensor inputs are whole
+    on every rank and each rank's gradient for them covers its features only: summed over the tp
+    ranks in backward; its output is summed in forward."""
+    def as_replicated(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad:
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return x
+
+    def enter(mod, args, kwargs):
+        return tuple(as_replicated(a) for a in args), {k: as_replicated(v) for k, v in kwargs.items()}
+
+    def leave(mod, args, kwargs, output):
+        if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+            summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+            return summed.to_local()
+        return output
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True)
 
 
 def _compute_locally(module: nn.Module) -> None:
