@@ -152,7 +152,8 @@ def _param_entries(patterns: dict, modules: dict[str, nn.Module], tp: int) -> tu
             kept[key] = style
             continue
         found = [m for m in modules if m and _pattern(owner).fullmatch(m)
-                 and isinstance(modules[m]._parameters.get(leaf), nn.Parameter)]
+                 and isinstance(modules[m]._parameters.get(leaf), nn.Parameter)
+                 and not (isinstance(modules[m], (nn.Linear, nn.Embedding)) or is_conv1d(modules[m]))]
         if not found:
             kept[key] = style  # _expand says what it matches
             continue

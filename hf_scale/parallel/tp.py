@@ -53,6 +53,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ..model_plans.tp import is_conv1d, packed_parts, rope_dim
 from . import tp_local
 
+# styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
+HOOK_STYLES = ("local_params", "mla_kv_a_proj", "all_reduce")
+
 
 def apply_tp(
     model: nn.Module,
@@ -79,7 +82,7 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
-            if style not in ("replicate", "local_params", "mla_kv_a_proj", "all_reduce")}
+            if style != "replicate" and style not in HOOK_STYLES}
     parallelize_module(model, tp_mesh, plan)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
