@@ -136,7 +136,7 @@ def tp_report(model, plan, tp: int) -> dict:
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            dim = shard_dim(module, p_name, style)
+            dim = layout.params.get(f"{module_name}.{p_name}", shard_dim(module, p_name, style))
             if dim is None:
                 replicated += param.numel()
                 kept = param.numel()

@@ -163,7 +163,7 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
     first, candidate = None, 0
     while plan is not None:
         differs = check_tp_forward(model, topology.mesh["tp"], topology.tp.styles, topology.tp.local_attrs,
-                                   _present_ties(model, plan.tied_weights), blocks, env.device)
+                                   _present_ties(model, plan.tied_weights), blocks, env.device, topology.tp.params)
         if differs is None:
             return plan.replace(source={**plan.source, "tp_plan": f"{plan.source['tp_plan']}, checked"}), topology
         first, candidate = first or differs, candidate + 1
@@ -238,6 +238,7 @@ def apply_tensor_parallel(model: nn.Module, topology: Topology, plan: ModelPlan)
         {n: style for n, style in topology.tp.styles.items() if n in present},
         {n: attrs for n, attrs in topology.tp.local_attrs.items() if n in present},
         _present_ties(model, plan.tied_weights, topology.pp),
+        {n: dim for n, dim in topology.tp.params.items() if n.rpartition(".")[0] in present},
     )
 
 

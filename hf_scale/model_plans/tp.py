@@ -38,8 +38,10 @@ SIZE_ATTRS = {
 }
 _STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
-    "replicated_with_grad_allreduce", "replicate",
+    "replicated_with_grad_allreduce", "replicate", "local_params", "mla_kv_a_proj", "all_reduce",
 )
+# styles that leave the module's own weight / bias whole (bare parameters are split by their own entries)
+_WHOLE = ("replicate", "replicated_with_grad_allreduce", "local_params", "mla_kv_a_proj", "all_reduce")
 _VOCAB_STYLES = ("embedding_rowwise", "colwise_gather_output")
 
 
@@ -51,6 +53,9 @@ class TPLayout:
     local_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # dotted: "config.num_heads"
     # experts module -> parameter -> (split dim or None, parts): see model_plans.ep.experts_tp_split
     experts: dict[str, dict[str, tuple[int | None, int]]] = field(default_factory=dict)
+    # a bare per-head parameter (attention sinks, a gate bias) -> the dim split with its heads; its
+    # module computes with the local shard ("local_params")
+    params: dict[str, int] = field(default_factory=dict)
 
 
 def packed_parts(style: str) -> int:
@@ -87,7 +92,16 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
         )
     _check_config_sizes(model, tp)
     modules = dict(model.named_modules())
-    styles = _expand({k: v for k, v in plan.tp_plan.items() if v is not None}, modules, name, "tp_plan")
+    entries, params = _param_entries({k: v for k, v in plan.tp_plan.items() if v is not None}, modules, tp)
+    styles = _expand(entries, modules, name, "tp_plan")
+    for owner in {p.rpartition(".")[0] for p in params}:
+        styles.setdefault(owner, "local_params")
+    if "mla_kv_a_proj" in styles.values() and not isinstance(rope_dim(model), int):
+        raise HfScalePlanError(
+            f"tp_plan gives a module of {name} the style 'mla_kv_a_proj', which splits its output at the "
+            "config's qk_rope_head_dim, and the config has none: give the module 'replicate' and its "
+            "rope part's consumers a plan of their own."
+        )
     for module_name, style in styles.items():
         if style not in _STYLES and not packed_parts(style):
             raise HfScalePlanError(
@@ -95,6 +109,12 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
                 f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
             )
     styles = lora_tp_styles(styles, modules)  # a LoRA layer's style goes to its base and one factor
+    _add_local_params(modules, styles)
+    for module_name, style in styles.items():
+        if style == "embedding_rowwise" and next(modules[module_name].children(), None) is not None:
+            # its forward does more than the lookup (Inkling's holds a norm applied after it): each
+            # rank would normalise its partial rows before the all-reduce. Whole on every rank.
+            styles[module_name] = "replicate"
     _add_vocabulary(model, styles)
     _check_head(model, styles)
     _add_tied(model, plan, styles)
@@ -109,7 +129,47 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
             if value % tp:
                 raise HfScalePlanError(f"tp={tp} does not divide {module_name}.{attr}={value}: choose a tp that divides it.")
     split = experts_tp_split(model, experts, tp) if experts.is_moe else {}
-    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()}, split)
+    return TPLayout(styles, {k: tuple(v) for k, v in attrs.items()}, split, params)
+
+
+def rope_dim(model: nn.Module):
+    """The rotary width an ``mla_kv_a_proj`` output ends with (the config's ``qk_rope_head_dim``)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "qk_rope_head_dim", None)
+
+
+def _param_entries(patterns: dict, modules: dict[str, nn.Module], tp: int) -> tuple[dict, dict[str, int]]:
+    """``patterns`` less the ``colwise`` / ``rowwise`` entries naming a bare parameter of a module
+    (attention ``sinks`` ``[heads]``, a per-head ``gate_bias``, shared experts' stacked
+    ``gate_proj`` ``[n, inter, hidden]``: transformers' plans shard them so), and those parameters'
+    full names -> the dim split: transformers' ``colwise`` of a parameter splits ``ndim - 2`` (the
+    only dim of a 1-D one), its ``rowwise`` the last dim of a matrix."""
+    kept, params = {}, {}
+    for key, style in patterns.items():
+        regex, (owner, _, leaf) = _pattern(key), key.rpartition(".")
+        if style not in ("colwise", "rowwise") or any(m and regex.fullmatch(m) for m in modules):
+            kept[key] = style
+            continue
+        found = [m for m in modules if m and _pattern(owner).fullmatch(m)
+                 and isinstance(modules[m]._parameters.get(leaf), nn.Parameter)
+                 and not (isinstance(modules[m], (nn.Linear, nn.Embedding)) or is_conv1d(modules[m]))]
+        if not found:
+            kept[key] = style  # _expand says what it matches
+            continue
+        for m in found:
+            param = modules[m]._parameters[leaf]
+            if style == "rowwise" and param.dim() < 2:
+                kept[key] = style  # a row-parallel bias stays whole: nothing to split
+                break
+            dim = max(param.dim() - 2, 0) if style == "colwise" else param.dim() - 1
+            if param.shape[dim] % tp:
+                raise HfScalePlanError(
+                    f"tp={tp} does not divide {m}.{leaf} ({tuple(param.shape)}, split on dim {dim} with its "
+                    "heads): choose a tp that divides the head count."
+                )
+            params[f"{m}.{leaf}"] = dim
+    return kept, params
 
 
 def _without_expert_entries(tp_plan, modules: dict[str, nn.Module], experts: ExpertsLayout) -> dict:
@@ -187,7 +247,9 @@ def _divisors(config, tp: int) -> str:
 
 def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
     """The input embedding shards its vocabulary, and so does the output head (whose loss then
-    never gathers the full logits), unless the plan says otherwise."""
+    never gathers the full logits), unless the plan says otherwise. A module whose forward does
+    more than its own lookup or matmul (Inkling's embedding holds a norm applied after the
+    lookup: it would normalise each rank's partial rows) stays whole."""
     names = {id(m): n for n, m in model.named_modules()}
     pairs = (("get_input_embeddings", "embedding_rowwise"), ("get_output_embeddings", "colwise_gather_output"))
     for getter, style in pairs:
@@ -196,17 +258,75 @@ def _add_vocabulary(model: nn.Module, styles: dict[str, str]) -> None:
         except (NotImplementedError, AttributeError):
             module = None
         name = names.get(id(module))
-        if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)):
+        if name and name not in styles and isinstance(module, (nn.Embedding, nn.Linear)) \
+                and next(module.children(), None) is None:
             styles[name] = style
+
+
+_COLS = ("colwise", "packed_colwise")
+_ROWS = ("rowwise",)
+
+
+def _add_local_params(modules: dict[str, nn.Module], styles: dict[str, str]) -> None:
+    """Parameters that compute on a rank's local features (between a group's column- and
+    row-parallel layers) but are whole on every rank get ``replicated_with_grad_allreduce``:
+    their gradient on each rank covers its own heads / features only and must be summed.
+
+    Found by shape, in the innermost modules holding both a column- and a row-parallel layer
+    (an attention or an MLP, not the block holding both), for an unstyled module with parameters of its own that is not Linear / Embedding:
+    a norm over the head width (``q_layernorm`` of ``[..., heads, head_dim]``: a 1-D weight
+    narrower than the column-parallel outputs, whose widths it divides, and not as wide as their
+    inputs -- multi-head latent attention's ``q_a_layernorm`` feeds ``q_b_proj`` whole) or an activation with scalar
+    parameters (xIELU's ``alpha_p``, ``alpha_n``). Without it training diverges from one process
+    by the missing gradient halves (the forward is right: a probe of the forward alone passes)."""
+    groups = {}
+    for group in modules:
+        inside = [n for n in styles if group and n.startswith(group + ".")]
+        cols = [n for n in inside if styles[n].startswith(_COLS)]
+        if cols and any(styles[n] in _ROWS for n in inside):
+            groups[group] = cols
+    for group, cols in groups.items():
+        if any(g.startswith(group + ".") for g in groups):  # a block holding its attention and MLP
+            continue
+        widths = {_out_features(modules[n]) for n in cols}
+        inputs = {_in_features(modules[n]) for n in cols}
+        for name, module in modules.items():
+            if not name.startswith(group + ".") or name in styles or _under_styled(name, styles):
+                continue
+            own = dict(module.named_parameters(recurse=False))
+            if not own or isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module):
+                continue
+            scalars = all(p.numel() == 1 for p in own.values())
+            weight = own.get("weight")
+            per_head = (weight is not None and weight.dim() == 1 and weight.shape[0] not in inputs
+                        and all(w > weight.shape[0] and w % weight.shape[0] == 0 for w in widths))
+            if scalars or per_head:
+                styles[name] = "replicated_with_grad_allreduce"
+
+
+def _out_features(module: nn.Module) -> int:
+    weight = module.weight
+    return int(weight.shape[1] if is_conv1d(module) else weight.shape[0])
+
+
+def _in_features(module: nn.Module) -> int:
+    weight = module.weight
+    return int(weight.shape[0] if is_conv1d(module) else weight.shape[-1])
+
+
+def _under_styled(name: str, styles: dict[str, str]) -> bool:
+    parts = name.split(".")
+    return any(styles.get(".".join(parts[:i]), "local_params") != "local_params" for i in range(1, len(parts)))
 
 
 def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
     """The output head must give the loss whole-vocabulary logits: ``colwise`` alone would hand
-    transformers' loss each rank's vocabulary slice (an index error, or a device assert)."""
+    transformers' loss each rank's vocabulary slice (an index error, or a device assert).
+    ``rowwise_split_input`` (Inkling's plan) sums whole logits over the ranks' hidden features."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     name = next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
     style = styles.get(name) if name else None
-    if style is not None and style not in ("colwise_gather_output", "replicate"):
+    if style is not None and style not in ("colwise_gather_output", "replicate", "rowwise_split_input"):
         raise HfScalePlanError(
             f"tp_plan gives the output head {name!r} the style {style!r}; the loss and generate need "
             "the whole vocabulary's logits: use 'colwise_gather_output' (training still computes the "
@@ -233,7 +353,7 @@ def shard_dim(module: nn.Module, param_name: str, style: str) -> int | None:
     """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
     when it stays whole: replicated modules, a row-parallel bias (added after the all-reduce)
     and a packed bias (DTensor takes each rank's part columns in forward)."""
-    if style in ("replicate", "replicated_with_grad_allreduce") or param_name not in ("weight", "bias"):
+    if style in _WHOLE or param_name not in ("weight", "bias"):
         return None
     rowwise = style in ("rowwise", "rowwise_split_input", "embedding_rowwise")
     if param_name == "bias":
@@ -249,7 +369,7 @@ def is_conv1d(module: nn.Module) -> bool:
 
 
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
-    if style in ("replicate", "replicated_with_grad_allreduce"):
+    if style in _WHOLE:
         return
     weight = getattr(module, "weight", None)
     kind = type(module).__name__

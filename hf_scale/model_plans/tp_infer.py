@@ -34,14 +34,15 @@ from dataclasses import dataclass
 from torch import nn
 
 QKV = {"q_proj", "k_proj", "v_proj", "query", "key", "value", "q", "k", "v", "wq", "wk", "wv",
-       "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj", "to_q", "to_k", "to_v"}
+       "q_lin", "k_lin", "v_lin", "query_proj", "key_proj", "value_proj", "to_q", "to_k", "to_v", "Wq", "Wk", "Wv"}
 FUSED_QKV = {"query_key_value", "qkv_proj", "c_attn", "Wqkv", "qkv", "wqkv", "in_proj", "qkv_linear"}
-ATTN_OUT = {"o_proj", "out_proj", "dense", "c_proj", "wo", "o", "out_lin", "proj", "out", "output_proj", "to_out"}
+ATTN_OUT = {"o_proj", "out_proj", "dense", "c_proj", "wo", "o", "out_lin", "proj", "out", "output_proj", "to_out",
+            "Wo"}
 UP = {"up_proj", "gate_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3", "fc_in", "wi", "wi_0", "wi_1",
       "lin1", "fc", "c_fc2", "c_fc1", "up", "linear_1", "ffn_up"}
-FUSED_UP = {"gate_up_proj", "w12", "fc1_gate_up"}
+FUSED_UP = {"gate_up_proj", "w12", "fc1_gate_up", "Wi"}
 DOWN = {"down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2", "fc_out", "wo", "lin2", "proj", "down", "linear_2",
-        "ffn_down"}
+        "ffn_down", "Wo"}
 ATTN_WORDS = ("attn", "attention")
 MLP_WORDS = ("mlp", "ffn", "feed_forward", "feedforward", "ff", "fc")
 HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads", "num_kv_heads",
@@ -142,6 +143,8 @@ def _groups(block: nn.Module):
             found.append((name, child, "attention"))
         elif any(low == w or low.startswith(w + "_") or low.endswith("_" + w) for w in MLP_WORDS):
             found.append((name, child, "mlp"))
+    if not found and any(w in type(block).__name__.lower() for w in ATTN_WORDS):
+        found.append(("", block, "attention"))  # the repeated unit is an attention itself (XLM's attentions list)
     if "intermediate" in children and "output" in children:  # BERT-style: the block holds the MLP pair
         found.append(("", _View({"intermediate": children["intermediate"], "output": children["output"]}), "mlp"))
     direct = {n: c for n, c in children.items() if is_linear(c)}
@@ -168,6 +171,12 @@ def _group_styles(group: nn.Module, role: str, hidden: int) -> tuple[dict[str, s
         if "expert" in name.lower() or any("expert" in p for p, _ in module.named_parameters(recurse=False)):
             return None, "experts (sharded by expert parallel, issue 27)"
     styles: dict[str, str] = {}
+    if role == "mlp" and isinstance(group, nn.Sequential) and len(linears) == 2 \
+            and not any(n.rpartition(".")[2] in UP | DOWN | FUSED_UP for n, _ in linears):
+        # an MLP written as Sequential(Linear, activation, Linear) (CTRL's ffn): up, then down
+        order = {linears[0][0]: "colwise", linears[1][0]: "rowwise"}
+    else:
+        order = {}
     for name, module in linears:
         leaf = name.rpartition(".")[2]
         in_f, out_f = _in_out(module)
@@ -180,6 +189,8 @@ def _group_styles(group: nn.Module, role: str, hidden: int) -> tuple[dict[str, s
                 style = "colwise"
             else:
                 return None, f"a Linear {name!r} ({in_f}->{out_f}) of no known role"
+        elif name in order:
+            style = order[name]
         else:
             if leaf in DOWN or name.startswith("output"):
                 style = "rowwise"

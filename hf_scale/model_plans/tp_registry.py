@@ -70,6 +70,7 @@ _add(
 
 _add("bert", tp_plan=_BERT_LAYER, tp_local_attrs=_BERT_ATTRS)
 _add("roberta", tp_plan=_BERT_LAYER, tp_local_attrs=_BERT_ATTRS)
+_add("roberta-prelayernorm", tp_plan=_BERT_LAYER, tp_local_attrs=_BERT_ATTRS)  # BERT's names, pre-norm
 
 _add(
     "distilbert",

@@ -32,8 +32,16 @@ import copy
 import inspect
 from functools import partial
 
+import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -42,8 +50,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..model_plans.tp import is_conv1d, packed_parts
+from ..model_plans.tp import is_conv1d, packed_parts, rope_dim
 from . import tp_local
+
+# styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
+HOOK_STYLES = ("local_params", "mla_kv_a_proj", "all_reduce")
 
 
 def apply_tp(
@@ -52,6 +63,7 @@ def apply_tp(
     styles: dict[str, str],
     local_attrs: dict[str, tuple[str, ...]] | None = None,
     ties: tuple[tuple[str, str], ...] = (),
+    params: dict[str, int] | None = None,
 ) -> None:
     """Shard the modules named in ``styles`` (full module names -> style) over ``tp_mesh``.
 
@@ -60,14 +72,31 @@ def apply_tp(
     that the module's forward uses on its local shard: they are divided by the tp degree.
     ``ties`` (``(target, source)`` parameter names, the plan's ``tied_weights``) are tied again
     afterwards: each module distributes its own copy, so both sides must get the same placement.
+    ``params`` (full parameter name -> dim) are bare parameters split on that dim (attention
+    sinks, per head); their modules have the style ``local_params``: their forward computes
+    with the local shards of their own parameters.
 
     Usage::
 
         apply_tp(model, mesh["tp"], {"model.layers.0.self_attn.q_proj": "colwise", ...})
     """
     tp = tp_mesh.size()
-    plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items() if style != "replicate"}
+    plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
+            if style != "replicate" and style not in HOOK_STYLES}
     parallelize_module(model, tp_mesh, plan)
+    for name, dim in (params or {}).items():
+        owner, _, leaf = name.rpartition(".")
+        module = model.get_submodule(owner)
+        param = module._parameters[leaf]
+        module.register_parameter(leaf, nn.Parameter(distribute_tensor(param, tp_mesh, [Shard(dim)]),
+                                                     requires_grad=param.requires_grad))
+    for name, style in styles.items():
+        if style in ("local_params", "all_reduce"):
+            _compute_locally(model.get_submodule(name))
+        if style == "all_reduce":
+            _sum_partial_output(model.get_submodule(name), tp_mesh)
+        elif style == "mla_kv_a_proj":
+            _sum_rope_grad(model.get_submodule(name), tp_mesh, rope_dim(model))
     for name, attrs in (local_attrs or {}).items():
         module = model.get_submodule(name)
         for attr in attrs:
@@ -135,6 +164,62 @@ def _local_path(style, kind: str, gather: bool = False):
         style._prepare_output_fn = lambda mod, outputs, mesh: leave(mod, outputs, mesh)
     return style
 
+
+
+def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
+    """``mla_kv_a_proj`` (multi-head latent attention's ``kv_a_proj_with_mqa``, whole on every
+    rank): its output is ``[kv latent, k_rope]``. The latent feeds a column-parallel
+    ``kv_b_proj``, whose DTensor input sums its gradient over the ranks; ``k_rope`` goes straight
+    to this rank's heads, so its gradient covers them only: it is summed over the tp ranks in
+    backward (a ``Partial`` gradient made ``Replicate``), as transformers' style does."""
+    def hook(mod, args, output):
+        if not torch.is_grad_enabled() or isinstance(output, DTensor):
+            return output
+        latent, rot = output.split([output.shape[-1] - rope, rope], dim=-1)
+        rot = DTensor.from_local(rot, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return torch.cat([latent, rot], dim=-1)
+
+    module.register_forward_hook(hook)
+
+
+def _sum_partial_output(module: nn.Module, mesh) -> None:
+    """``all_reduce``: ``module`` computes a partial sum over the features its parameters split
+    (stacked shared experts: colwise ``gate/up``, rowwise ``down``). Its tensor inputs are whole
+    on every rank and each rank's gradient for them covers its features only: summed over the tp
+    ranks in backward; its output is summed in forward."""
+    def as_replicated(x):
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad:
+            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        return x
+
+    def enter(mod, args, kwargs):
+        return tuple(as_replicated(a) for a in args), {k: as_replicated(v) for k, v in kwargs.items()}
+
+    def leave(mod, args, kwargs, output):
+        if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+            summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
+            return summed.to_local()
+        return output
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True)
+
+
+def _compute_locally(module: nn.Module) -> None:
+    """``local_params``: ``module``'s forward sees its own DTensor parameters as their local
+    shards (a differentiable ``to_local``: the gradient comes back with the shard's placement),
+    as transformers' style of that name does; they are put back after the forward."""
+    def enter(mod, args):
+        swapped = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+        mod.__dict__["_hf_scale_dtensor_params"] = swapped
+        for n, p in swapped.items():
+            mod._parameters[n] = p.to_local()
+
+    def leave(mod, args, output):
+        mod._parameters.update(mod.__dict__.pop("_hf_scale_dtensor_params", {}))
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:

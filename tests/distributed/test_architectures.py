@@ -28,8 +28,8 @@ EXPECTED = {
     "mixtral": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # MoE: each expert split over the tp ranks (issue 27)
     "gpt2": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # registry plans
     "bert": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # registry tp, blocks one level down for pp
-    "stablelm": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred tp plan, checked
-    "gpt_neo": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred
+    "persimmon": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred tp plan, checked; per-head q/k norms
+    "granite_swa": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # attention sinks split with their heads
     "xglm": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # positions added in the base forward: stage 0 only
     "bloom": {"fsdp": WORKS, "tp2": r"inferred from its modules does not hold: on a probe batch", "pp2": WORKS},
     "mamba": {"fsdp": WORKS, "tp2": r"none is inferred from its modules: blocks \['MambaBlock'\]", "pp2": WORKS},

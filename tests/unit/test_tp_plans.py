@@ -4,6 +4,9 @@ work -- all raised by ``tp_layout`` before any mesh or collective exists."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import transformers as tf
 from torch import nn
@@ -251,10 +254,10 @@ def test_every_plan_style_has_an_engine_style():
     from torch import nn
 
     from hf_scale.model_plans.tp import _STYLES
-    from hf_scale.parallel.tp import _style
+    from hf_scale.parallel.tp import HOOK_STYLES, _style
 
     for style in (*_STYLES, "packed_colwise:3"):
-        if style != "replicate":  # apply_tp leaves replicated modules alone
+        if style != "replicate" and style not in HOOK_STYLES:  # left alone / hooked by apply_tp itself
             assert _style(nn.Linear(6, 6), style) is not None, style
 
 
@@ -270,3 +273,54 @@ def test_inferred_plan_leaves_whole_what_it_cannot_pair():
                                                   num_experts_per_tok=1, vocab_size=128))
     with pytest.raises(HfScalePlanError, match=r"none is inferred.*router.*experts"):
         tp_layout(jetmoe, resolve_plan(jetmoe), 2)
+
+
+def _tiny(model_type, **changes):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    import scan_architectures as scan
+
+    config = scan.tiny_config(model_type)
+    for k, v in changes.items():
+        setattr(config, k, v)
+    return tf.AutoModelForCausalLM.from_config(config)
+
+
+def test_per_head_norms_and_scalar_activations_get_their_gradients_summed():
+    # Persimmon's inferred plan: q/k layernorms over head_dim see each rank's heads only
+    layout = tp_layout(*(lambda m: (m, resolve_plan(m)))(_tiny("persimmon")), 2)
+    assert layout.styles["model.layers.0.self_attn.q_layernorm"] == "replicated_with_grad_allreduce"
+    assert "model.layers.0.input_layernorm" not in layout.styles  # the hidden-size norm sees the whole input
+    # Apertus: transformers' plan names q/k norms; the xIELU activation's scalars sit between up and down
+    apertus = _tiny("apertus")
+    styles = tp_layout(apertus, resolve_plan(apertus), 2).styles
+    assert styles["model.layers.0.mlp.act_fn"] == "replicated_with_grad_allreduce"
+    # multi-head latent attention: q_a_layernorm feeds q_b_proj whole (not a per-head norm)
+    minicpm3 = _tiny("minicpm3")
+    styles = tp_layout(minicpm3, resolve_plan(minicpm3), 2).styles
+    assert styles["model.layers.0.self_attn.kv_a_proj_with_mqa"] == "mla_kv_a_proj"
+    assert "model.layers.0.self_attn.q_a_layernorm" not in styles
+    assert "model.layers.0.self_attn.kv_a_layernorm" not in styles
+
+
+def test_bare_per_head_parameters_split_with_their_heads():
+    model = _tiny("granite_swa")
+    layout = tp_layout(model, resolve_plan(model), 2)
+    assert layout.params["model.layers.0.self_attn.sinks"] == 0
+    assert layout.styles["model.layers.0.self_attn"] == "local_params"
+    # stacked shared experts: colwise splits ndim - 2, rowwise the last dim; the module sums its output
+    inkling = _tiny("inkling_text")
+    layout = tp_layout(inkling, resolve_plan(inkling), 2)
+    assert layout.params["model.layers.0.mlp.shared_experts.gate_proj"] == 1
+    assert layout.params["model.layers.0.mlp.shared_experts.down_proj"] == 2
+    assert layout.styles["model.layers.0.mlp.shared_experts"] == "all_reduce"
+    assert layout.styles["lm_head"] == "rowwise_split_input"  # whole logits: allowed for the head
+    assert layout.styles["model.embed_tokens"] == "replicate"  # its forward normalises after the lookup
+
+
+def test_inferred_plans_read_sequential_mlps_and_attention_units():
+    ctrl = _tiny("ctrl")
+    plan = resolve_plan(ctrl)
+    assert plan.tp_plan["transformer.h.*.multi_head_attention.Wq"] == "colwise"
+    assert plan.tp_plan["transformer.h.1.ffn.0"] == "colwise" and plan.tp_plan["transformer.h.1.ffn.2"] == "rowwise"
+    xlm = _tiny("xlm")
+    assert resolve_plan(xlm).tp_plan["transformer.attentions.*.q_lin"] == "colwise"
