@@ -18,6 +18,11 @@ Usage::
 After each leg it also checks placement: every parameter, gradient, optimizer state and buffer
 of the trained model is on the device the run chose (``cuda:0`` here).
 
+``--simulate`` also runs each hf_scale leg through ``hf_scale.layout_search.simulate`` (the same
+layout as rank 0 of 1 on fake CUDA tensors: no GPU memory used) and prints its tracked peak
+beside the leg's measured ``torch.cuda.max_memory_allocated``: the simulation checked against a
+real device (issue 29), within +-10% to pass.
+
 Exit status 0 when every check passes, 1 otherwise.
 """
 
@@ -119,12 +124,33 @@ def misplaced(model, device: torch.device) -> list[str]:
     return bad
 
 
+def simulated_row(name: str, config: dict, model_config, shape: tuple, measured: float, failures: list) -> list:
+    """One leg of ``--simulate``: its simulated peak beside the measured one (MiB)."""
+    import dataclasses
+
+    from hf_scale.config import ParallelConfig
+    from hf_scale.layout_search.simulate import as_layout, simulate
+
+    layout = dataclasses.replace(as_layout(ParallelConfig(**config), 1), micro_batch=shape[0])
+    sim = simulate(model_config, world_size=1, rank=0, parallel=layout, seq=shape[1], batch=shape[0])
+    mib = {k: v / 2**20 for k, v in sim.peak.items()}
+    ratio = mib["total"] / measured if measured == measured else float("nan")  # nan: measured on the CPU
+    ok = 0.9 <= ratio <= 1.1
+    if measured == measured and not ok:
+        failures.append(f"{name}: simulated peak {mib['total']:.0f} MiB vs measured {measured:.0f} MiB ({ratio:.2f}x)")
+    parts = " / ".join(f"{mib.get(k, 0):.0f}" for k in ("params", "grads", "optimizer", "activations", "temporaries"))
+    verdict = "-" if measured != measured else ("PASS" if ok else "FAIL") + " (need 0.90-1.10x)"
+    return [name, f"{ratio:.3f}", f"{mib['total']:.0f}", f"{measured:.0f}", parts, verdict]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "smollm2-random", "tiny"])
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seq", type=int, default=256, help="tokens per row of the random batch (tiny, smollm2-random)")
+    parser.add_argument("--simulate", action="store_true",
+                        help="also simulate each hf_scale leg on fake CUDA tensors and compare its peak with the measured one")
     add_write_arg(parser, "gpu")
     args = parser.parse_args()
     check_doc(args)
@@ -136,7 +162,7 @@ def main() -> int:
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     base, batch = load(args.model, args.seq)
     batch = batch.to(device)
-    rows, failures = [], []
+    rows, failures, sim_rows = [], [], []
 
     def leg(model, plain: bool):
         if device.type == "cuda":
@@ -168,6 +194,8 @@ def main() -> int:
             failures.append(f"{name}: losses {losses} vs transformers {reference} (max rel diff {diff:.3g} > {RTOL})")
         rows.append([name, f"{mem / ref_mem:.2f}x" if device.type == "cuda" else "-", f"{diff:.2e}",
                      " ".join(f"{x:.4f}" for x in losses), f"{mem:.0f}", f"{took:.1f}"])
+        if args.simulate:
+            sim_rows.append(simulated_row(name, config, base.config, tuple(batch.shape), mem, failures))
         trained = model
     with tempfile.TemporaryDirectory() as tmp:
         hf_scale.save_pretrained(trained, tmp)
@@ -189,6 +217,12 @@ def main() -> int:
                + ("all checks passed (losses within "
                   f"{RTOL} of plain transformers, save/load round trip bit-identical)" if not failures
                   else "FAILED: " + "; ".join(failures)))
+    if sim_rows:
+        sim_header = ["leg", "simulated / measured peak", "simulated peak MiB", "measured peak MiB",
+                      "simulated: params / grads / optimizer / activations / temporaries (MiB)", "verdict"]
+        table += ("\n\nThe same legs simulated on fake CUDA tensors (`hf_scale.layout_search.simulate`, rank 0 of "
+                  "1, MemTracker's peak of the second step) against the peak measured above:\n\n"
+                  + markdown_table(sim_header, sim_rows))
     print(table)
     print(verdict)
     write_doc(args, f"{table}\n\n{verdict}")
