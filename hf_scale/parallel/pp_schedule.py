@@ -86,7 +86,7 @@ class Pipeline:
         for module in self.stage_modules:  # the views copy a few modules: follow model.train()/eval()
             if module.training != self.model.training:
                 module.train(self.model.training)
-        count = int((labels[:, 1:] != -100).sum())
+        count = self._label_tokens(labels)
         for module in self.stage_modules:
             module.label_tokens = max(count, 1)
         self._losses, self._scale = [], loss_scale
@@ -104,6 +104,11 @@ class Pipeline:
         dist.all_reduce(loss, group=self.pp_group)  # one rank holds the last stage
         self._losses = []
         return loss
+
+    @staticmethod
+    def _label_tokens(labels: torch.Tensor) -> int:
+        """The batch's label tokens (the loss's denominator)."""
+        return int((labels[:, 1:] != -100).sum())
 
     def _check(self, batch: dict):
         """The batch's tensors on this device, after every rank of the pipeline has compared its
@@ -289,7 +294,11 @@ def tie_group(mesh, layout: PipelineLayout, pp: int):
         return None
     if pp == 2:
         return mesh["pp"].get_group()
-    ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
-    pairs = [[int(a), int(b)] for a, b in zip(ranks[first_rank].flatten(), ranks[last_rank].flatten())]
+    ranks = mesh.mesh.tolist()  # (pp, dp_replicate, dp_shard, tp) global ranks (lists: no tensor ops, which a
+    pairs = [[a, b] for a, b in zip(_flat(ranks[first_rank]), _flat(ranks[last_rank]))]  # simulation fakes)
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     return group
+
+
+def _flat(nested) -> list[int]:
+    return [x for item in nested for x in _flat(item)] if isinstance(nested, list) else [nested]
