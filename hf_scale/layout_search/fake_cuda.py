@@ -400,7 +400,7 @@ class _SimulatedFakeTensorMode:
         return SimulatedFakeTensorMode(**kwargs)
 
 
-_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "get_coordinate", "get_local_rank", "size", "mesh")
+_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "_unflatten", "get_coordinate", "get_local_rank", "size", "mesh")
 _DTENSOR_OFFSETS = ("compute_local_shape_and_global_offset", "_compute_local_shape_and_global_offset")
 _LOADED: dict[str, ctypes.CDLL] = {}
 

@@ -134,3 +134,41 @@ def _compute_dtype(stage: torch.nn.Module) -> torch.dtype:
             if dtype is not None:
                 return dtype
     return next((p.dtype for p in stage.parameters() if p.is_floating_point()), torch.float32)
+
+
+@contextlib.contextmanager
+def expert_peers() -> Iterator[PeerLog]:
+    """Expert parallel's counts step (:meth:`hf_scale.parallel.ep.TokenDispatcher.exchange_counts`)
+    as if the routing were balanced: the router's choices are fake values (the token rows each
+    rank sends, and so what it receives, are unknown), so each rank is taken to send ``T x k / ep``
+    of its ``T`` tokens' ``k`` (token, expert) pairs to every ep rank, ``T x k / E`` to each expert,
+    and to receive as many (the remainder of an uneven division to the first ranks and experts).
+    The exchanged rows, and so the experts' activations, are then those of a perfectly balanced
+    router: a real router's imbalance (the load-balancing loss bounds it, it does not remove it)
+    makes the busiest ep rank hold more."""
+    from ..parallel.ep import TokenDispatcher
+
+    log = PeerLog()
+
+    def exchange_counts(self, expert_ids: torch.Tensor):
+        pairs = expert_ids.shape[0]
+        per_expert = _split(pairs, self.ep * self.num_local)
+        sizes = [sum(per_expert[r * self.num_local:(r + 1) * self.num_local]) for r in range(self.ep)]
+        recv_counts = torch.tensor(per_expert, device=expert_ids.device).view(self.ep, self.num_local)
+        note = (f"ep={self.ep}: balanced routing assumed: {pairs} (token, expert) pairs per rank and layer, "
+                f"{'/'.join(map(str, sorted(set(sizes))))} sent to and received from each ep rank")
+        if note not in log.assumed:
+            log.assumed.append(note)
+        return recv_counts, sizes, list(sizes)
+
+    saved = TokenDispatcher.__dict__["exchange_counts"]
+    TokenDispatcher.exchange_counts = exchange_counts
+    try:
+        yield log
+    finally:
+        TokenDispatcher.exchange_counts = saved
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` near-equal whole parts, the larger first."""
+    return [total // parts + (i < total % parts) for i in range(parts)]

@@ -51,7 +51,7 @@ from ..config import ParallelConfig
 from ..errors import HfScaleConfigError
 from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
 from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
-from .peers import pipeline_peers
+from .peers import expert_peers, pipeline_peers
 
 GiB = 2**30
 # MemTracker's categories -> the names printed here
@@ -162,19 +162,12 @@ def _gpus_per_node(world_size: int, device: str) -> int:
     return max(d for d in range(1, most + 1) if world_size % d == 0)
 
 
-_NO_EP = ("ep={ep}: expert parallel is not simulated yet (the token exchange sizes its buffers from counts a "
-          "fake process group does not carry). Simulate the layout without ep (the experts are then sharded by "
-          "FSDP over the same ranks), and see `hf-scale plan --ep N` for the experts' bytes per rank.")
-
-
 def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
     """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks (its degrees resolved
     as ``parallelize`` resolves them)."""
     from ..mesh import ParallelDims
 
     if isinstance(parallel, Layout):
-        if parallel.ep > 1:
-            raise HfScaleConfigError(_NO_EP.format(ep=parallel.ep))
         if parallel.world_size != world_size:
             raise HfScaleConfigError(
                 f"layout {parallel.describe()} has {parallel.world_size} ranks, but world_size={world_size}: "
@@ -182,14 +175,12 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
-    if config.ep > 1:
-        raise HfScaleConfigError(_NO_EP.format(ep=config.ep))
     dims = ParallelDims.resolve(config, world_size)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,
                   cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
-                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
+                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep)
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
@@ -206,14 +197,11 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     inputs = _record_inputs(model, state)
     micro = max(1, min(layout.micro_batch, batch))  # under pp: one pipeline step's sequences
     vocab = model.config.vocab_size
-    peers = contextlib.nullcontext(None)
-    if state.pipeline is not None:
-        if micro % state.pipeline.microbatches:
-            raise HfScaleConfigError(
-                f"micro_batch={micro} (of batch={batch}) does not split into the pipeline's "
-                f"{state.pipeline.microbatches} microbatches: give a micro-batch that is a multiple of them."
-            )
-        peers = pipeline_peers(micro // state.pipeline.microbatches, seq)
+    if state.pipeline is not None and micro % state.pipeline.microbatches:
+        raise HfScaleConfigError(
+            f"micro_batch={micro} (of batch={batch}) does not split into the pipeline's "
+            f"{state.pipeline.microbatches} microbatches: give a micro-batch that is a multiple of them."
+        )
 
     def step(grads: list | None = None) -> None:
         for i in range(batch // micro):
@@ -234,12 +222,18 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
     grads: list[tuple[str, torch.device]] = []
     roots = [model, *(state.pipeline.stage_modules if state.pipeline is not None else ())]
-    with peers as log, tracker:
-        for _ in range(max(0, steps - 1)):
-            step()
-        tracker.restart_peak()
-        with gradients_tagged(tracker, roots):  # after a first step: FSDP's unsharded parameters exist
-            step(grads)
+    with contextlib.ExitStack() as stack:  # what the other ranks would send (.peers)
+        logs = []
+        if state.pipeline is not None:
+            logs.append(stack.enter_context(pipeline_peers(micro // state.pipeline.microbatches, seq)))
+        if layout.ep > 1:
+            logs.append(stack.enter_context(expert_peers()))
+        with tracker:
+            for _ in range(max(0, steps - 1)):
+                step()
+            tracker.restart_peak()
+            with gradients_tagged(tracker, roots):  # after a first step: FSDP's unsharded parameters exist
+                step(grads)
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
     peak = {name: 0 for name in CATEGORIES.values()}
     for key, value in snap.items():
@@ -251,7 +245,8 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     stages = tuple(getattr(state.pipeline, "stages", ()) or ()) if state.pipeline is not None else ()
     return Simulation(rank=rank, world_size=world_size, local_rank=rank % local, layout=layout, device=str(device),
                       stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced,
-                      assumed=log.assumed if log else [], contradicted=log.mismatches if log else [])
+                      assumed=[a for log in logs for a in log.assumed],
+                      contradicted=[m for log in logs for m in log.mismatches])
 
 
 def _fake_on_host(model: nn.Module) -> nn.Module:

@@ -226,13 +226,49 @@ def test_a_pipeline_batch_that_does_not_split_into_its_microbatches(deep_config)
         simulate(deep_config, world_size=4, parallel=Layout("fsdp", dp_shard=2, pp=2), seq=SEQ, batch=1)
 
 
-def test_expert_parallel_is_refused_not_dropped():
-    from hf_scale.layout_search.simulate import as_layout
+@pytest.fixture(scope="module")
+def moe():
+    from tests.distributed.moe_checks import moe_config
 
-    with pytest.raises(HfScaleConfigError, match="ep=2: expert parallel is not simulated yet"):
-        as_layout({"strategy": "fsdp", "ep": 2}, 8)
-    with pytest.raises(HfScaleConfigError, match="ep=4: expert parallel is not simulated yet"):
-        as_layout(Layout("fsdp", dp_shard=8, ep=4), 8)  # the planner's layouts carry ep now
+    config = moe_config("qwen3_moe", False)  # 2 MoE layers, hidden 64, top-2
+    config.num_experts = 8
+    config._attn_implementation = "sdpa"
+    return config
+
+
+EXPERTS = {  # bf16: torch's grouped matmul (transformers' experts kernel on CUDA) takes bf16 only
+    "ep8": (Layout("fsdp", dp_shard=8, ep=8, precision="bf16"), 8, 3),
+    "ep4_of_fsdp8": (Layout("fsdp", dp_shard=8, ep=4, precision="bf16"), 8, 6),
+    "ep2_zero2_full_ac": (Layout("zero2", dp_shard=8, ep=2, precision="bf16", ac="full"), 8, 5),
+}
+
+
+@pytest.mark.parametrize("name", EXPERTS)
+def test_expert_parallel_runs_on_balanced_routing(moe, name):
+    layout, world, rank = EXPERTS[name]
+    result = simulate(moe, world_size=world, rank=rank, parallel=layout, seq=SEQ, batch=1)
+    placed(result, layout)
+    tokens = SEQ * moe.num_experts_per_tok  # (token, expert) pairs per rank and MoE layer
+    per_rank = tokens // layout.ep
+    assert result.assumed == [f"ep={layout.ep}: balanced routing assumed: {tokens} (token, expert) pairs per rank "
+                              f"and layer, {per_rank} sent to and received from each ep rank"], result.assumed
+    for kind in ("params", "optimizer", "grads", "activations"):
+        assert result.peak[kind] > 0, (kind, result.format())
+    assert 0.5 < result.ratio < 2.0, result.format()
+
+
+def test_expert_parallel_holds_its_share_of_the_experts(moe):
+    """ep=8 keeps 1/8 of every expert's weights per ep rank before FSDP: with ep over all 8 ranks the
+    experts are not sharded further, and the rank holds as many expert bytes as fsdp over 8 does."""
+    from hf_scale.layout_preview import meta_model
+
+    experts = sum(p.numel() for n, p in meta_model(moe).named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in meta_model(moe).parameters())
+    bf16 = {ep: simulate(moe, world_size=8, rank=0, parallel=Layout("fsdp", dp_shard=8, ep=ep, precision="bf16"),
+                         seq=SEQ, batch=1) for ep in (1, 8)}
+    # the fp32 shards: every parameter over 8 ranks either way (ep's experts over ep, the rest over fsdp)
+    assert abs(bf16[8].peak["params"] - bf16[1].peak["params"]) <= 4 * 8 * 64, (bf16[8].peak, bf16[1].peak)
+    assert experts > total / 2  # the comparison above is dominated by the experts
 
 
 def test_a_nested_fake_cuda_leaves_the_enclosing_one_in_place():
