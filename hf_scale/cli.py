@@ -276,15 +276,7 @@ def _plan_and_simulate(config, ns, nodes, links, ranks) -> str:
     text = format_candidates(facts, best, ranked, budget, work)
     if best is None:
         return text
-    chosen = best
-    if best.layout.ep > 1:  # ep is not simulated: the fastest fitting layout without it instead
-        chosen = next((c for c in ranked if c.fits and c.layout.ep == 1), None)
-        text += ("\n\nsimulate: expert parallel is not simulated yet; "
-                 + (f"simulating the fastest layout without ep, {chosen.layout.describe()}" if chosen
-                    else "no fitting layout without ep to simulate"))
-        if chosen is None:
-            return text
-    return text + "\n\n" + format_simulations(simulate_ranks(config, chosen.layout, seq, batch, ranks, task), budget)
+    return text + "\n\n" + format_simulations(simulate_ranks(config, best.layout, seq, batch, ranks, task), budget)
 
 
 def generate(args: list[str]) -> int:

@@ -15,7 +15,10 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
 
 * ``gpu``: Llama-3-8B on 8 x 80 GB and Llama-3-70B on 64 x 80 GB (``scripts/plan_published.py``'s
   shapes: seq 4096 x batch 1 per rank), each with the layout the planner recommends there, first and
-  last rank; and a pp=4 layout of 70B, which the simulation refuses (the row says why);
+  last rank; and a pp=4 layout of 70B (fsdp 16 x pp 4, full checkpointing, 4 microbatches of one
+  sequence per step, 1f1b), its first and last pipeline stage (ranks 0 and 63), where the rank runs its
+  stage's real schedule and :mod:`hf_scale.layout_search.peers` stands in for the other stages'
+  start-up messages;
 * ``lora``: torchtune's Llama 3.1 70B LoRA on 8 x A100 (27.6 GiB peak per GPU, published; the run
   and its sources are in ``plan_published.py``'s docstring): fsdp over 8 ranks, bf16, full
   checkpointing, micro-batch 2 x 2048 tokens, hf_scale's chunked loss at torchtune's chunk size;
@@ -50,9 +53,12 @@ from plan_published import (
 
 GiB = 2**30
 SEQ, BATCH = 4096, 1
+PP_BATCH = 4  # the pp=4 row: 4 microbatches of 1 sequence
 GPU_CASES = [("Llama-3-8B", 8), ("Llama-3-70B", 64)]
 HEADER = ["shape", "layout", "rank", "estimate / simulated", "simulated peak (GiB)", "estimate less overhead (GiB)",
-          "simulated: params / grads / optimizer / activations / temporaries (GiB)", "placement", "time (s)", "verdict"]
+          "simulated: params / grads / optimizer / activations / temporaries (GiB)",
+          "estimate: params / grads / optimizer / activations / gathered + buffers (GiB)", "placement", "time (s)",
+          "verdict"]
 
 
 def llama(shape: dict):
@@ -68,8 +74,12 @@ def row(name: str, result, low: float, high: float) -> list[str]:
     parts = " / ".join(f"{p[k] / GiB:.2f}" for k in ("params", "grads", "optimizer", "activations", "temporaries"))
     ok = low <= result.ratio <= high
     placement = "all on " + result.device if not result.misplaced else f"{len(result.misplaced)} MISPLACED"
+    e = result.estimate
+    estimated = " / ".join(f"{x / GiB:.2f}" for x in (e.params, e.grads, e.optimizer, e.activations + e.logits_loss,
+                                                        e.comm_buffers + e.grad_buffers))
     return [name, result.layout.describe(), f"{result.rank} of {result.world_size}", f"{result.ratio:.3f}",
-            f"{p['total'] / GiB:.2f}", f"{result.estimated / GiB:.2f}", parts, placement, f"{result.seconds:.0f}",
+            f"{p['total'] / GiB:.2f}", f"{result.estimated / GiB:.2f}", parts, estimated, placement,
+            f"{result.seconds:.0f}",
             f"{'PASS' if ok else 'FAIL'} (estimate within {low:.2f}-{high:.2f}x of the simulation)"]
 
 
@@ -87,12 +97,16 @@ def gpu_rows() -> list[list[str]]:
         for result in simulate_ranks(config, best.layout, SEQ, BATCH):
             cells.append(row(f"{name}, {gpus} x 80 GB (recommended)", result, 0.9, 1.1))
             print(result.format(), flush=True)
-    layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full")
+    # a pipeline step of PP_BATCH sequences per data-parallel rank, one per microbatch (1f1b's default:
+    # as many microbatches as stages); the first and the last stage
+    layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full", micro_batch=PP_BATCH)
+    name = f"Llama-3-70B, 64 x 80 GB, pp=4 ({PP_BATCH} x {SEQ} per step)"
     try:
-        simulate_ranks(llama(LLAMA3["Llama-3-70B"]), layout, SEQ, BATCH)
+        for result in simulate_ranks(llama(LLAMA3["Llama-3-70B"]), layout, SEQ, PP_BATCH):
+            cells.append(row(name, result, 0.9, 1.1))
+            print(result.format(), flush=True)
     except HfScaleConfigError as e:
-        cells.append(["Llama-3-70B, 64 x 80 GB, pp=4", layout.describe(), "-", "-", "-", "-", "-", "-", "-",
-                      f"not simulated: {str(e).split('. ')[0]}"])
+        cells.append([name, layout.describe(), *["-"] * 8, f"not simulated: {str(e).split('. ')[0]}"])
     return cells
 
 
@@ -100,7 +114,7 @@ def lora_rows() -> list[list[str]]:
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        return [["torchtune Llama 3.1 70B LoRA, 8x A100", "needs peft"] + ["-"] * 8]
+        return [["torchtune Llama 3.1 70B LoRA, 8x A100", "needs peft"] + ["-"] * 9]
     import torch
     import transformers
 

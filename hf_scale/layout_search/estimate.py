@@ -316,7 +316,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
-    comm = compute = prefetched = 0
+    comm = compute = prefetched = staged = 0
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
         unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
@@ -326,6 +326,14 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += int(4 * train)
+        if layout.pp > 1:
+            # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
+            # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
+            # once after the last (perform_reduce_grad): by then the stage holds every parameter
+            # gathered in the compute dtype and every gradient unsharded in fp32 (the simulation
+            # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated)
+            comm = staged = int(everything + 4 * train)
+            prefetched = 0
     elif replicated and layout.dp > 1:
         comm = int(4 * train)  # DDP's gradient buckets (trainable parameters only)
     if (replicated or layout.dp == 1) and layout.precision:
@@ -337,8 +345,10 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
-    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s for s in shares])
+    # the busiest pp rank by its state: a pipeline stage's gathered parameters and unsharded gradients included
+    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes + staged) * s for s in shares])
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
+    comm -= staged - int(staged * shares[acts.rank])
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.) Frozen weights make none.
@@ -359,7 +369,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
-                          accumulating=work.batch > layout.micro_batch or piped, grad_buffers=buffers,
+                          accumulating=work.batch > layout.micro_batch or piped or staged > 0, grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block)
 
 

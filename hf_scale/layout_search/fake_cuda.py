@@ -3,7 +3,8 @@
 Under ``FakeTensorMode`` a tensor on ``device="cuda"`` holds no memory, but the code around it
 still asks the CUDA runtime questions: ``torch.cuda.is_available()`` and ``device_count()`` (device
 selection in :mod:`hf_scale.distributed`), ``current_device()``, ``Stream`` / ``Event`` /
-``current_stream()`` (FSDP2 orders its collectives with them), ``is_bf16_supported()``. On a
+``current_stream()`` (FSDP2 orders its collectives with them), ``is_bf16_supported()``,
+``get_rng_state`` / ``set_rng_state`` (a pipeline schedule forks the random state). On a
 torch built without CUDA the C++ side is missing too: autograd records each tensor's device
 stream through a CUDA device guard and asks the CUDA hooks for the accelerator.
 
@@ -164,6 +165,9 @@ class _Runtime:
             "is_bf16_supported": lambda *a, **k: True,
             "get_device_name": lambda device=None: "simulated GPU",
             "get_device_capability": lambda device=None: (9, 0),
+            # no kernel draws random numbers: a state to save and restore (torch.random.fork_rng)
+            "get_rng_state": lambda device="cuda": b"",
+            "set_rng_state": lambda new_state, device="cuda": None,
         }
 
 
@@ -211,8 +215,8 @@ def fake_tensors() -> Iterator[None]:
 
     - ``DeviceMesh``: a mesh is a small tensor of ranks that it reads back (``tolist``), which a
       fake tensor cannot give (torch's own fake-process-group tests build their meshes outside
-      the mode): its methods that build or slice one, and DTensor's offset of a rank's shard,
-      which computes on it, run with the mode set aside;
+      the mode): its methods that build or slice one, its ``mesh`` tensor, and DTensor's offset
+      of a rank's shard, which computes on it, run with the mode set aside;
     - ``param.data = moved`` (FSDP2 moves a module's states so): a fake tensor keeps its old
       device unless told; the setter also tells it;
     - ``torch.tensor(data, device="cuda")`` is made on the host, then made fake, when no GPU is
@@ -300,7 +304,7 @@ def fake_tensors() -> Iterator[None]:
     saved_init = device_mesh.init_device_mesh
     try:
         for name, fn in saved.items():
-            setattr(mesh, name, real(fn))
+            setattr(mesh, name, property(real(fn.fget)) if isinstance(fn, property) else real(fn))
         device_mesh.init_device_mesh = real(saved_init)
         for name, fn in saved_utils.items():
             setattr(dtensor_utils, name, real(fn))
@@ -396,7 +400,7 @@ class _SimulatedFakeTensorMode:
         return SimulatedFakeTensorMode(**kwargs)
 
 
-_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "get_coordinate", "get_local_rank", "size")
+_MESH_METHODS = ("__init__", "__getitem__", "_flatten", "_unflatten", "get_coordinate", "get_local_rank", "size", "mesh")
 _DTENSOR_OFFSETS = ("compute_local_shape_and_global_offset", "_compute_local_shape_and_global_offset")
 _LOADED: dict[str, ctypes.CDLL] = {}
 

@@ -13,8 +13,10 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    one under torch's ``MemTracker``: the peak of tracked bytes on ``cuda:LOCAL_RANK``, by what
    holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
    per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
-   shards), optimizer state, activations (what forward makes, FSDP's gathered parameters
-   included) and temporaries (what backward makes: gradients included, hence ``grads`` 0).
+   shards), gradients (:func:`gradients_tagged`: unsharded, accumulated and reduced),
+   optimizer state, activations (what forward makes, FSDP's gathered parameters included) and
+   temporaries (the rest of what backward makes). Under pipeline parallel the rank's real
+   schedule runs its microbatches (:mod:`.peers` stands in for the other stages' messages).
 3. A placement check: the device of every parameter (a ``DTensor``'s local shard), buffer,
    gradient and optimizer state, and of the tensors each block and the model receive, against
    ``cuda:LOCAL_RANK`` (the host for what ``cpu_offload`` keeps there).
@@ -49,6 +51,7 @@ from ..config import ParallelConfig
 from ..errors import HfScaleConfigError
 from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
 from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
+from .peers import expert_peers, pipeline_peers
 
 GiB = 2**30
 # MemTracker's categories -> the names printed here
@@ -71,6 +74,8 @@ class Simulation:
     estimate: MemoryEstimate
     placement: dict[str, dict[str, int]]  # kind -> device -> tensor count
     misplaced: list[str] = field(default_factory=list)  # "kind name: device (expected ...)"
+    assumed: list[str] = field(default_factory=list)  # what the peers were assumed to send (.peers)
+    contradicted: list[str] = field(default_factory=list)  # where this rank's own messages differ from that
     seconds: float = 0.0
 
     @property
@@ -99,6 +104,8 @@ class Simulation:
         for kind, devices in self.placement.items():
             lines.append(f"  {kind}: " + ", ".join(f"{n} on {d}" for d, n in sorted(devices.items())))
         lines += [f"  MISPLACED {m}" for m in self.misplaced[:20]]
+        lines += [f"  peers: {a}" for a in self.assumed]
+        lines += [f"  CONTRADICTED: {c}" for c in self.contradicted]
         return "\n".join(lines)
 
 
@@ -117,13 +124,6 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     from ..distributed import BACKEND_VAR, shutdown_distributed
 
     layout = as_layout(parallel, world_size)
-    if layout.pp > 1:
-        raise HfScaleConfigError(
-            f"pp={layout.pp}: pipeline parallel is not simulated yet. torch.distributed.pipelining's stages "
-            "agree on their mode and infer their inputs' shapes by exchanging values over point-to-point "
-            "messages (a vote, tensor metadata), which torch's fake process group does not carry. Plan a "
-            "pipeline with `hf-scale plan --pp N` (stages, bubble, the planner's estimate) instead."
-        )
     local = local_world_size or _gpus_per_node(world_size, device)
     if not 0 <= rank < world_size or world_size % local:
         raise HfScaleConfigError(
@@ -162,19 +162,12 @@ def _gpus_per_node(world_size: int, device: str) -> int:
     return max(d for d in range(1, most + 1) if world_size % d == 0)
 
 
-_NO_EP = ("ep={ep}: expert parallel is not simulated yet (the token exchange sizes its buffers from counts a "
-          "fake process group does not carry). Simulate the layout without ep (the experts are then sharded by "
-          "FSDP over the same ranks), and see `hf-scale plan --ep N` for the experts' bytes per rank.")
-
-
 def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
     """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks (its degrees resolved
     as ``parallelize`` resolves them)."""
     from ..mesh import ParallelDims
 
     if isinstance(parallel, Layout):
-        if parallel.ep > 1:
-            raise HfScaleConfigError(_NO_EP.format(ep=parallel.ep))
         if parallel.world_size != world_size:
             raise HfScaleConfigError(
                 f"layout {parallel.describe()} has {parallel.world_size} ranks, but world_size={world_size}: "
@@ -182,14 +175,12 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
-    if config.ep > 1:
-        raise HfScaleConfigError(_NO_EP.format(ep=config.ep))
     dims = ParallelDims.resolve(config, world_size)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,
                   cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
-                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
+                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep)
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
@@ -204,8 +195,13 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     device = state.env.device
     optimizer = build_optimizer(model, lr=1e-5)
     inputs = _record_inputs(model, state)
-    micro = max(1, min(layout.micro_batch, batch)) if layout.pp == 1 else batch
+    micro = max(1, min(layout.micro_batch, batch))  # under pp: one pipeline step's sequences
     vocab = model.config.vocab_size
+    if state.pipeline is not None and micro % state.pipeline.microbatches:
+        raise HfScaleConfigError(
+            f"micro_batch={micro} (of batch={batch}) does not split into the pipeline's "
+            f"{state.pipeline.microbatches} microbatches: give a micro-batch that is a multiple of them."
+        )
 
     def step(grads: list | None = None) -> None:
         for i in range(batch // micro):
@@ -225,11 +221,19 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     tracker = device_tracker()
     tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
     grads: list[tuple[str, torch.device]] = []
-    with tracker:
-        for _ in range(max(0, steps - 1)):
-            step()
-        tracker.restart_peak()
-        step(grads)
+    roots = [model, *(state.pipeline.stage_modules if state.pipeline is not None else ())]
+    with contextlib.ExitStack() as stack:  # what the other ranks would send (.peers)
+        logs = []
+        if state.pipeline is not None:
+            logs.append(stack.enter_context(pipeline_peers(micro // state.pipeline.microbatches, seq)))
+        if layout.ep > 1:
+            logs.append(stack.enter_context(expert_peers()))
+        with tracker:
+            for _ in range(max(0, steps - 1)):
+                step()
+            tracker.restart_peak()
+            with gradients_tagged(tracker, roots):  # after a first step: FSDP's unsharded parameters exist
+                step(grads)
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
     peak = {name: 0 for name in CATEGORIES.values()}
     for key, value in snap.items():
@@ -240,7 +244,9 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     placement, misplaced = check_placement(model, optimizer, inputs, grads, device, layout.cpu_offload)
     stages = tuple(getattr(state.pipeline, "stages", ()) or ()) if state.pipeline is not None else ()
     return Simulation(rank=rank, world_size=world_size, local_rank=rank % local, layout=layout, device=str(device),
-                      stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced)
+                      stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced,
+                      assumed=[a for log in logs for a in log.assumed],
+                      contradicted=[m for log in logs for m in log.mismatches])
 
 
 def _fake_on_host(model: nn.Module) -> nn.Module:
@@ -277,7 +283,6 @@ def _meta_model(source, task: str) -> nn.Module:
 
 def _record_inputs(model: nn.Module, state) -> list[tuple[str, torch.device]]:
     """A pre-forward hook on the model and each block: the device of every tensor they receive."""
-    from ..model_plans import wrap_units
     from ..model_plans.adapters import adapter_host
 
     seen: list[tuple[str, torch.device]] = []
@@ -289,10 +294,29 @@ def _record_inputs(model: nn.Module, state) -> list[tuple[str, torch.device]]:
                 seen.append((names.get(id(module), "model") or "model", value.device))
 
     host = adapter_host(model)
-    targets = [host] if state.pipeline is None else []
-    for module in [*targets, *wrap_units(host, state.plan)]:
+    targets = [host]
+    if state.pipeline is not None:  # the model itself runs no forward: each stage's inputs instead
+        targets = list(state.pipeline.stage_modules)
+        names.update({id(m): f"stage {s}" for s, m in zip(state.pipeline.stages, targets)})
+    for module in [*targets, *_blocks(host, state.plan)]:
         module.register_forward_pre_hook(hook, with_kwargs=True)
     return seen
+
+
+def _blocks(model: nn.Module, plan) -> list[nn.Module]:
+    """The plan's blocks after ``parallelize``: FSDP2 renamed their classes (``FSDP`` + the name),
+    which ``wrap_units`` looks for."""
+    from torch.distributed.fsdp import FSDPModule
+
+    wanted, blocks, inside = set(plan.wrap_modules), [], set()
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, FSDPModule) and name.startswith("FSDP"):
+            name = name[len("FSDP"):]
+        if id(module) not in inside and name in wanted and module is not model:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
 
 
 def check_placement(model: nn.Module, optimizer, inputs, grads, device: torch.device,
@@ -301,7 +325,7 @@ def check_placement(model: nn.Module, optimizer, inputs, grads, device: torch.de
     kind and device, and each tensor not where it belongs (``device``; the host for the shards,
     gradients and optimizer state ``cpu_offload`` keeps there)."""
     counts: dict[str, Counter] = {k: Counter() for k in ("parameters", "buffers", "gradients", "optimizer state",
-                                                          "block inputs")}
+                                                          "block inputs", "stage inputs")}
     wrong: list[str] = []
     host = torch.device("cpu")
 
@@ -322,7 +346,7 @@ def check_placement(model: nn.Module, optimizer, inputs, grads, device: torch.de
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 check("optimizer state", f"#{index}.{key}", _local(value).device, host if offload and sharded else device)
     for name, actual in inputs:
-        check("block inputs", name, actual, device)
+        check("stage inputs" if name.startswith("stage ") else "block inputs", name, actual, device)
     return {k: dict(v) for k, v in counts.items() if v}, wrong
 
 
@@ -349,11 +373,26 @@ def inner_optimizers(optimizer) -> list:
 
 def device_tracker():
     """torch's ``MemTracker`` without its per-module statistics (they refuse a module that runs
-    several forwards in one step, a pipeline stage's microbatches); ``scripts/bench_planner.py``
-    measures with it too."""
+    several forwards in one step, a pipeline stage's microbatches), nor the module tracker's
+    gradient hooks behind them (a pipeline stage's shape inference takes ``autograd.grad`` of its
+    inputs, leaf tensors, which those hooks refuse): whether a tensor is made in backward is
+    asked of autograd (``ModTracker.is_bw``), as before. ``scripts/bench_planner.py`` measures
+    with it too."""
     from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class NoModuleHooks(ModTracker):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *args):
+            pass
 
     class DeviceTracker(MemTracker):
+        def __init__(self) -> None:
+            super().__init__()
+            self._mod_tracker = NoModuleHooks()
+
         def _pre_fw_hook(self, module, inputs):
             pass
 
@@ -372,6 +411,50 @@ def device_tracker():
             self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
 
     return DeviceTracker()
+
+
+@contextlib.contextmanager
+def gradients_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
+    """The gradients in ``tracker``'s own category while entered (MemTracker counts what backward
+    makes as temporaries): each gradient autograd accumulates into a parameter (FSDP2's unsharded
+    parameters, or the parameters themselves without FSDP: DDP's gradients are views of its
+    buckets, which count as gradients then), FSDP2's fp32 accumulation of unsharded gradients
+    (``unsharded_accumulated_grad``: gradient accumulation, a pipeline's microbatches) and the
+    sharded gradient its reduce-scatter makes (``sharded_param.grad``). What remains in
+    temporaries is backward's own: activation gradients, recomputation, reduce-scatter buffers.
+    FSDP's unsharded parameters are made by its first forward: enter after a first step."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    def tag(t: torch.Tensor | None) -> None:
+        if t is not None:
+            tracker._update_and_maybe_create_winfos(t, _MemRefType.GRAD)
+
+    leaves = {id(p): p for root in roots for p in root.parameters()}
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    leaves.update({id(fp._unsharded_param): fp._unsharded_param for fp in group.fsdp_params
+                                   if hasattr(fp, "_unsharded_param")})
+    handles = [p.register_post_accumulate_grad_hook(lambda p: tag(p.grad)) for p in leaves.values() if p.requires_grad]
+    post_backward = FSDPParamGroup.post_backward
+
+    def tagged(self, *args, **kwargs):
+        result = post_backward(self, *args, **kwargs)
+        for fp in self.fsdp_params:
+            tag(fp.unsharded_accumulated_grad)
+            tag(fp.sharded_param.grad)
+        return result
+
+    FSDPParamGroup.post_backward = tagged
+    try:
+        yield
+    finally:
+        FSDPParamGroup.post_backward = post_backward
+        for handle in handles:
+            handle.remove()
 
 
 def _estimate(source, layout: Layout, seq: int, batch: int, task: str, device: str) -> MemoryEstimate:

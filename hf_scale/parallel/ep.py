@@ -147,10 +147,7 @@ class TokenDispatcher:
         expert_ids = top_k_index.reshape(-1)
         order = torch.argsort(expert_ids, stable=True)
         send_rows = hidden_states[order // k]
-        send_counts = torch.bincount(expert_ids, minlength=self.ep * self.num_local).view(self.ep, self.num_local)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        send_sizes, recv_sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        recv_counts, send_sizes, recv_sizes = self.exchange_counts(expert_ids)
         rows = _AllToAll.apply(send_rows, recv_sizes, send_sizes, self.group)
         local_ids = torch.arange(self.num_local, device=rows.device).repeat(self.ep)
         local_ids = local_ids.repeat_interleave(recv_counts.reshape(-1), output_size=rows.shape[0]).unsqueeze(-1)
@@ -165,6 +162,16 @@ class TokenDispatcher:
         per_slot = back[torch.argsort(order)].view(num_tokens, k, -1)
         weighted = per_slot * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden_states.dtype)
+
+
+    def exchange_counts(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The counts step: the rows this rank receives per (sending rank, local expert)
+        (``ep x E/ep``), and the rows it sends to / receives from each rank."""
+        send_counts = torch.bincount(expert_ids, minlength=self.ep * self.num_local).view(self.ep, self.num_local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_sizes, recv_sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        return recv_counts, send_sizes, recv_sizes
 
 
 class _CopyToGroup(torch.autograd.Function):

@@ -87,8 +87,7 @@ class Pipeline:
         for module in self.stage_modules:  # the views copy a few modules: follow model.train()/eval()
             if module.training != self.model.training:
                 module.train(self.model.training)
-        count = int((labels[:, 1:] != -100).sum())
-        positions = int((labels != -100).sum())
+        count, positions = self._label_tokens(labels)
         for module in self.stage_modules:
             module.label_tokens, module.label_positions = max(count, 1), max(positions, 1)
         self._losses, self._scale = [], loss_scale
@@ -109,6 +108,12 @@ class Pipeline:
         dist.all_reduce(loss, group=self.pp_group)  # one rank holds the last stage
         self._losses = []
         return loss
+
+    @staticmethod
+    def _label_tokens(labels: torch.Tensor) -> tuple[int, int]:
+        """The batch's label tokens after the shift (the loss's denominator) and its labelled
+        positions (the shift not applied: heads that take their own mean, pp.py)."""
+        return int((labels[:, 1:] != -100).sum()), int((labels != -100).sum())
 
     def _check(self, batch: dict):
         """The batch's tensors on this device, after every rank of the pipeline has compared its
@@ -294,7 +299,11 @@ def tie_group(mesh, layout: PipelineLayout, pp: int):
         return None
     if pp == 2:
         return mesh["pp"].get_group()
-    ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) global ranks
-    pairs = [[int(a), int(b)] for a, b in zip(ranks[first_rank].flatten(), ranks[last_rank].flatten())]
+    ranks = mesh.mesh.tolist()  # (pp, dp_replicate, dp_shard, tp) global ranks (lists: no tensor ops, which a
+    pairs = [[a, b] for a, b in zip(_flat(ranks[first_rank]), _flat(ranks[last_rank]))]  # simulation fakes)
     group, _ = dist.new_subgroups_by_enumeration(pairs)
     return group
+
+
+def _flat(nested) -> list[int]:
+    return [x for item in nested for x in _flat(item)] if isinstance(nested, list) else [nested]

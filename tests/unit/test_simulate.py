@@ -3,6 +3,7 @@ CUDA tensors, in this one process. Each layout's test checks the device of every
 buffer, gradient, optimizer state and block input against ``cuda:LOCAL_RANK`` (the host for
 what cpu_offload keeps there); no real computation runs."""
 
+import copy
 import os
 
 import pytest
@@ -146,18 +147,128 @@ def test_more_gpus_per_node_than_the_fake_device_guard_knows(config):
         simulate(config, world_size=32, local_world_size=16, parallel=Layout("fsdp", dp_shard=32), seq=SEQ)
 
 
-def test_pipeline_parallel_is_refused_with_what_is_missing(config):
-    with pytest.raises(HfScaleConfigError, match="pp=2: pipeline parallel is not simulated yet"):
-        simulate(config, world_size=4, parallel=Layout("fsdp", dp_shard=2, pp=2), seq=SEQ)
+@pytest.fixture(scope="module")
+def deep_config(config):
+    deep = copy.deepcopy(config)
+    deep.num_hidden_layers = 4  # 4 stages of one block; the embedding and head tied across stages
+    return deep
 
 
-def test_expert_parallel_is_refused_not_dropped():
-    from hf_scale.layout_search.simulate import as_layout
+def stage_parameters(model_config, layout: Layout, stages: tuple[int, ...]) -> int:
+    """Parameters the pp rank of ``stages`` holds: its blocks', the embedding on the first stage,
+    the final norm and the head on the last (a tied head is its own parameter there)."""
+    from hf_scale.layout_preview import meta_model
+    from hf_scale.model_plans import resolve_plan
+    from hf_scale.model_plans.pp import pp_layout
 
-    with pytest.raises(HfScaleConfigError, match="ep=2: expert parallel is not simulated yet"):
-        as_layout({"strategy": "fsdp", "ep": 2}, 8)
-    with pytest.raises(HfScaleConfigError, match="ep=4: expert parallel is not simulated yet"):
-        as_layout(Layout("fsdp", dp_shard=8, ep=4), 8)  # the planner's layouts carry ep now
+    model = meta_model(model_config)
+    config = layout.parallel_config()
+    pl = pp_layout(model, resolve_plan(model, None), layout.pp, config.stages_per_rank, layout.pp_schedule == "zbv")
+    blocks = {i for s in stages for i in pl.stage_blocks[s]}
+    held = 0
+    for name, _ in model.named_parameters(remove_duplicate=False):
+        index = name.split(".")[2] if name.startswith("model.layers.") else None
+        if index is not None:
+            held += int(index) in blocks
+        elif name.startswith("model.embed_tokens"):
+            held += 0 in stages
+        else:
+            held += pl.num_stages - 1 in stages
+    return held
+
+
+PIPELINES = {  # layout, world, rank, batch: the first, a middle and the last stage
+    "pp2_first": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 0, 2),
+    "pp2_last": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 7, 2),
+    "pp4_first_bf16_full_ac": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4, precision="bf16", ac="full"), 8, 1, 4),
+    "pp4_middle": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4), 8, 2, 4),
+    "pp4_last_tp2": (Layout("fsdp", pp=4, tp=2, micro_batch=4), 8, 7, 4),
+    "pp2_gpipe_zero2_hsdp": (Layout("zero2", dp_replicate=2, dp_shard=2, pp=2, micro_batch=2, pp_schedule="gpipe"),
+                             8, 5, 2),
+    "pp2_interleaved": (Layout("fsdp", dp_shard=2, pp=2, micro_batch=4, pp_schedule="interleaved_1f1b"), 4, 3, 4),
+    "pp2_zbv": (Layout("fsdp", dp_shard=2, pp=2, micro_batch=4, pp_schedule="zbv"), 4, 0, 4),
+}
+
+
+@pytest.mark.parametrize("name", PIPELINES)
+def test_pipeline_stages_run_their_schedule_with_every_tensor_on_its_gpu(deep_config, name):
+    layout, world, rank, batch = PIPELINES[name]
+    result = simulate(deep_config, world_size=world, rank=rank, parallel=layout, seq=SEQ, batch=batch)
+    placed(result, layout)
+    assert set(result.placement["stage inputs"]) == {result.device}  # what each stage receives
+    stages = tuple(result.stages)
+    per_rank = 2 if layout.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+    assert len(stages) == per_rank
+    pp_rank = rank // (world // layout.pp)
+    assert stages[0] == pp_rank, stages
+    assert sum(result.placement["parameters"].values()) == stage_parameters(deep_config, layout, stages)
+    for kind in ("params", "optimizer", "grads", "activations"):
+        assert result.peak[kind] > 0, (kind, result.format())
+    # the peers' activations were assumed (a stage after the first receives them), and a middle
+    # stage, which also sends them on, sent what it was assumed to receive
+    assert bool(result.assumed) == (max(stages) > 0), result.assumed
+    assert result.contradicted == []
+    assert 0.5 < result.ratio < 2.0, result.format()
+
+
+def test_a_pipeline_keeps_its_schedules_in_flight_microbatches(deep_config):
+    """Stage 0 holds every microbatch's activations under gpipe, at most pp of them under 1f1b."""
+    held = {}
+    for schedule in ("gpipe", "1f1b"):
+        layout = Layout("fsdp", dp_shard=2, pp=2, micro_batch=8, pp_schedule=schedule, pp_microbatches=8, ac="full")
+        result = simulate(deep_config, world_size=4, rank=0, parallel=layout, seq=512, batch=8)
+        held[schedule] = result.peak["activations"]
+    assert held["gpipe"] > held["1f1b"] * 1.5, held
+
+
+def test_a_pipeline_batch_that_does_not_split_into_its_microbatches(deep_config):
+    with pytest.raises(HfScaleConfigError, match="does not split into the pipeline's 2 microbatches"):
+        simulate(deep_config, world_size=4, parallel=Layout("fsdp", dp_shard=2, pp=2), seq=SEQ, batch=1)
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from tests.distributed.moe_checks import moe_config
+
+    config = moe_config("qwen3_moe", False)  # 2 MoE layers, hidden 64, top-2
+    config.num_experts = 8
+    config._attn_implementation = "sdpa"
+    return config
+
+
+EXPERTS = {  # bf16: torch's grouped matmul (transformers' experts kernel on CUDA) takes bf16 only
+    "ep8": (Layout("fsdp", dp_shard=8, ep=8, precision="bf16"), 8, 3),
+    "ep4_of_fsdp8": (Layout("fsdp", dp_shard=8, ep=4, precision="bf16"), 8, 6),
+    "ep2_zero2_full_ac": (Layout("zero2", dp_shard=8, ep=2, precision="bf16", ac="full"), 8, 5),
+}
+
+
+@pytest.mark.parametrize("name", EXPERTS)
+def test_expert_parallel_runs_on_balanced_routing(moe, name):
+    layout, world, rank = EXPERTS[name]
+    result = simulate(moe, world_size=world, rank=rank, parallel=layout, seq=SEQ, batch=1)
+    placed(result, layout)
+    tokens = SEQ * moe.num_experts_per_tok  # (token, expert) pairs per rank and MoE layer
+    per_rank = tokens // layout.ep
+    assert result.assumed == [f"ep={layout.ep}: balanced routing assumed: {tokens} (token, expert) pairs per rank "
+                              f"and layer, {per_rank} sent to and received from each ep rank"], result.assumed
+    for kind in ("params", "optimizer", "grads", "activations"):
+        assert result.peak[kind] > 0, (kind, result.format())
+    assert 0.5 < result.ratio < 2.0, result.format()
+
+
+def test_expert_parallel_holds_its_share_of_the_experts(moe):
+    """ep=8 keeps 1/8 of every expert's weights per ep rank before FSDP: with ep over all 8 ranks the
+    experts are not sharded further, and the rank holds as many expert bytes as fsdp over 8 does."""
+    from hf_scale.layout_preview import meta_model
+
+    experts = sum(p.numel() for n, p in meta_model(moe).named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in meta_model(moe).parameters())
+    bf16 = {ep: simulate(moe, world_size=8, rank=0, parallel=Layout("fsdp", dp_shard=8, ep=ep, precision="bf16"),
+                         seq=SEQ, batch=1) for ep in (1, 8)}
+    # the fp32 shards: every parameter over 8 ranks either way (ep's experts over ep, the rest over fsdp)
+    assert abs(bf16[8].peak["params"] - bf16[1].peak["params"]) <= 4 * 8 * 64, (bf16[8].peak, bf16[1].peak)
+    assert experts > total / 2  # the comparison above is dominated by the experts
 
 
 def test_a_nested_fake_cuda_leaves_the_enclosing_one_in_place():
