@@ -235,7 +235,7 @@ def plan(args: list[str]) -> int:
                                ("latency_us", ns.latency_us)) if v is not None}
     ranks = [int(r) for r in ns.simulate_ranks.split(",")] if ns.simulate_ranks else None
     if ns.simulate and ns.gpus and not parallel.auto:
-        print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks))
+        print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks, flags))
         return 0
     if ns.simulate and not parallel.auto:  # the layout of the flags (or the recipe), as planned below
         from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
@@ -251,28 +251,30 @@ def plan(args: list[str]) -> int:
         job = job if ns.source.endswith((".yaml", ".yml")) else None
         print(plan_text(read_model_config(model_cfg), job, gpus=ns.gpus, gpu_memory=ns.gpu_memory, seq=ns.seq,
                         batch=ns.batch, nodes=given_nodes, world_size=ns.world_size, task=ns.task or model_cfg.task,
-                        links=links))
+                        links=links, fixed=flags))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
     print(format_report(report))
     return 0
 
 
-def _plan_and_simulate(config, ns, nodes, links, ranks) -> str:
+def _plan_and_simulate(config, ns, nodes, links, ranks, fixed=None) -> str:
     """``plan --gpus N --simulate``: the candidates, then the recommended layout simulated."""
     from .layout_search.ranking import (
         H100,
         default_nodes,
         format_candidates,
+        pinned_space,
         plan_candidates,
         with_links,
     )
     from .layout_search.simulate import format_simulations, simulate_ranks
 
     seq, batch, task = ns.seq or 1024, ns.batch or 1, ns.task or "causal_lm"
+    nodes = default_nodes(ns.gpus, nodes)
     facts, best, ranked, budget, work = plan_candidates(
-        config, ns.gpus, ns.gpu_memory or "80GB", seq, batch, default_nodes(ns.gpus, nodes),
-        with_links(H100, **links), task=task)
+        config, ns.gpus, ns.gpu_memory or "80GB", seq, batch, nodes, with_links(H100, **links), task=task,
+        **pinned_space(fixed, ns.gpus, nodes))
     text = format_candidates(facts, best, ranked, budget, work)
     if best is None:
         return text

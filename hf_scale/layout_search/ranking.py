@@ -102,13 +102,27 @@ def with_links(device: Device, intra_gbps: float | None = None, inter_gbps: floa
     return replace(device, intra=link(device.intra, intra_gbps), inter=link(device.inter, inter_gbps))
 
 
+def pinned_space(fixed: dict | None, world: int, nodes: int) -> dict:
+    """The search narrowed to ``fixed`` (``{"tp": 2, "ep": 4, "strategy": "fsdp"}``: what the
+    command line gave); a degree that cannot divide ``world`` raises, saying so."""
+    if not fixed:
+        return {}
+    from .auto import search_space
+
+    space, _ = search_space(fixed, world, nodes)
+    if fixed.get("strategy") not in (None, "auto"):
+        space["strategies"] = (fixed["strategy"],)
+    return space
+
+
 def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | None = None, seq: int | None = None,
               batch: int | None = None, nodes: int | None = None, world_size: int | None = None, task: str = "causal_lm",
-              links: dict | None = None) -> str:
+              links: dict | None = None, fixed: dict | None = None) -> str:
     """``hf-scale plan``'s candidate table. With ``gpus``: that many GPUs of ``gpu_memory`` (80GB by
     default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
     ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
-    ``batch`` default to the recipe's ``data.max_seq_len`` and ``train.batch_size x grad_accum``."""
+    ``batch`` default to the recipe's ``data.max_seq_len`` and ``train.batch_size x grad_accum``.
+    ``fixed``: fields the search must keep (the command line's ``--tp 2 --ep 4 --strategy fsdp``)."""
     import psutil
 
     seq = seq or (job.data.max_seq_len if job else 1024)
@@ -132,6 +146,9 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
                 left_out.setdefault(why, set()).add(layout)
             return why is None
 
-        space, _ = search_space(job.parallel.fixed_fields(), world, nodes, job.train.batch_size, recipe_accepts)
+        space, _ = search_space({**job.parallel.fixed_fields(), **(fixed or {})}, world, nodes,
+                                job.train.batch_size, recipe_accepts)
+    else:
+        space = pinned_space(fixed, world, nodes)
     return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space),
                              left_out={why: len(layouts) for why, layouts in left_out.items()})

@@ -109,6 +109,28 @@ def test_plan_command_ranks_layouts_for_gpus(tmp_path, capsys):
     assert "memory 'eighty' is not a size" in capsys.readouterr().err
 
 
+def test_plan_for_gpus_keeps_the_degrees_and_strategy_given_on_the_command_line(tmp_path, capsys):
+    """``hf-scale plan model --gpus 8 --tp 2 --strategy zero2`` ranks only layouts with tp=2 and
+    zero2 (the flags were ignored with --gpus before); a degree that cannot divide the GPUs is an
+    error saying so."""
+    from hf_scale.cli import main
+    from hf_scale.layout_search.ranking import pinned_space, plan_candidates
+
+    config = tiny_config("llama")
+    _, best, ranked, *_ = plan_candidates(config, 8, "80GB", 16, 2, **pinned_space({"tp": 2, "strategy": "zero2"}, 8, 1))
+    assert ranked and {c.layout.tp for c in ranked} == {2}
+    # zero2 wherever there is data parallelism to apply it to (tp2 x pp4 leaves one data rank)
+    assert {c.layout.strategy for c in ranked if c.layout.dp_replicate * c.layout.dp_shard > 1} == {"zero2"}
+    _, _, free, *_ = plan_candidates(config, 8, "80GB", 16, 2)
+    assert len({c.layout.tp for c in free}) > 1  # without the flags the search varies tp
+    config.save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--tp", "2", "--strategy", "zero2", "--seq", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended:" in out and "zero2" in out.split("recommended:")[1].splitlines()[0]
+    assert main(["plan", str(tmp_path), "--gpus", "8", "--tp", "3"]) == 2
+    assert "tp=3" in capsys.readouterr().err
+
+
 def test_plan_for_64_gpus_uses_nodes_of_8_and_the_links_given(capsys):
     """``--gpus 64`` is 8 nodes of 8 (not one NVLink domain): tp stays within a node; a slower
     inter-node link given with --inter-gbps changes the step time of the layouts that cross it."""
