@@ -155,15 +155,15 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
     declared = plan.source.get("tp_plan") == PRUNED
     if topology.tp is None or not (declared or plan.source.get("tp_plan") == "inferred"):
         return plan, topology
-    if any(p.is_meta for p in model.parameters()):
-        log_rank0("tensor parallel: the inferred plan is not checked (the model is on the meta device)", once=True)
-        return plan, topology
-    names = {id(m): n for n, m in model.named_modules()}
-    blocks = [names[id(u)] for u in wrap_units(model, plan)]
     first, candidate = None, 0
     while plan is not None:
-        differs = check_tp_forward(model, topology.mesh["tp"], topology.tp.styles, topology.tp.local_attrs,
-                                   _present_ties(model, plan.tied_weights), blocks, env.device, topology.tp.params)
+        target, layout = _probe_target(model, plan, topology)
+        if target is None:
+            return plan, topology
+        names = {id(m): n for n, m in target.named_modules()}
+        blocks = [names[id(u)] for u in wrap_units(target, plan)]
+        differs = check_tp_forward(target, topology.mesh["tp"], layout.styles, layout.local_attrs,
+                                   _present_ties(target, plan.tied_weights), blocks, env.device, layout.params)
         if differs is None:
             return plan.replace(source={**plan.source, "tp_plan": f"{plan.source['tp_plan']}, checked"}), topology
         first, candidate = first or differs, candidate + 1
@@ -182,6 +182,29 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
         f"on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} (hf-scale plan prints the inferred one), "
         "or train without tp."
     )
+
+
+def _probe_target(model: nn.Module, plan: ModelPlan, topology: Topology) -> tuple[nn.Module | None, TPLayout | None]:
+    """What the tp check runs: the model itself; on the meta device (``from_pretrained``: the
+    weights are not there yet) the same architecture built tiny from its config, with the same
+    random weights on every rank (:mod:`.model_plans.shrink`). The plan is checked for its
+    styles on these module classes; the real sizes' divisibility was checked by ``tp_layout``."""
+    if not any(p.is_meta for p in model.parameters()):
+        return model, topology.tp
+    from .model_plans.shrink import shrunk_config
+
+    tp = topology.dims.tp
+    try:
+        small_config = shrunk_config(model.config, heads=2 * tp, kv_heads=tp)
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(0)
+            small = type(model)._from_config(small_config)
+        return small, tp_layout(small, plan, tp)
+    except Exception as e:  # noqa: BLE001 - an architecture that does not build small: say so, unchecked
+        log_rank0(f"tensor parallel: the inferred plan is not checked (the model is on the meta device, and "
+                  f"{type(model).__name__} did not build at a small size to check it on: {type(e).__name__}: "
+                  f"{str(e).strip()[:200]})", once=True)
+        return None, None
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:

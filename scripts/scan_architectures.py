@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from hf_scale.model_plans.shrink import shrink as _shrink  # noqa: E402  (the tiny config: also the tp check's)
+
 STEPS = 3
 LR, WEIGHT_DECAY, MAX_NORM = 1e-3, 0.1, 1.0
 RTOL = 1e-5
@@ -48,79 +50,6 @@ RTOL_FP64 = 1e-6  # see judge: fp64 rounding falls to ~1e-7 (the loss stays fp32
 PARTNER_TIMEOUT = 20.0  # seconds a rank may lag behind the other's report of the same case
 BATCH, SEQ, VOCAB, RESERVED = 4, 16, 512, 32  # token ids >= VOCAB - RESERVED: special tokens only
 LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
-
-HIDDEN = ("hidden_size", "d_model", "n_embd", "n_embed", "dim", "embed_dim", "word_embed_proj_dim")
-LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "num_decoder_layers")
-HEADS = ("num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
-         "encoder_attention_heads", "num_attention_heads_per_layer")
-KV_HEADS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num", "n_head_kv")
-FIXED = {  # attribute -> tiny value, set where the default config has an int there
-    "head_dim": 16, "attention_head_size": 16, "kv_channels": 16, "d_kv": 16,
-    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "d_ff": 128, "decoder_ffn_dim": 128,
-    "encoder_ffn_dim": 128, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
-    "expert_intermediate_size": 64, "ffn_hidden_size": 128, "intermediate_size_mlp": 128,
-    "vocab_size": VOCAB, "decoder_vocab_size": VOCAB, "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
-    "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "attention_window_size": 64,
-    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16,
-    "mamba_expand": 2, "mamba_d_ssm": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "first_k_dense_replace": 1,
-    "num_memory_heads": 2, "time_step_rank": 8, "lru_width": 64, "index_n_heads": 4,
-    "index_head_dim": 16, "index_topk": 8, "block_size": 8, "rotary_dim": 8, "rotary_emb_dim": 8,
-}
-QUIET = ("dropout", "pdrop", "jitter", "layerdrop", "drop_rate", "drop_path")
-
-
-def _is_subconfig(value) -> bool:
-    return isinstance(value, dict) and "model_type" in value
-
-
-def _shrink(d: dict) -> dict:
-    """A config dict shrunk (see module docstring); sub-configs recursively."""
-    out = dict(d)
-    old_layers = next((d[k] for k in LAYERS if isinstance(d.get(k), int)), None)
-    kinds = []
-    for key, value in d.items():
-        if isinstance(value, list) and old_layers and len(value) == old_layers and old_layers > 1:
-            kinds.append(key)
-    layers = 2
-    for key in kinds:  # keep one layer of each kind (attention / SSM / sliding ...), up to 4
-        layers = max(layers, min(4, len({json.dumps(v) for v in d[key]})))
-    for key, value in d.items():
-        if _is_subconfig(value):
-            out[key] = _shrink(value)
-        elif isinstance(value, bool) or value is None:
-            continue
-        elif isinstance(value, float) and any(q in key for q in QUIET):
-            out[key] = 0.0
-        elif not isinstance(value, int):
-            continue
-        elif key in HIDDEN:
-            out[key] = 64
-        elif key in LAYERS:
-            out[key] = layers
-        elif key in HEADS:
-            out[key] = 4
-        elif key in KV_HEADS:
-            out[key] = 2
-        elif key in FIXED:
-            out[key] = FIXED[key]
-    for key in kinds:  # per-layer lists: the first layer of each kind, then repeat
-        values, seen = d[key], []
-        picked = [i for i, v in enumerate(values) if not (json.dumps(v) in seen or seen.append(json.dumps(v)))]
-        picked = (picked + [i for i in range(len(values)) if i not in picked])[:layers]
-        out[key] = [values[i] for i in sorted(picked)]
-    if isinstance(out.get("qk_rope_head_dim"), int) and isinstance(out.get("head_dim"), int):
-        out["head_dim"] = out["qk_rope_head_dim"]  # MLA: the rotary part's width
-    vocab = out.get("vocab_size") if isinstance(out.get("vocab_size"), int) else VOCAB
-    special = vocab - 1
-    for key, value in d.items():  # special token ids into the reserved top of the vocabulary
-        if key.endswith(("token_id", "token_index")) and isinstance(value, int) and value >= vocab - RESERVED:
-            out[key], special = special, special - 1
-    return out
-
 
 def tiny_config(model_type: str):
     """``model_type``'s default config, shrunk."""

@@ -5,8 +5,9 @@ Used for plans inferred from a model's structure (:mod:`hf_scale.model_plans.tp_
 are guesses from names and shapes, so they are checked, not trusted. The check runs on every
 rank of the job (the verdict is gathered, so all ranks agree) on an fp32 copy of the model; the
 model itself is untouched. The copy is whole: a model that does not fit twice (host or device)
-should be built on the meta device (``hf_scale.from_pretrained``), where the check is skipped and
-logged, or given an explicit ``plan={'tp_plan': ...}``.
+should be built on the meta device (``hf_scale.from_pretrained``), where ``parallelize`` runs
+the check on the same architecture built tiny (``model_plans/shrink.py``), or given an explicit
+``plan={'tp_plan': ...}``.
 
 Usage::
 

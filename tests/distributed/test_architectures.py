@@ -54,3 +54,32 @@ def test_layout_works_or_is_refused_with_a_reason(outcomes, model_type, layout):
     else:
         assert status == "refused", f"{status}: {reason}"
         assert reason.startswith("HfScale") and __import__("re").search(want, reason), reason
+
+
+def _meta_plan_sources(model_types: list) -> dict:
+    """Each type built on the meta device (as ``hf_scale.from_pretrained`` builds it) and
+    parallelized with tp=2: its tp plan's source, or the refusal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import hf_scale
+
+    out = {}
+    for model_type in model_types:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(scan.tiny_config(model_type))
+        try:
+            out[model_type] = hf_scale.get_state(hf_scale.parallelize(model, {"tp": 2})).plan.source["tp_plan"]
+        except hf_scale.HfScaleError as e:
+            out[model_type] = f"refused: {e}"
+    return out
+
+
+def test_an_inferred_plan_is_checked_on_the_meta_device_too():
+    """A model on the meta device has no weights to run the probe forward on: the check runs on
+    the same architecture built tiny (random weights, the same on every rank), so an inferred
+    plan that holds is marked checked and one that does not is refused, as on the CPU."""
+    ranks = run_ranks(_meta_plan_sources, 2, ["persimmon", "bloom"], timeout=300)
+    for got in ranks:
+        assert got["persimmon"] == "inferred, checked", got
+        assert got["bloom"].startswith("refused") and "does not hold: on a probe batch" in got["bloom"], got
