@@ -21,6 +21,7 @@ Usage::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -111,7 +112,7 @@ def pp_layout(
     others = [e for e in entries[:cut] + entries[cut + 1 :] if modules[e] is not None]
     # first stage: what is registered before the blocks (a vision tower that a text probe does not
     # run stays with the embeddings), and what the forward runs before them wherever registered
-    called, fed = _run_before_blocks(base, {e: modules[e] for e in others}, blocks) or (set(), [])
+    called, fed = _before_blocks(base, tuple(others), blocks) or (set(), [])
     if fed:
         raise HfScaleConfigError(
             f"pipeline parallel cannot split {type(model).__name__} yet: its base forward hands the output of "
@@ -251,6 +252,17 @@ class _MetaScalars(TorchDispatchMode):
 
 class _Reached(Exception):
     """Raised by the probe's hook on the first block: the rest of the forward is not needed."""
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base model -> {entries: probe result}
+
+
+def _before_blocks(base: nn.Module, names: tuple[str, ...], blocks: nn.ModuleList):
+    """:func:`_run_before_blocks`, once per base model and entries (the planner asks per layout)."""
+    seen = _PROBED.setdefault(base, {})
+    if names not in seen:
+        seen[names] = _run_before_blocks(base, {n: base.get_submodule(n) for n in names}, blocks)
+    return seen[names]
 
 
 def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
