@@ -42,6 +42,7 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
+from torch.distributed.tensor._api import _ToTorchTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -137,7 +138,9 @@ def _style(module: nn.Module, style: str):
         "rowwise_split_input": (lambda: RowwiseParallel(input_layouts=Replicate()), "rowwise_split", False),
         "embedding_rowwise": (lambda: RowwiseParallel(input_layouts=Replicate()), "embedding_rowwise", False),
     }[style]
-    return _local_path(make(), kind, gather)
+    made = make()
+    made._prepare_output_fn = _prepare_output
+    return _local_path(made, kind, gather)
 
 
 def _local_path(style, kind: str, gather: bool = False):
@@ -166,6 +169,35 @@ def _local_path(style, kind: str, gather: bool = False):
 
 
 
+class _OwnedLocal(_ToTorchTensor):
+    """``DTensor.to_local`` whose result is not an autograd view: torch's returns
+    ``local.view_as(local)`` from a custom Function, and a model that then changes the output in
+    place (CTRL's ``inputs_embeds *= sqrt(d)`` after a vocabulary-parallel embedding, Llama 4's
+    ``out.add_(...)`` after a row-parallel ``down_proj``) fails with "a view ... is being modified
+    inplace". A ``detach`` of the local tensor is a fresh tensor object on the same storage that
+    autograd does not track as a view (same version counter: a saved tensor still checks); the
+    backward is torch's. No copy."""
+
+    @staticmethod
+    def forward(ctx, input, grad_placements):  # type: ignore[override]
+        _ToTorchTensor.forward(ctx, input, grad_placements)
+        return input._local_tensor.detach()
+
+
+def to_local(tensor: DTensor, grad_placements=None) -> torch.Tensor:
+    """``tensor.to_local(grad_placements=...)`` that the caller may change in place."""
+    if not torch.is_grad_enabled():
+        return tensor._local_tensor  # what DTensor.to_local returns without autograd
+    return _OwnedLocal.apply(tensor, tuple(grad_placements) if grad_placements is not None else None)
+
+
+def _prepare_output(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """torch's Colwise/RowwiseParallel output hook, with :func:`to_local`."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+    return to_local(outputs) if use_local_output else outputs
+
+
 def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
     """``mla_kv_a_proj`` (multi-head latent attention's ``kv_a_proj_with_mqa``, whole on every
     rank): its output is ``[kv latent, k_rope]``. The latent feeds a column-parallel
@@ -176,7 +208,7 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
         if not torch.is_grad_enabled() or isinstance(output, DTensor):
             return output
         latent, rot = output.split([output.shape[-1] - rope, rope], dim=-1)
-        rot = DTensor.from_local(rot, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        rot = to_local(DTensor.from_local(rot, mesh, [Replicate()], run_check=False), [Partial()])
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
@@ -189,7 +221,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
     ranks in backward; its output is summed in forward."""
     def as_replicated(x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad:
-            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return to_local(DTensor.from_local(x, mesh, [Replicate()], run_check=False), [Partial()])
         return x
 
     def enter(mod, args, kwargs):
@@ -198,7 +230,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
     def leave(mod, args, kwargs, output):
         if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
             summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
-            return summed.to_local()
+            return to_local(summed)
         return output
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -231,6 +263,8 @@ def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:
 class Conv1DColwise(ColwiseParallel):
     """``colwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 1, bias on dim 0."""
 
+    _prepare_output_fn = staticmethod(_prepare_output)
+
     def _apply(self, module, device_mesh):
         return distribute_module(
             module, device_mesh,
@@ -242,6 +276,8 @@ class Conv1DColwise(ColwiseParallel):
 
 class Conv1DRowwise(RowwiseParallel):
     """``rowwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 0, bias whole."""
+
+    _prepare_output_fn = staticmethod(_prepare_output)
 
     def _apply(self, module, device_mesh):
         self.desired_input_layouts = (Shard(-1),)  # the matmul needs its input split on features
@@ -315,7 +351,7 @@ class PerHeadReplicated(ParallelStyle):
 
 def _local_output(mod, outputs, device_mesh):
     """The packed output as the local ``[a_r, b_r, ...]`` columns, with no collective."""
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    return to_local(outputs) if isinstance(outputs, DTensor) else outputs
 
 
 def _retie(model: nn.Module, ties) -> None:

@@ -7,6 +7,7 @@ greedy generation, parameter placements, collectives per forward and bad input.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -127,6 +128,49 @@ def bad_input_error(arch: str, config: dict, plan: dict | None = None, **config_
     except hf_scale.HfScaleError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+class _InPlaceOutputs(torch.nn.Module):
+    """Changes each sharded layer's output in place, as CTRL (``inputs_embeds *= sqrt(d)``) and
+    Llama 4 (``out.add_(...)`` after a row-parallel ``down_proj``) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h *= 2.0
+        u = self.up(h)
+        u.mul_(0.5)
+        d = self.down(u)
+        d.add_(1.0)
+        return d.square().sum()
+
+
+def inplace_outputs() -> dict:
+    """Loss and gradients of :class:`_InPlaceOutputs` sharded (embedding_rowwise, colwise,
+    rowwise) against one process: a sharded layer's output may be changed in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_scale.parallel.tp import apply_tp
+
+    torch.manual_seed(0)
+    whole = _InPlaceOutputs()
+    sharded = copy.deepcopy(whole)
+    ids = torch.tensor([[1, 5, 9, 14], [2, 3, 11, 15]])
+    whole(ids).backward()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    apply_tp(sharded, mesh, {"emb": "embedding_rowwise", "up": "colwise", "down": "rowwise"})
+    try:
+        loss = sharded(ids)
+        loss.backward()
+    except RuntimeError as e:
+        return {"error": str(e)[:300]}
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    grads = {n: float((full(p.grad) - dict(whole.named_parameters())[n].grad).abs().max())
+             for n, p in sharded.named_parameters()}
+    return {"loss": float((full(loss) - whole(ids)).abs().detach()), "grads": grads}
 
 
 def world_checks(parity_cases: list[dict], gen_cases: list[dict], extra: dict) -> dict:
