@@ -102,7 +102,7 @@ def with_inferred_tp(model: nn.Module, plan: ModelPlan, candidate: int = 0) -> M
     if inferred.whole:
         source["tp_whole"] = "; ".join(inferred.whole[:4]) + (" ..." if len(inferred.whole) > 4 else "")
     return plan.replace(tp_plan=collapse(inferred.candidates[candidate], modules),
-                        tp_local_attrs=collapse(inferred.local_attrs, modules), source=source)
+                        tp_local_attrs=collapse(inferred.attrs_for(candidate), modules), source=source)
 
 
 PRUNED = "transformers, entries for absent modules dropped"

@@ -11,6 +11,9 @@ ColossalAI's policies do the same by hand):
   ``out_proj``, ``dense``, ``c_proj``...) ``rowwise``; its head counts and hidden sizes are
   divided by tp (``tp_local_attrs``). A fused projection of ``3 x hidden`` features may be laid
   out ``[q; k; v]`` (``packed_colwise:3``) or head by head (``colwise``): both are candidates;
+  one of ``hidden + 2 t`` features (``t`` dividing hidden: multi-query attention's single k and
+  v head) keeps k and v whole on every rank (``colwise_replicated_kv:2t``, its kv head counts
+  left whole), else head by head;
 * MLP (``mlp``, ``ffn``, ``feed_forward``..., or BERT's ``intermediate`` / ``output``): up and
   gate projections ``colwise`` (a fused ``gate_up_proj`` ``packed_colwise:2``), the down
   projection ``rowwise``.
@@ -50,6 +53,9 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_
               "hidden_size_per_partition", "head_count")
 
 
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
 @dataclass(frozen=True)
 class InferredTP:
     """Candidate plans (module name -> style; most likely first), their local attributes, the
@@ -59,6 +65,20 @@ class InferredTP:
     local_attrs: dict[str, tuple[str, ...]]
     whole: tuple[str, ...] = ()
     reason: str = ""
+
+    def attrs_for(self, candidate: int) -> dict[str, tuple[str, ...]]:
+        """The local attributes of candidate ``candidate``: where a fused projection keeps its
+        key/value heads whole (``colwise_replicated_kv``), its attention's kv head counts stay
+        whole too."""
+        styles = self.candidates[candidate]
+        whole_kv = [n.rpartition(".")[0] for n, s in styles.items() if s.startswith("colwise_replicated_kv:")]
+        out = {}
+        for name, attrs in self.local_attrs.items():
+            if any(name == g or name.startswith(g + ".") for g in whole_kv):
+                attrs = tuple(a for a in attrs if a not in KV_ATTRS)
+            if attrs:
+                out[name] = attrs
+        return out
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -118,14 +138,23 @@ def infer_tp_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Infe
         why = "; ".join(whole[:3]) or ("no attention or MLP layers to pair (a state-space or recurrent block: "
                                        "tp does not split it; fsdp and pp do)")
         return InferredTP((), {}, tuple(whole), reason=f"blocks {kinds_seen}: {why}")
-    first = {n: ("packed_colwise:3" if s == "fused_qkv" else s) for n, s in styles.items()}
-    candidates = [first]
-    if fused:
-        candidates.append({n: ("colwise" if s == "fused_qkv" else s) for n, s in styles.items()})
-        packable = all(_in_out(model.get_submodule(n))[1] % 3 == 0 for n in fused)
-        if not packable:
-            candidates = candidates[1:]
+    options = {n: _fused_options(*_in_out(model.get_submodule(n))) for n in fused}
+    count = max((len(o) for o in options.values()), default=1)
+    candidates = [{n: (options[n][min(i, len(options[n]) - 1)] if s == "fused_qkv" else s) for n, s in styles.items()}
+                  for i in range(count)]
     return InferredTP(tuple(candidates), attrs, tuple(whole))
+
+
+def _fused_options(in_f: int, out_f: int) -> list[str]:
+    """Styles a fused q/k/v projection may take, most likely first: ``[q; k; v]`` of equal parts
+    (``packed_colwise:3``); fewer key/value heads than query heads, ``hidden + 2 t`` features
+    with ``t`` a whole number of heads' width (``colwise_replicated_kv:2t``: one k and one v
+    head of multi-query attention, kept whole on every rank); and head-by-head interleaving
+    (``colwise``) last."""
+    tail = out_f - in_f
+    if 0 < tail < 2 * in_f and tail % 2 == 0 and in_f % (tail // 2) == 0:
+        return [f"colwise_replicated_kv:{tail}", "colwise"]
+    return ["packed_colwise:3", "colwise"] if out_f % 3 == 0 else ["colwise"]
 
 
 def _join(*parts: str) -> str:

@@ -19,6 +19,9 @@ The styles use transformers' vocabulary, so a ``tp_plan`` written for transforme
                        (Qwen3's ``q_norm``): weight whole on every rank, input the local
                        heads (``[..., heads, head_dim]``, ``Shard(-2)``); DTensor sums the
                        weight's gradient over the tp ranks, each of which saw its own heads
+``colwise_replicated_kv:K`` a fused ``[q; k; v]`` Linear with one key/value head (multi-query):
+                       weight whole on every rank; it computes this rank's query rows and the
+                       last ``K`` features (k, v) whole; gradients summed over the tp ranks
 ``replicate``          nothing: parameters stay whole on every tp rank
 ====================== ===================================================================
 
@@ -51,7 +54,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..model_plans.tp import is_conv1d, packed_parts, rope_dim
+from ..model_plans.tp import is_conv1d, packed_parts, replicated_kv_width, rope_dim
 from . import tp_local
 
 # styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
@@ -83,7 +86,7 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
-            if style != "replicate" and style not in HOOK_STYLES}
+            if style != "replicate" and style not in HOOK_STYLES and not replicated_kv_width(style)}
     parallelize_module(model, tp_mesh, plan)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
@@ -98,6 +101,8 @@ def apply_tp(
             _sum_partial_output(model.get_submodule(name), tp_mesh)
         elif style == "mla_kv_a_proj":
             _sum_rope_grad(model.get_submodule(name), tp_mesh, rope_dim(model))
+        elif replicated_kv_width(style):
+            _replicated_kv(model.get_submodule(name), tp_mesh, replicated_kv_width(style))
     for name, attrs in (local_attrs or {}).items():
         module = model.get_submodule(name)
         for attr in attrs:
@@ -212,6 +217,41 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
+
+
+def _replicated_kv(module: nn.Module, mesh, tail: int) -> None:
+    """``colwise_replicated_kv:K``: a fused ``[q; k; v]`` Linear with fewer key/value heads than
+    tp ranks (multi-query attention: one k and one v head, the last ``K`` features). Its weight
+    and bias stay whole on every rank (plain tensors, saved whole); each forward computes this
+    rank's query rows and the whole k/v rows, ``[q_r, k, v]``: the layout the model's own split
+    of a local ``[heads + 2, head_dim]`` view expects (Megatron replicates kv heads so when they
+    are fewer than the tp ranks). Each rank's gradient covers its own heads, for the weight
+    (query rows: its own; k/v rows: its heads' share) and for the input alike: both are summed
+    over the tp ranks in backward (a ``Partial`` gradient made ``Replicate``)."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+
+    def summed(t):
+        if not torch.is_grad_enabled() or not t.requires_grad:
+            return t
+        return to_local(DTensor.from_local(t, mesh, [Replicate()], run_check=False), [Partial()])
+
+    def rows(t):
+        q = (t.shape[0] - tail) // tp
+        return torch.cat([t[rank * q:(rank + 1) * q], t[t.shape[0] - tail:]])
+
+    def enter(mod, args):
+        saved = dict(mod._parameters)
+        mod.__dict__["_hf_scale_whole_params"] = saved
+        for name, param in saved.items():
+            if param is not None:
+                mod._parameters[name] = rows(summed(param))
+        return (summed(args[0]), *args[1:]) if args and isinstance(args[0], torch.Tensor) else args
+
+    def leave(mod, args, output):
+        mod._parameters.update(mod.__dict__.pop("_hf_scale_whole_params", {}))
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _sum_partial_output(module: nn.Module, mesh) -> None:

@@ -148,20 +148,44 @@ class _InPlaceOutputs(torch.nn.Module):
         return d.square().sum()
 
 
-def inplace_outputs() -> dict:
-    """Loss and gradients of :class:`_InPlaceOutputs` sharded (embedding_rowwise, colwise,
-    rowwise) against one process: a sharded layer's output may be changed in place."""
+class _MultiQuery(torch.nn.Module):
+    """A fused ``[q (4 heads of 2); k (1 head); v (1 head)]`` projection, multi-query attention
+    over the heads, and a row-parallel output projection: Falcon's / GPTBigCode's layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.o = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 12), torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = self.qkv(self.emb(ids))
+        q, k, v = h[..., :-4], h[..., -4:-2], h[..., -2:]
+        heads = q.unflatten(-1, (-1, 2))
+        att = (heads * k.unsqueeze(-2)).sum(-1, keepdim=True).sigmoid() * v.unsqueeze(-2)
+        return self.o(att.flatten(-2)).square().sum()
+
+
+MODULE_CHECKS = {
+    "inplace": (_InPlaceOutputs, {"emb": "embedding_rowwise", "up": "colwise", "down": "rowwise"}),
+    "multi_query": (_MultiQuery, {"qkv": "colwise_replicated_kv:4", "o": "rowwise"}),
+}
+
+
+def module_check(which: str) -> dict:
+    """Loss and gradients of a small module of :data:`MODULE_CHECKS` sharded with its styles,
+    against one process: :class:`_InPlaceOutputs` (a sharded layer's output may be changed in
+    place), :class:`_MultiQuery` (k/v heads kept whole while q is split)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from hf_scale.parallel.tp import apply_tp
 
+    make, styles = MODULE_CHECKS[which]
     torch.manual_seed(0)
-    whole = _InPlaceOutputs()
+    whole = make()
     sharded = copy.deepcopy(whole)
     ids = torch.tensor([[1, 5, 9, 14], [2, 3, 11, 15]])
     whole(ids).backward()
     mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
-    apply_tp(sharded, mesh, {"emb": "embedding_rowwise", "up": "colwise", "down": "rowwise"})
+    apply_tp(sharded, mesh, styles)
     try:
         loss = sharded(ids)
         loss.backward()

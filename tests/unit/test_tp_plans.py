@@ -324,3 +324,29 @@ def test_inferred_plans_read_sequential_mlps_and_attention_units():
     assert plan.tp_plan["transformer.h.1.ffn.0"] == "colwise" and plan.tp_plan["transformer.h.1.ffn.2"] == "rowwise"
     xlm = _tiny("xlm")
     assert resolve_plan(xlm).tp_plan["transformer.attentions.*.q_lin"] == "colwise"
+
+
+def test_multi_query_fused_qkv_keeps_its_key_value_heads_whole():
+    # Falcon (multi_query): query_key_value is [q (64); k (16); v (16)], one kv head; tp splits q only
+    falcon = _tiny("falcon")
+    plan = resolve_plan(falcon)
+    assert plan.tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise_replicated_kv:32"
+    assert "num_kv_heads" not in plan.tp_local_attrs["transformer.h.*.self_attention"]  # 1: stays whole
+    assert "num_heads" in plan.tp_local_attrs["transformer.h.*.self_attention"]
+    layout = tp_layout(falcon, plan, 2)
+    from hf_scale.model_plans.tp import shard_dim
+
+    qkv = falcon.get_submodule("transformer.h.0.self_attention.query_key_value")
+    assert shard_dim(qkv, "weight", layout.styles["transformer.h.0.self_attention.query_key_value"]) is None
+    from hf_scale.model_plans.from_hf import with_inferred_tp
+
+    # next candidate: head-by-head interleaving, which divides the kv head counts again
+    second = with_inferred_tp(falcon, plan, 1)
+    assert second.tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
+    # GPTBigCode: 96 = 64 + 2 x 16 features is also 3 x 32: the unequal parts win over packed_colwise:3
+    bigcode = _tiny("gpt_bigcode")
+    assert resolve_plan(bigcode).tp_plan["transformer.h.*.attn.c_attn"] == "colwise_replicated_kv:32"
+    # a width tp does not divide is refused with what the style needs
+    with pytest.raises(HfScalePlanError, match=r"first 66 features .*tp=4 divides"):
+        tp_layout(falcon, resolve_plan(falcon, {"tp_plan": {"transformer.h.*.self_attention.query_key_value":
+                                                            "colwise_replicated_kv:30"}}), 4)
