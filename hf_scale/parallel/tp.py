@@ -22,6 +22,8 @@ The styles use transformers' vocabulary, so a ``tp_plan`` written for transforme
 ``colwise_replicated_kv:K`` a fused ``[q; k; v]`` Linear with one key/value head (multi-query):
                        weight whole on every rank; it computes this rank's query rows and the
                        last ``K`` features (k, v) whole; gradients summed over the tp ranks
+``heads_input:ARG``    a module's argument ``ARG`` holding a slice per head for every head on its
+                       first dim (ALiBi biases, ``[batch x heads, ...]``): this rank's heads kept
 ``replicate``          nothing: parameters stay whole on every tp rank
 ====================== ===================================================================
 
@@ -54,7 +56,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..model_plans.tp import is_conv1d, packed_parts, replicated_kv_width, rope_dim
+from ..model_plans.tp import heads_input, is_conv1d, packed_parts, replicated_kv_width, rope_dim
 from . import tp_local
 
 # styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
@@ -86,7 +88,8 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
-            if style != "replicate" and style not in HOOK_STYLES and not replicated_kv_width(style)}
+            if style != "replicate" and style not in HOOK_STYLES and not replicated_kv_width(style)
+            and not heads_input(style)}
     parallelize_module(model, tp_mesh, plan)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
@@ -103,6 +106,8 @@ def apply_tp(
             _sum_rope_grad(model.get_submodule(name), tp_mesh, rope_dim(model))
         elif replicated_kv_width(style):
             _replicated_kv(model.get_submodule(name), tp_mesh, replicated_kv_width(style))
+        elif heads_input(style):
+            _split_heads_input(model.get_submodule(name), tp_mesh, heads_input(style), _global_heads(model, name))
     for name, attrs in (local_attrs or {}).items():
         module = model.get_submodule(name)
         for attr in attrs:
@@ -217,6 +222,53 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
+
+
+def _global_heads(model: nn.Module, name: str) -> int:
+    """The model's query head count (its config's ``num_attention_heads``)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        from ..errors import HfScalePlanError
+
+        raise HfScalePlanError(f"{name} has a 'heads_input' style, and the model's config has no "
+                               "num_attention_heads to split that input by: give the module 'replicate'.")
+    return heads
+
+
+def _split_heads_input(module: nn.Module, mesh, arg: str, heads: int) -> None:
+    """``heads_input:ARG``: the argument ``ARG`` of ``module`` holds one slice per attention head
+    on its first dim, for all ``heads`` heads, flattened as ``[batch x heads]`` or ``[heads]``
+    (BLOOM's ``alibi``, MPT's ``position_bias``: ALiBi biases, which the base model builds
+    for every head before the blocks). Each rank keeps its own heads' slices: those of the heads
+    its column-parallel projections compute."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    local = heads // tp
+    names = list(inspect.signature(module.forward).parameters)
+    index = names.index(arg)
+
+    def split(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 0 or t.shape[0] % heads:
+            from ..errors import HfScalePlanError
+
+            raise HfScalePlanError(
+                f"{type(module).__name__}'s {arg!r} has shape {tuple(t.shape)}, whose first dim is not a multiple "
+                f"of the {heads} heads, so 'heads_input:{arg}' cannot keep this rank's heads: give the attention "
+                "a plan without it, or train without tp.")
+        grouped = t.view(t.shape[0] // heads, heads, *t.shape[1:])
+        return grouped[:, rank * local:(rank + 1) * local].reshape(-1, *t.shape[1:])
+
+    def enter(mod, args, kwargs):
+        if arg in kwargs:
+            return args, {**kwargs, arg: split(kwargs[arg])}
+        if index < len(args):
+            return (*args[:index], split(args[index]), *args[index + 1:]), kwargs
+        return args, kwargs
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
 
 
 def _replicated_kv(module: nn.Module, mesh, tail: int) -> None:

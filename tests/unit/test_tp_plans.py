@@ -183,11 +183,14 @@ def test_architecture_without_tp_plan_gets_one_inferred_from_its_modules():
 
 
 def test_fused_qkv_and_block_level_mlp_are_inferred():
-    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128))
-    plan = resolve_plan(bloom)
-    assert plan.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
     from hf_scale.model_plans.from_hf import with_inferred_tp
 
+    # BLOOM's structure (its registry plan aside: the ALiBi input needs one)
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128))
+    plan = resolve_plan(bloom)
+    assert plan.source["tp_plan"] == "registry:bloom"
+    inferred = with_inferred_tp(bloom, plan, 0)
+    assert inferred.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
     assert with_inferred_tp(bloom, plan, 1).tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
     assert with_inferred_tp(bloom, plan, 2) is None
     xglm = tf.XGLMForCausalLM(tf.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, vocab_size=128))
@@ -350,3 +353,16 @@ def test_multi_query_fused_qkv_keeps_its_key_value_heads_whole():
     with pytest.raises(HfScalePlanError, match=r"first 66 features .*tp=4 divides"):
         tp_layout(falcon, resolve_plan(falcon, {"tp_plan": {"transformer.h.*.self_attention.query_key_value":
                                                             "colwise_replicated_kv:30"}}), 4)
+
+
+def test_alibi_biases_of_every_head_are_split_with_the_heads():
+    # BLOOM / MPT build ALiBi biases for all heads in the base model: their attentions keep this rank's
+    bloom, mpt = _tiny("bloom"), _tiny("mpt")
+    bloom_styles = tp_layout(bloom, resolve_plan(bloom), 2).styles
+    assert bloom_styles["transformer.h.0.self_attention"] == "heads_input:alibi"
+    assert bloom_styles["transformer.h.0.self_attention.query_key_value"] == "colwise"  # per-head interleaved
+    mpt_styles = tp_layout(mpt, resolve_plan(mpt), 2).styles
+    assert mpt_styles["transformer.blocks.0.attn"] == "heads_input:position_bias"
+    assert mpt_styles["transformer.blocks.0.attn.Wqkv"] == "packed_colwise:3"
+    with pytest.raises(HfScalePlanError, match=r"forward takes no argument 'bias'"):
+        tp_layout(mpt, resolve_plan(mpt, {"tp_plan": {"transformer.blocks.*.attn": "heads_input:bias"}}), 2)
