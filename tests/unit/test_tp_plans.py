@@ -192,7 +192,8 @@ def test_fused_qkv_and_block_level_mlp_are_inferred():
     inferred = with_inferred_tp(bloom, plan, 0)
     assert inferred.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
     assert with_inferred_tp(bloom, plan, 1).tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
-    assert with_inferred_tp(bloom, plan, 2) is None
+    assert not any(".self_attention." in k for k in with_inferred_tp(bloom, plan, 2).tp_plan)  # MLPs alone
+    assert with_inferred_tp(bloom, plan, 3) is None
     xglm = tf.XGLMForCausalLM(tf.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, vocab_size=128))
     assert {k: v for k, v in resolve_plan(xglm).tp_plan.items() if "fc" in k} == {
         "model.layers.*.fc1": "colwise", "model.layers.*.fc2": "rowwise"}
@@ -366,3 +367,19 @@ def test_alibi_biases_of_every_head_are_split_with_the_heads():
     assert mpt_styles["transformer.blocks.0.attn.Wqkv"] == "packed_colwise:3"
     with pytest.raises(HfScalePlanError, match=r"forward takes no argument 'bias'"):
         tp_layout(mpt, resolve_plan(mpt, {"tp_plan": {"transformer.blocks.*.attn": "heads_input:bias"}}), 2)
+
+
+def test_inferred_candidates_end_with_the_mlps_alone_and_read_fused_gate_up_by_width():
+    from hf_scale.model_plans.from_hf import with_inferred_tp
+
+    # TrOCR's attention reshapes to a width read from its input: the last candidate leaves it whole
+    trocr = _tiny("trocr")
+    plan = resolve_plan(trocr)
+    assert plan.tp_plan["model.decoder.layers.*.self_attn.q_proj"] == "colwise"
+    last = with_inferred_tp(trocr, plan, 1)
+    assert with_inferred_tp(trocr, plan, 2) is None
+    assert dict(last.tp_plan) == {"model.decoder.layers.*.fc1": "colwise", "model.decoder.layers.*.fc2": "rowwise"}
+    assert not last.tp_local_attrs  # the attentions keep their head counts
+    assert last.source["tp_whole"].startswith("every attention")
+    # Moshi's fc1 writes twice what fc2 reads ([gate; up], split by view(..., 2, -1))
+    assert resolve_plan(_tiny("moshi")).tp_plan["model.layers.*.mlp.fc1"] == "packed_colwise:2"
