@@ -99,10 +99,13 @@ def with_inferred_tp(model: nn.Module, plan: ModelPlan, candidate: int = 0) -> M
         return None
     modules = dict(model.named_modules())
     source["tp_plan"] = source["tp_local_attrs"] = "inferred"
-    if inferred.whole:
-        source["tp_whole"] = "; ".join(inferred.whole[:4]) + (" ..." if len(inferred.whole) > 4 else "")
+    whole = list(inferred.whole)
+    if inferred.attention_whole(candidate):
+        whole.insert(0, "every attention (its sharded forms did not match one process on the probe batch)")
+    if whole:
+        source["tp_whole"] = "; ".join(whole[:4]) + (" ..." if len(whole) > 4 else "")
     return plan.replace(tp_plan=collapse(inferred.candidates[candidate], modules),
-                        tp_local_attrs=collapse(inferred.local_attrs, modules), source=source)
+                        tp_local_attrs=collapse(inferred.attrs_for(candidate), modules), source=source)
 
 
 PRUNED = "transformers, entries for absent modules dropped"

@@ -58,6 +58,18 @@ class TPLayout:
     params: dict[str, int] = field(default_factory=dict)
 
 
+def replicated_kv_width(style: str) -> int:
+    """The whole trailing features ``K`` of a ``colwise_replicated_kv:K`` style; 0 for others."""
+    head, _, width = style.partition(":")
+    return int(width) if head == "colwise_replicated_kv" and width.isdigit() and int(width) > 0 else 0
+
+
+def heads_input(style: str) -> str:
+    """The argument a ``heads_input:ARG`` style splits (an attention's ALiBi biases); "" for others."""
+    head, _, arg = style.partition(":")
+    return arg if head == "heads_input" and arg.isidentifier() else ""
+
+
 def packed_parts(style: str) -> int:
     """Parts of a ``packed_colwise`` (2) or ``packed_colwise:N`` (N) style; 0 for others."""
     if style == "packed_colwise":
@@ -103,10 +115,12 @@ def tp_layout(model: nn.Module, plan: ModelPlan, tp: int, experts: ExpertsLayout
             "rope part's consumers a plan of their own."
         )
     for module_name, style in styles.items():
-        if style not in _STYLES and not packed_parts(style):
+        if style not in _STYLES and not packed_parts(style) and not replicated_kv_width(style) \
+                and not heads_input(style):
             raise HfScalePlanError(
                 f"tp_plan gives {module_name!r} the style {style!r}, which hf_scale does not apply. "
-                f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N."
+                f"Styles: {', '.join(_STYLES)}, packed_colwise, packed_colwise:N, colwise_replicated_kv:K, "
+                "heads_input:ARG."
             )
     styles = lora_tp_styles(styles, modules)  # a LoRA layer's style goes to its base and one factor
     _add_local_params(modules, styles)
@@ -316,7 +330,8 @@ def _in_features(module: nn.Module) -> int:
 
 def _under_styled(name: str, styles: dict[str, str]) -> bool:
     parts = name.split(".")
-    return any(styles.get(".".join(parts[:i]), "local_params") != "local_params" for i in range(1, len(parts)))
+    return any(styles.get(".".join(parts[:i]), "local_params") != "local_params"
+               and not heads_input(styles[".".join(parts[:i])]) for i in range(1, len(parts)))
 
 
 def _check_head(model: nn.Module, styles: dict[str, str]) -> None:
@@ -353,7 +368,7 @@ def shard_dim(module: nn.Module, param_name: str, style: str) -> int | None:
     """The dimension of ``module.<param_name>`` that ``style`` splits over the tp ranks, or None
     when it stays whole: replicated modules, a row-parallel bias (added after the all-reduce)
     and a packed bias (DTensor takes each rank's part columns in forward)."""
-    if style in _WHOLE or param_name not in ("weight", "bias"):
+    if style in _WHOLE or replicated_kv_width(style) or heads_input(style) or param_name not in ("weight", "bias"):
         return None
     rowwise = style in ("rowwise", "rowwise_split_input", "embedding_rowwise")
     if param_name == "bias":
@@ -371,6 +386,15 @@ def is_conv1d(module: nn.Module) -> bool:
 def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
     if style in _WHOLE:
         return
+    if heads_input(style):
+        import inspect
+
+        if heads_input(style) not in inspect.signature(module.forward).parameters:
+            raise HfScalePlanError(
+                f"tp_plan gives {name} ({type(module).__name__}) the style {style!r}, and its forward takes no "
+                f"argument {heads_input(style)!r}: name the argument that holds a slice per attention head."
+            )
+        return
     weight = getattr(module, "weight", None)
     kind = type(module).__name__
     if not (isinstance(module, (nn.Linear, nn.Embedding)) or is_conv1d(module)):
@@ -378,6 +402,16 @@ def _check_module(name: str, module: nn.Module, style: str, tp: int) -> None:
             f"tp_plan shards {name} ({kind}); hf_scale's styles apply to Linear, Embedding and "
             "Conv1D modules. Name its Linear sub-modules instead."
         )
+    tail = replicated_kv_width(style)
+    if tail:
+        out = weight.shape[0] if isinstance(module, nn.Linear) else 0
+        if not isinstance(module, nn.Linear) or not 0 < tail < out or (out - tail) % tp:
+            raise HfScalePlanError(
+                f"tp_plan gives {name} ({kind}, {out} output features) the style {style!r}: it needs a Linear "
+                f"whose first {out - tail} features (the query heads) tp={tp} divides and whose last {tail} "
+                "(the shared key/value heads) stay whole. Check the width, or use 'replicate'."
+            )
+        return
     if style in _VOCAB_STYLES or weight is None:
         return  # vocabularies may split unevenly (DTensor pads the last shard)
     size = weight.shape[shard_dim(module, "weight", style)]

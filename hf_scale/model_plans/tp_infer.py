@@ -11,9 +11,15 @@ ColossalAI's policies do the same by hand):
   ``out_proj``, ``dense``, ``c_proj``...) ``rowwise``; its head counts and hidden sizes are
   divided by tp (``tp_local_attrs``). A fused projection of ``3 x hidden`` features may be laid
   out ``[q; k; v]`` (``packed_colwise:3``) or head by head (``colwise``): both are candidates;
+  one of ``hidden + 2 t`` features (``t`` dividing hidden: multi-query attention's single k and
+  v head) keeps k and v whole on every rank (``colwise_replicated_kv:2t``, its kv head counts
+  left whole), else head by head;
 * MLP (``mlp``, ``ffn``, ``feed_forward``..., or BERT's ``intermediate`` / ``output``): up and
   gate projections ``colwise`` (a fused ``gate_up_proj`` ``packed_colwise:2``), the down
   projection ``rowwise``.
+
+The last candidate shards the MLPs only, every attention whole on every rank (computed on each:
+correct, its parameters not divided); ``hf-scale plan`` and the model card say so.
 
 A group is sharded only when every Linear in it has a known role and the shapes agree (the
 column-parallel layers read the hidden size, the row-parallel one writes it); otherwise it
@@ -50,6 +56,9 @@ HEAD_ATTRS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_
               "hidden_size_per_partition", "head_count")
 
 
+KV_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+
+
 @dataclass(frozen=True)
 class InferredTP:
     """Candidate plans (module name -> style; most likely first), their local attributes, the
@@ -59,6 +68,29 @@ class InferredTP:
     local_attrs: dict[str, tuple[str, ...]]
     whole: tuple[str, ...] = ()
     reason: str = ""
+    attention: tuple[str, ...] = ()  # the attention groups sharded by the first candidates
+
+    def attrs_for(self, candidate: int) -> dict[str, tuple[str, ...]]:
+        """The local attributes of candidate ``candidate``: where a fused projection keeps its
+        key/value heads whole (``colwise_replicated_kv``), its attention's kv head counts stay
+        whole too; an attention the candidate leaves whole keeps all its counts."""
+        styles = self.candidates[candidate]
+        whole_kv = [n.rpartition(".")[0] for n, s in styles.items() if s.startswith("colwise_replicated_kv:")]
+        unsharded = [g for g in self.attention if not any(n.startswith(g + ".") for n in styles)]
+        out = {}
+        for name, attrs in self.local_attrs.items():
+            if any(name == g or name.startswith(g + ".") for g in whole_kv):
+                attrs = tuple(a for a in attrs if a not in KV_ATTRS)
+            if any(name == g or name.startswith(g + ".") for g in unsharded):
+                continue
+            if attrs:
+                out[name] = attrs
+        return out
+
+    def attention_whole(self, candidate: int) -> bool:
+        """Candidate ``candidate`` is the last resort that leaves every attention whole."""
+        styles = self.candidates[candidate]
+        return bool(self.attention) and not any(n.startswith(g + ".") for g in self.attention for n in styles)
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -98,6 +130,7 @@ def infer_tp_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Infe
     attrs: dict[str, tuple[str, ...]] = {}
     whole: list[str] = []
     kinds = set()
+    attention: list[str] = []
     for block_name, block in blocks:
         for group_name, group, role in _groups(block):
             full = _join(block_name, group_name)
@@ -107,6 +140,8 @@ def infer_tp_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Infe
                     whole.append(f"{full} ({type(group).__name__}: {why})")
                 continue
             kinds.add(role)
+            if role == "attention":
+                attention.append(full)
             for name, style in got.items():
                 styles[_join(full, name)] = style
                 if style == "fused_qkv":
@@ -118,14 +153,28 @@ def infer_tp_plan(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> Infe
         why = "; ".join(whole[:3]) or ("no attention or MLP layers to pair (a state-space or recurrent block: "
                                        "tp does not split it; fsdp and pp do)")
         return InferredTP((), {}, tuple(whole), reason=f"blocks {kinds_seen}: {why}")
-    first = {n: ("packed_colwise:3" if s == "fused_qkv" else s) for n, s in styles.items()}
-    candidates = [first]
-    if fused:
-        candidates.append({n: ("colwise" if s == "fused_qkv" else s) for n, s in styles.items()})
-        packable = all(_in_out(model.get_submodule(n))[1] % 3 == 0 for n in fused)
-        if not packable:
-            candidates = candidates[1:]
-    return InferredTP(tuple(candidates), attrs, tuple(whole))
+    options = {n: _fused_options(*_in_out(model.get_submodule(n))) for n in fused}
+    count = max((len(o) for o in options.values()), default=1)
+    candidates = [{n: (options[n][min(i, len(options[n]) - 1)] if s == "fused_qkv" else s) for n, s in styles.items()}
+                  for i in range(count)]
+    if "mlp" in kinds and attention:
+        # the last resort: the MLPs sharded, every attention whole on every rank (one whose forward
+        # reshapes to a width read from its input, as TrOCR's does, cannot run on local heads)
+        candidates.append({n: s for n, s in candidates[0].items()
+                           if not any(n.startswith(g + ".") for g in attention)})
+    return InferredTP(tuple(candidates), attrs, tuple(whole), attention=tuple(attention))
+
+
+def _fused_options(in_f: int, out_f: int) -> list[str]:
+    """Styles a fused q/k/v projection may take, most likely first: ``[q; k; v]`` of equal parts
+    (``packed_colwise:3``); fewer key/value heads than query heads, ``hidden + 2 t`` features
+    with ``t`` a whole number of heads' width (``colwise_replicated_kv:2t``: one k and one v
+    head of multi-query attention, kept whole on every rank); and head-by-head interleaving
+    (``colwise``) last."""
+    tail = out_f - in_f
+    if 0 < tail < 2 * in_f and tail % 2 == 0 and in_f % (tail // 2) == 0:
+        return [f"colwise_replicated_kv:{tail}", "colwise"]
+    return ["packed_colwise:3", "colwise"] if out_f % 3 == 0 else ["colwise"]
 
 
 def _join(*parts: str) -> str:
@@ -209,8 +258,11 @@ def _group_styles(group: nn.Module, role: str, hidden: int) -> tuple[dict[str, s
     cols = [n for n, s in styles.items() if s != "rowwise"]
     if len(rows) != 1 or not cols:
         return None, f"{len(cols)} input and {len(rows)} output projections (one output expected)"
-    widths = {_in_out(group.get_submodule(n))[1] for n in cols if styles[n] == "colwise"}
     width_in = _in_out(group.get_submodule(rows[0]))[0]
+    if role == "mlp" and len(cols) == 1 and styles[cols[0]] == "colwise" \
+            and _in_out(group.get_submodule(cols[0]))[1] == 2 * width_in:
+        styles[cols[0]] = "packed_colwise:2"  # one up projection twice the down's input: [gate; up] (Moshi's fc1)
+    widths = {_in_out(group.get_submodule(n))[1] for n in cols if styles[n] == "colwise"}
     for name, module in group.named_modules():  # a norm over the whole projected width
         weight = getattr(module, "weight", None)
         if name and not is_linear(module) and weight is not None and weight.dim() == 1 \

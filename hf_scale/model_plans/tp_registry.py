@@ -136,3 +136,32 @@ def phi3_tp_local_attrs(config) -> dict[str, tuple[str, ...]]:
 
 
 _add("phi3", tp_plan=phi3_tp_plan, tp_local_attrs=phi3_tp_local_attrs)
+
+# BLOOM: ``query_key_value`` is viewed ``(..., heads, 3, head_dim)`` (interleaved per head:
+# ``colwise``); the base model builds the ALiBi biases of all heads, ``alibi`` of shape
+# ``[batch x heads, 1, keys]``, and passes it to every attention: ``heads_input`` keeps this rank's.
+_add(
+    "bloom",
+    tp_plan={
+        "h.*.self_attention.query_key_value": "colwise",
+        "h.*.self_attention.dense": "rowwise",
+        "h.*.self_attention": "heads_input:alibi",
+        "h.*.mlp.dense_h_to_4h": "colwise",
+        "h.*.mlp.dense_4h_to_h": "rowwise",
+    },
+    tp_local_attrs={"h.*.self_attention": ("num_heads", "hidden_size", "split_size")},
+)
+
+# MPT: ``Wqkv`` is ``[q; k; v]`` (``chunk(3)``); ALiBi biases ``position_bias`` ``[heads, 1, keys]``
+# built in the base model for all heads.
+_add(
+    "mpt",
+    tp_plan={
+        "blocks.*.attn.Wqkv": "packed_colwise:3",
+        "blocks.*.attn.out_proj": "rowwise",
+        "blocks.*.attn": "heads_input:position_bias",
+        "blocks.*.ffn.up_proj": "colwise",
+        "blocks.*.ffn.down_proj": "rowwise",
+    },
+    tp_local_attrs={"blocks.*.attn": ("n_heads", "hidden_size")},
+)

@@ -19,6 +19,11 @@ The styles use transformers' vocabulary, so a ``tp_plan`` written for transforme
                        (Qwen3's ``q_norm``): weight whole on every rank, input the local
                        heads (``[..., heads, head_dim]``, ``Shard(-2)``); DTensor sums the
                        weight's gradient over the tp ranks, each of which saw its own heads
+``colwise_replicated_kv:K`` a fused ``[q; k; v]`` Linear with one key/value head (multi-query):
+                       weight whole on every rank; it computes this rank's query rows and the
+                       last ``K`` features (k, v) whole; gradients summed over the tp ranks
+``heads_input:ARG``    a module's argument ``ARG`` holding a slice per head for every head on its
+                       first dim (ALiBi biases, ``[batch x heads, ...]``): this rank's heads kept
 ``replicate``          nothing: parameters stay whole on every tp rank
 ====================== ===================================================================
 
@@ -42,6 +47,7 @@ from torch.distributed.tensor import (
     distribute_module,
     distribute_tensor,
 )
+from torch.distributed.tensor._api import _ToTorchTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -50,7 +56,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from ..model_plans.tp import is_conv1d, packed_parts, rope_dim
+from ..model_plans.tp import heads_input, is_conv1d, packed_parts, replicated_kv_width, rope_dim
 from . import tp_local
 
 # styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
@@ -82,7 +88,8 @@ def apply_tp(
     """
     tp = tp_mesh.size()
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
-            if style != "replicate" and style not in HOOK_STYLES}
+            if style != "replicate" and style not in HOOK_STYLES and not replicated_kv_width(style)
+            and not heads_input(style)}
     parallelize_module(model, tp_mesh, plan)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
@@ -97,6 +104,10 @@ def apply_tp(
             _sum_partial_output(model.get_submodule(name), tp_mesh)
         elif style == "mla_kv_a_proj":
             _sum_rope_grad(model.get_submodule(name), tp_mesh, rope_dim(model))
+        elif replicated_kv_width(style):
+            _replicated_kv(model.get_submodule(name), tp_mesh, replicated_kv_width(style))
+        elif heads_input(style):
+            _split_heads_input(model.get_submodule(name), tp_mesh, heads_input(style), _global_heads(model, name))
     for name, attrs in (local_attrs or {}).items():
         module = model.get_submodule(name)
         for attr in attrs:
@@ -137,7 +148,9 @@ def _style(module: nn.Module, style: str):
         "rowwise_split_input": (lambda: RowwiseParallel(input_layouts=Replicate()), "rowwise_split", False),
         "embedding_rowwise": (lambda: RowwiseParallel(input_layouts=Replicate()), "embedding_rowwise", False),
     }[style]
-    return _local_path(make(), kind, gather)
+    made = make()
+    made._prepare_output_fn = _prepare_output
+    return _local_path(made, kind, gather)
 
 
 def _local_path(style, kind: str, gather: bool = False):
@@ -166,6 +179,35 @@ def _local_path(style, kind: str, gather: bool = False):
 
 
 
+class _OwnedLocal(_ToTorchTensor):
+    """``DTensor.to_local`` whose result is not an autograd view: torch's returns
+    ``local.view_as(local)`` from a custom Function, and a model that then changes the output in
+    place (CTRL's ``inputs_embeds *= sqrt(d)`` after a vocabulary-parallel embedding, Llama 4's
+    ``out.add_(...)`` after a row-parallel ``down_proj``) fails with "a view ... is being modified
+    inplace". A ``detach`` of the local tensor is a fresh tensor object on the same storage that
+    autograd does not track as a view (same version counter: a saved tensor still checks); the
+    backward is torch's. No copy."""
+
+    @staticmethod
+    def forward(ctx, input, grad_placements):  # type: ignore[override]
+        _ToTorchTensor.forward(ctx, input, grad_placements)
+        return input._local_tensor.detach()
+
+
+def to_local(tensor: DTensor, grad_placements=None) -> torch.Tensor:
+    """``tensor.to_local(grad_placements=...)`` that the caller may change in place."""
+    if not torch.is_grad_enabled():
+        return tensor._local_tensor  # what DTensor.to_local returns without autograd
+    return _OwnedLocal.apply(tensor, tuple(grad_placements) if grad_placements is not None else None)
+
+
+def _prepare_output(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """torch's Colwise/RowwiseParallel output hook, with :func:`to_local`."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+    return to_local(outputs) if use_local_output else outputs
+
+
 def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
     """``mla_kv_a_proj`` (multi-head latent attention's ``kv_a_proj_with_mqa``, whole on every
     rank): its output is ``[kv latent, k_rope]``. The latent feeds a column-parallel
@@ -176,10 +218,92 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
         if not torch.is_grad_enabled() or isinstance(output, DTensor):
             return output
         latent, rot = output.split([output.shape[-1] - rope, rope], dim=-1)
-        rot = DTensor.from_local(rot, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+        rot = to_local(DTensor.from_local(rot, mesh, [Replicate()], run_check=False), [Partial()])
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
+
+
+def _global_heads(model: nn.Module, name: str) -> int:
+    """The model's query head count (its config's ``num_attention_heads``)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        from ..errors import HfScalePlanError
+
+        raise HfScalePlanError(f"{name} has a 'heads_input' style, and the model's config has no "
+                               "num_attention_heads to split that input by: give the module 'replicate'.")
+    return heads
+
+
+def _split_heads_input(module: nn.Module, mesh, arg: str, heads: int) -> None:
+    """``heads_input:ARG``: the argument ``ARG`` of ``module`` holds one slice per attention head
+    on its first dim, for all ``heads`` heads, flattened as ``[batch x heads]`` or ``[heads]``
+    (BLOOM's ``alibi``, MPT's ``position_bias``: ALiBi biases, which the base model builds
+    for every head before the blocks). Each rank keeps its own heads' slices: those of the heads
+    its column-parallel projections compute."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    local = heads // tp
+    names = list(inspect.signature(module.forward).parameters)
+    index = names.index(arg)
+
+    def split(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() == 0 or t.shape[0] % heads:
+            from ..errors import HfScalePlanError
+
+            raise HfScalePlanError(
+                f"{type(module).__name__}'s {arg!r} has shape {tuple(t.shape)}, whose first dim is not a multiple "
+                f"of the {heads} heads, so 'heads_input:{arg}' cannot keep this rank's heads: give the attention "
+                "a plan without it, or train without tp.")
+        grouped = t.view(t.shape[0] // heads, heads, *t.shape[1:])
+        return grouped[:, rank * local:(rank + 1) * local].reshape(-1, *t.shape[1:])
+
+    def enter(mod, args, kwargs):
+        if arg in kwargs:
+            return args, {**kwargs, arg: split(kwargs[arg])}
+        if index < len(args):
+            return (*args[:index], split(args[index]), *args[index + 1:]), kwargs
+        return args, kwargs
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+
+
+def _replicated_kv(module: nn.Module, mesh, tail: int) -> None:
+    """``colwise_replicated_kv:K``: a fused ``[q; k; v]`` Linear with fewer key/value heads than
+    tp ranks (multi-query attention: one k and one v head, the last ``K`` features). Its weight
+    and bias stay whole on every rank (plain tensors, saved whole); each forward computes this
+    rank's query rows and the whole k/v rows, ``[q_r, k, v]``: the layout the model's own split
+    of a local ``[heads + 2, head_dim]`` view expects (Megatron replicates kv heads so when they
+    are fewer than the tp ranks). Each rank's gradient covers its own heads, for the weight
+    (query rows: its own; k/v rows: its heads' share) and for the input alike: both are summed
+    over the tp ranks in backward (a ``Partial`` gradient made ``Replicate``)."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+
+    def summed(t):
+        if not torch.is_grad_enabled() or not t.requires_grad:
+            return t
+        return to_local(DTensor.from_local(t, mesh, [Replicate()], run_check=False), [Partial()])
+
+    def rows(t):
+        q = (t.shape[0] - tail) // tp
+        return torch.cat([t[rank * q:(rank + 1) * q], t[t.shape[0] - tail:]])
+
+    def enter(mod, args):
+        saved = dict(mod._parameters)
+        mod.__dict__["_hf_scale_whole_params"] = saved
+        for name, param in saved.items():
+            if param is not None:
+                mod._parameters[name] = rows(summed(param))
+        return (summed(args[0]), *args[1:]) if args and isinstance(args[0], torch.Tensor) else args
+
+    def leave(mod, args, output):
+        mod._parameters.update(mod.__dict__.pop("_hf_scale_whole_params", {}))
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _sum_partial_output(module: nn.Module, mesh) -> None:
@@ -189,7 +313,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
     ranks in backward; its output is summed in forward."""
     def as_replicated(x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad:
-            return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return to_local(DTensor.from_local(x, mesh, [Replicate()], run_check=False), [Partial()])
         return x
 
     def enter(mod, args, kwargs):
@@ -198,7 +322,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
     def leave(mod, args, kwargs, output):
         if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
             summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
-            return summed.to_local()
+            return to_local(summed)
         return output
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
@@ -231,6 +355,8 @@ def _distribute(module: nn.Module, mesh, placements: dict[str, list]) -> None:
 class Conv1DColwise(ColwiseParallel):
     """``colwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 1, bias on dim 0."""
 
+    _prepare_output_fn = staticmethod(_prepare_output)
+
     def _apply(self, module, device_mesh):
         return distribute_module(
             module, device_mesh,
@@ -242,6 +368,8 @@ class Conv1DColwise(ColwiseParallel):
 
 class Conv1DRowwise(RowwiseParallel):
     """``rowwise`` for transformers' Conv1D: weight ``[in, out]`` sharded on dim 0, bias whole."""
+
+    _prepare_output_fn = staticmethod(_prepare_output)
 
     def _apply(self, module, device_mesh):
         self.desired_input_layouts = (Shard(-1),)  # the matmul needs its input split on features
@@ -315,7 +443,7 @@ class PerHeadReplicated(ParallelStyle):
 
 def _local_output(mod, outputs, device_mesh):
     """The packed output as the local ``[a_r, b_r, ...]`` columns, with no collective."""
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+    return to_local(outputs) if isinstance(outputs, DTensor) else outputs
 
 
 def _retie(model: nn.Module, ties) -> None:

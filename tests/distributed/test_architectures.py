@@ -31,7 +31,9 @@ EXPECTED = {
     "persimmon": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred tp plan, checked; per-head q/k norms
     "granite_swa": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # attention sinks split with their heads
     "xglm": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # positions added in the base forward: stage 0 only
-    "bloom": {"fsdp": WORKS, "tp2": r"inferred from its modules does not hold: on a probe batch", "pp2": WORKS},
+    "bloom": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # registry: ALiBi biases split with the heads
+    "falcon": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # inferred: one k/v head kept whole (multi-query)
+    "bitnet": {"fsdp": WORKS, "tp2": r"inferred from its modules does not hold: on a probe batch", "pp2": WORKS},
     "mamba": {"fsdp": WORKS, "tp2": r"none is inferred from its modules: blocks \['MambaBlock'\]", "pp2": WORKS},
     "bart": {"fsdp": WORKS, "tp2": WORKS, "pp2": WORKS},  # decoder wrapper; embedding norm after the blocks
 }

@@ -75,6 +75,8 @@ EXTRA2 = {
     "llama_comm": ("comm_facts", ("llama", TP2), {}),
     "gpt2_comm": ("comm_facts", ("gpt2", TP2), {}),
     "zero_grad": ("zero_grad_keeps_zeros", ("llama", TP2), {}),
+    "inplace_outputs": ("module_check", ("inplace",), {}),
+    "multi_query": ("module_check", ("multi_query",), {}),
     "bad_heads": ("bad_input_error", ("llama", TP2), {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 3}),
     "bad_pattern": ("bad_input_error", ("llama", TP2), {"plan": {"tp_plan": {"model.layers.*.self_attn.q_projj": "colwise"}}}),
 }
@@ -207,6 +209,26 @@ def test_zero_grad_keeping_gradients_under_tp_alone(world2):
     zeroes both kinds (torch's own zero_grad batches them into one foreach call and raises)."""
     for result in world2:
         assert result["zero_grad"] == {"kinds": ["DTensor", "Parameter"], "zeros": True, "none": True}
+
+
+def test_sharded_outputs_may_be_changed_in_place(world2):
+    """A sharded layer's output is the caller's to change in place (CTRL scales its embedding
+    output with ``*=``, Llama 4 adds the routed experts to its shared expert's with ``add_``):
+    torch's ``to_local`` hands out a custom Function's view, which autograd refuses to change."""
+    for result in world2:
+        assert "error" not in result["inplace_outputs"], result["inplace_outputs"]
+        assert result["inplace_outputs"]["loss"] < 1e-4
+        assert max(result["inplace_outputs"]["grads"].values()) < 1e-5, result["inplace_outputs"]
+
+
+def test_fused_projection_keeping_its_key_value_heads_whole(world2):
+    """``colwise_replicated_kv``: one k/v head beside split query heads (Falcon, GPTBigCode's
+    multi-query attention): the loss and every gradient (the fused weight's, summed over the
+    ranks' heads, and the embedding's through it) equal one process's."""
+    for result in world2:
+        assert "error" not in result["multi_query"], result["multi_query"]
+        assert result["multi_query"]["loss"] < 1e-4
+        assert max(result["multi_query"]["grads"].values()) < 1e-5, result["multi_query"]
 
 
 def test_bad_input_fails_on_every_rank_before_any_collective(world2):

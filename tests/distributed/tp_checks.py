@@ -7,6 +7,7 @@ greedy generation, parameter placements, collectives per forward and bad input.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -127,6 +128,73 @@ def bad_input_error(arch: str, config: dict, plan: dict | None = None, **config_
     except hf_scale.HfScaleError as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+class _InPlaceOutputs(torch.nn.Module):
+    """Changes each sharded layer's output in place, as CTRL (``inputs_embeds *= sqrt(d)``) and
+    Llama 4 (``out.add_(...)`` after a row-parallel ``down_proj``) do."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h *= 2.0
+        u = self.up(h)
+        u.mul_(0.5)
+        d = self.down(u)
+        d.add_(1.0)
+        return d.square().sum()
+
+
+class _MultiQuery(torch.nn.Module):
+    """A fused ``[q (4 heads of 2); k (1 head); v (1 head)]`` projection, multi-query attention
+    over the heads, and a row-parallel output projection: Falcon's / GPTBigCode's layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.o = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 12), torch.nn.Linear(8, 8)
+
+    def forward(self, ids):
+        h = self.qkv(self.emb(ids))
+        q, k, v = h[..., :-4], h[..., -4:-2], h[..., -2:]
+        heads = q.unflatten(-1, (-1, 2))
+        att = (heads * k.unsqueeze(-2)).sum(-1, keepdim=True).sigmoid() * v.unsqueeze(-2)
+        return self.o(att.flatten(-2)).square().sum()
+
+
+MODULE_CHECKS = {
+    "inplace": (_InPlaceOutputs, {"emb": "embedding_rowwise", "up": "colwise", "down": "rowwise"}),
+    "multi_query": (_MultiQuery, {"qkv": "colwise_replicated_kv:4", "o": "rowwise"}),
+}
+
+
+def module_check(which: str) -> dict:
+    """Loss and gradients of a small module of :data:`MODULE_CHECKS` sharded with its styles,
+    against one process: :class:`_InPlaceOutputs` (a sharded layer's output may be changed in
+    place), :class:`_MultiQuery` (k/v heads kept whole while q is split)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hf_scale.parallel.tp import apply_tp
+
+    make, styles = MODULE_CHECKS[which]
+    torch.manual_seed(0)
+    whole = make()
+    sharded = copy.deepcopy(whole)
+    ids = torch.tensor([[1, 5, 9, 14], [2, 3, 11, 15]])
+    whole(ids).backward()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    apply_tp(sharded, mesh, styles)
+    try:
+        loss = sharded(ids)
+        loss.backward()
+    except RuntimeError as e:
+        return {"error": str(e)[:300]}
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
+    grads = {n: float((full(p.grad) - dict(whole.named_parameters())[n].grad).abs().max())
+             for n, p in sharded.named_parameters()}
+    return {"loss": float((full(loss) - whole(ids)).abs().detach()), "grads": grads}
 
 
 def world_checks(parity_cases: list[dict], gen_cases: list[dict], extra: dict) -> dict:

@@ -183,13 +183,17 @@ def test_architecture_without_tp_plan_gets_one_inferred_from_its_modules():
 
 
 def test_fused_qkv_and_block_level_mlp_are_inferred():
-    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128))
-    plan = resolve_plan(bloom)
-    assert plan.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
     from hf_scale.model_plans.from_hf import with_inferred_tp
 
+    # BLOOM's structure (its registry plan aside: the ALiBi input needs one)
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(hidden_size=32, n_layer=2, n_head=4, vocab_size=128))
+    plan = resolve_plan(bloom)
+    assert plan.source["tp_plan"] == "registry:bloom"
+    inferred = with_inferred_tp(bloom, plan, 0)
+    assert inferred.tp_plan["transformer.h.*.self_attention.query_key_value"] == "packed_colwise:3"  # [q; k; v] first
     assert with_inferred_tp(bloom, plan, 1).tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
-    assert with_inferred_tp(bloom, plan, 2) is None
+    assert not any(".self_attention." in k for k in with_inferred_tp(bloom, plan, 2).tp_plan)  # MLPs alone
+    assert with_inferred_tp(bloom, plan, 3) is None
     xglm = tf.XGLMForCausalLM(tf.XGLMConfig(d_model=32, num_layers=2, attention_heads=4, ffn_dim=64, vocab_size=128))
     assert {k: v for k, v in resolve_plan(xglm).tp_plan.items() if "fc" in k} == {
         "model.layers.*.fc1": "colwise", "model.layers.*.fc2": "rowwise"}
@@ -324,3 +328,58 @@ def test_inferred_plans_read_sequential_mlps_and_attention_units():
     assert plan.tp_plan["transformer.h.1.ffn.0"] == "colwise" and plan.tp_plan["transformer.h.1.ffn.2"] == "rowwise"
     xlm = _tiny("xlm")
     assert resolve_plan(xlm).tp_plan["transformer.attentions.*.q_lin"] == "colwise"
+
+
+def test_multi_query_fused_qkv_keeps_its_key_value_heads_whole():
+    # Falcon (multi_query): query_key_value is [q (64); k (16); v (16)], one kv head; tp splits q only
+    falcon = _tiny("falcon")
+    plan = resolve_plan(falcon)
+    assert plan.tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise_replicated_kv:32"
+    assert "num_kv_heads" not in plan.tp_local_attrs["transformer.h.*.self_attention"]  # 1: stays whole
+    assert "num_heads" in plan.tp_local_attrs["transformer.h.*.self_attention"]
+    layout = tp_layout(falcon, plan, 2)
+    from hf_scale.model_plans.tp import shard_dim
+
+    qkv = falcon.get_submodule("transformer.h.0.self_attention.query_key_value")
+    assert shard_dim(qkv, "weight", layout.styles["transformer.h.0.self_attention.query_key_value"]) is None
+    from hf_scale.model_plans.from_hf import with_inferred_tp
+
+    # next candidate: head-by-head interleaving, which divides the kv head counts again
+    second = with_inferred_tp(falcon, plan, 1)
+    assert second.tp_plan["transformer.h.*.self_attention.query_key_value"] == "colwise"
+    # GPTBigCode: 96 = 64 + 2 x 16 features is also 3 x 32: the unequal parts win over packed_colwise:3
+    bigcode = _tiny("gpt_bigcode")
+    assert resolve_plan(bigcode).tp_plan["transformer.h.*.attn.c_attn"] == "colwise_replicated_kv:32"
+    # a width tp does not divide is refused with what the style needs
+    with pytest.raises(HfScalePlanError, match=r"first 66 features .*tp=4 divides"):
+        tp_layout(falcon, resolve_plan(falcon, {"tp_plan": {"transformer.h.*.self_attention.query_key_value":
+                                                            "colwise_replicated_kv:30"}}), 4)
+
+
+def test_alibi_biases_of_every_head_are_split_with_the_heads():
+    # BLOOM / MPT build ALiBi biases for all heads in the base model: their attentions keep this rank's
+    bloom, mpt = _tiny("bloom"), _tiny("mpt")
+    bloom_styles = tp_layout(bloom, resolve_plan(bloom), 2).styles
+    assert bloom_styles["transformer.h.0.self_attention"] == "heads_input:alibi"
+    assert bloom_styles["transformer.h.0.self_attention.query_key_value"] == "colwise"  # per-head interleaved
+    mpt_styles = tp_layout(mpt, resolve_plan(mpt), 2).styles
+    assert mpt_styles["transformer.blocks.0.attn"] == "heads_input:position_bias"
+    assert mpt_styles["transformer.blocks.0.attn.Wqkv"] == "packed_colwise:3"
+    with pytest.raises(HfScalePlanError, match=r"forward takes no argument 'bias'"):
+        tp_layout(mpt, resolve_plan(mpt, {"tp_plan": {"transformer.blocks.*.attn": "heads_input:bias"}}), 2)
+
+
+def test_inferred_candidates_end_with_the_mlps_alone_and_read_fused_gate_up_by_width():
+    from hf_scale.model_plans.from_hf import with_inferred_tp
+
+    # TrOCR's attention reshapes to a width read from its input: the last candidate leaves it whole
+    trocr = _tiny("trocr")
+    plan = resolve_plan(trocr)
+    assert plan.tp_plan["model.decoder.layers.*.self_attn.q_proj"] == "colwise"
+    last = with_inferred_tp(trocr, plan, 1)
+    assert with_inferred_tp(trocr, plan, 2) is None
+    assert dict(last.tp_plan) == {"model.decoder.layers.*.fc1": "colwise", "model.decoder.layers.*.fc2": "rowwise"}
+    assert not last.tp_local_attrs  # the attentions keep their head counts
+    assert last.source["tp_whole"].startswith("every attention")
+    # Moshi's fc1 writes twice what fc2 reads ([gate; up], split by view(..., 2, -1))
+    assert resolve_plan(_tiny("moshi")).tp_plan["model.layers.*.mlp.fc1"] == "packed_colwise:2"
