@@ -37,6 +37,7 @@ from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .parallel.ep import apply_experts
+from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
@@ -155,8 +156,9 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
     declared = plan.source.get("tp_plan") == PRUNED
     if topology.tp is None or not (declared or plan.source.get("tp_plan") == "inferred"):
         return plan, topology
-    if any(p.is_meta for p in model.parameters()):
-        log_rank0("tensor parallel: the inferred plan is not checked (the model is on the meta device)", once=True)
+    where = _valueless(model)
+    if where:
+        log_rank0(f"tensor parallel: the inferred plan is not checked (the model is {where})", once=True)
         return plan, topology
     names = {id(m): n for n, m in model.named_modules()}
     blocks = [names[id(u)] for u in wrap_units(model, plan)]
@@ -182,6 +184,17 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
         f"on a probe batch, {first}. Pass plan={{'tp_plan': {{...}}}} (hf-scale plan prints the inferred one), "
         "or train without tp."
     )
+
+
+def _valueless(model: nn.Module) -> str | None:
+    """Where the model's parameters hold no values to run a probe forward on, if they do not:
+    the meta device, or fake tensors (a simulation, :mod:`hf_scale.layout_search.simulate`)."""
+    params = list(model.parameters())
+    if any(p.is_meta for p in params):
+        return "on the meta device"
+    if any(is_fake(p) for p in params):
+        return "on fake tensors: a simulation"
+    return None
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:
