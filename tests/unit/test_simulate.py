@@ -208,6 +208,8 @@ def test_pipeline_stages_run_their_schedule_with_every_tensor_on_its_gpu(deep_co
     # stage, which also sends them on, sent what it was assumed to receive
     assert bool(result.assumed) == (max(stages) > 0), result.assumed
     assert result.contradicted == []
+    # the estimate beside it is this stage's: the logits and loss only where the last stage runs
+    assert (result.estimate.logits_loss > 0) == (layout.pp * per_rank - 1 in stages), result.format()
     assert 0.5 < result.ratio < 2.0, result.format()
 
 
