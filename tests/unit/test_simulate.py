@@ -94,6 +94,7 @@ def test_lora_adapters(config):
     from hf_scale.layout_preview import meta_model
 
     model = peft.get_peft_model(meta_model(config), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    dtypes = [p.dtype for p in model.parameters()]
     layout = Layout("fsdp", dp_shard=8, precision="bf16")
     result = simulate(model, world_size=8, rank=1, parallel=layout, seq=SEQ, batch=BATCH)
     placed(result, layout)
@@ -101,6 +102,7 @@ def test_lora_adapters(config):
     assert sum(result.placement["gradients"].values()) == trainable  # frozen weights make none
     # the caller's model is left on the meta device: it simulates again, the same
     assert all(p.is_meta and type(p) is torch.nn.Parameter for p in model.parameters())
+    assert [p.dtype for p in model.parameters()] == dtypes  # the planner's bf16 profile ran on a copy
     again = simulate(model, world_size=8, rank=1, parallel=layout, seq=SEQ, batch=BATCH)
     placed(again, layout)
     assert again.peak["total"] == result.peak["total"]
