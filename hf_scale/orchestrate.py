@@ -37,6 +37,7 @@ from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .parallel.ep import apply_experts
+from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
@@ -185,11 +186,16 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
 
 
 def _probe_target(model: nn.Module, plan: ModelPlan, topology: Topology) -> tuple[nn.Module | None, TPLayout | None]:
-    """What the tp check runs: the model itself; on the meta device (``from_pretrained``: the
+    """What the tp check runs (None: none, logged): the model itself; on the meta device (``from_pretrained``: the
     weights are not there yet) the same architecture built tiny from its config, with the same
     random weights on every rank (:mod:`.model_plans.shrink`). The plan is checked for its
     styles on these module classes; the real sizes' divisibility was checked by ``tp_layout``."""
-    if not any(p.is_meta for p in model.parameters()):
+    params = list(model.parameters())
+    if any(is_fake(p) for p in params):  # a simulation (layout_search.simulate): nothing to run on
+        log_rank0("tensor parallel: the inferred plan is not checked (the model is on fake tensors: a simulation)",
+                  once=True)
+        return None, None
+    if not any(p.is_meta for p in params):
         return model, topology.tp
     from .model_plans.shrink import shrunk_config
 

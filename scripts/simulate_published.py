@@ -22,9 +22,22 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
 * ``lora``: torchtune's Llama 3.1 70B LoRA on 8 x A100 (27.6 GiB peak per GPU, published; the run
   and its sources are in ``plan_published.py``'s docstring): fsdp over 8 ranks, bf16, full
   checkpointing, micro-batch 2 x 2048 tokens, hf_scale's chunked loss at torchtune's chunk size;
+* ``moe``: transformers' Qwen3-30B-A3B table (docs/source/en/expert_parallelism.md, ``QWEN_SOURCE``:
+  full fine-tuning in bf16 at sequence length 2048 on 8 x H100, peak memory per GPU of
+  ``tp_size=8`` (experts over the same 8 ranks), ``tp_size=4, fsdp_size=2`` and ``tp_size=2,
+  fsdp_size=4``), the same meshes simulated with hf_scale (tp x fsdp; tp=8 is refused: Qwen3-30B-A3B
+  has 4 key/value heads, so hf_scale's ep=8 over fsdp 8 stands beside that row), rank 0 each. The
+  table states neither the batch nor checkpointing: the model is held in bf16 (its weights,
+  gradients and AdamW state: 8 bytes a parameter, which the published peaks imply: 16 would not
+  fit 8-way sharded under 38.6 GB), one 2048-token sequence per data-parallel rank, full
+  checkpointing, all assumed. These rows are not judged: the planner counts fp32 master weights;
 * ``cpu``: the legs of ``scripts/bench_planner.py`` without pipeline parallel, simulated as CPU
   processes (``device="cpu"``), against the tracked bytes that script measured in real gloo runs
   on this machine (read from its section of docs/benchmarks.md, where it writes them).
+
+Under pp each simulated rank is compared with its own pipeline stage's estimate
+(``estimate_memory(..., pp_rank=r)``): the first stage's embeddings and in-flight microbatches, the
+last stage's head, logits and loss.
 
 Targets: the estimate within +-10% of the simulated peak on the GPU rows, and the simulation within
 +-5% of the measured tracked bytes on the CPU legs.
@@ -134,6 +147,60 @@ def lora_rows() -> list[list[str]]:
     return cells
 
 
+# transformers' published Qwen3-30B-A3B table (full fine-tuning, bf16, seq 2048, 8 x H100): its
+# configuration, the peak memory per GPU it prints (GB), and hf_scale's layout of the same mesh
+QWEN_SOURCE = ("https://github.com/huggingface/transformers/blob/03af9e8b46f179fd8b17f779a6c25ce5b2291785/"
+               "docs/source/en/expert_parallelism.md")
+QWEN_PUBLISHED = [("tp_size=8", 38.6, "tp8"), ("tp_size=4, fsdp_size=2", 34.2, "tp4"),
+                  ("tp_size=2, fsdp_size=4", 32.3, "tp2")]
+QWEN_SEQ, QWEN_GPUS = 2048, 8
+# Qwen/Qwen3-30B-A3B's config (48 layers of 128 experts, top 8, all MoE; untied head), as published
+# in its config.json and Megatron model args (e.g. slime's scripts/models/qwen3-30B-A3B.sh)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False,
+                     rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)
+
+
+def moe_rows() -> list[list[str]]:
+    """hf_scale's simulation of transformers' published Qwen3-30B-A3B meshes, rank 0 of 8 each,
+    beside the published peak (not judged: the batch and checkpointing are assumed)."""
+    import torch
+    import transformers
+
+    from hf_scale.errors import HfScaleError
+    from hf_scale.layout_search import Layout
+    from hf_scale.layout_search.simulate import simulate
+
+    config = transformers.Qwen3MoeConfig(**QWEN3_30B_A3B)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16)  # weights, grads, AdamW in bf16
+    layouts = {"tp8": Layout("fsdp", tp=8, ac="full"), "tp4": Layout("fsdp", dp_shard=2, tp=4, ac="full"),
+               "tp2": Layout("fsdp", dp_shard=4, tp=2, ac="full"),
+               "ep8": Layout("fsdp", dp_shard=8, ep=8, ac="full")}
+    cells = []
+
+    def beside(published: str, gb: float, key: str) -> None:
+        name = f"Qwen3-30B-A3B full FT bf16, 8 x H100 (published: transformers {published})"
+        layout = layouts[key]
+        try:
+            result = simulate(model, QWEN_GPUS, 0, layout, seq=QWEN_SEQ, batch=1)
+        except HfScaleError as e:
+            cells.append([name, layout.describe(), *["-"] * 8, f"not run by hf_scale: {str(e).split('. ')[0]}"])
+            return
+        print(result.format(), flush=True)
+        cells.append(row(name, result, 0.9, 1.1))
+        cells[-1][-1] = (f"not judged; published peak {gb} GB/GPU: simulated / published "
+                         f"{result.peak['total'] / 1e9 / gb:.3f} (GB read as 1e9 bytes)")
+
+    for published, gb, key in QWEN_PUBLISHED:
+        beside(published, gb, key)
+        if key == "tp8":  # hf_scale's own layout of experts over all 8 ranks, beside the same published row
+            beside(published + "; hf_scale ep=8 instead", gb, "ep8")
+    return cells
+
+
 def measured_tracked(doc: Path) -> dict[str, float]:
     """``bench_planner.py``'s measured tracked GiB per leg, from the section it writes."""
     text = doc.read_text()
@@ -176,7 +243,9 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
     its simulation (a layout not simulated fails its target), and the CPU legs together."""
     lines = []
     for c in gpu_cells:
-        if c[3] == "-":
+        if c[-1].startswith(("not judged", "not run by hf_scale")):  # the published MoE rows: printed, not judged
+            lines.append(f"INFO: {c[0]} ({c[1]}): " + (f"simulated {c[4]} GiB; {c[-1]}" if c[3] != "-" else c[-1]))
+        elif c[3] == "-":
             lines.append(f"FAIL: {c[0]} ({c[1]}): {c[-1]}")
         else:
             lines.append(f"{c[-1][:4]}: {c[0]} rank {c[2]}: estimate / simulated {c[3]} (need 0.90-1.10)")
@@ -193,7 +262,7 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
-    parser.add_argument("--parts", default="gpu,lora,cpu", help="comma-separated: gpu, lora, cpu")
+    parser.add_argument("--parts", default="gpu,lora,moe,cpu", help="comma-separated: gpu, lora, moe, cpu")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -203,9 +272,16 @@ def main() -> None:
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
     gpu_cells, cpu_cells = [], []
-    if "gpu" in parts or "lora" in parts:
-        gpu_cells = (gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
+    if parts & {"gpu", "lora", "moe"}:
+        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
+                     + (moe_rows() if "moe" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
+    if "moe" in parts:
+        body += (f"Qwen3-30B-A3B rows: published peaks from transformers' expert-parallelism guide ({QWEN_SOURCE}): "
+                 f"full fine-tuning in bf16, seq {QWEN_SEQ}, 8 x H100. Simulated with the model held in bf16 "
+                 "(weights, gradients, AdamW state), one sequence per data-parallel rank and full checkpointing "
+                 "(the table states neither); not judged. The planner's estimate beside them counts fp32 master "
+                 "weights and, under tp, the experts as replicated.\n\n")
     if "cpu" in parts:
         doc = Path(args.write) if args.write else Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
         header = ["bench_planner leg", "layout", "world", "simulated / measured tracked", "simulated (GiB)",

@@ -287,8 +287,10 @@ def _interleaved_inflight(pl, rank: int, m: int, pp: int, factor: int) -> float:
     return held / sum(len(pl.stage_blocks[s]) for s in stages)
 
 
-def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> MemoryEstimate:
-    """Peak per-rank memory of one training step of ``work`` under ``layout``."""
+def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: int | None = None) -> MemoryEstimate:
+    """Peak per-rank memory of one training step of ``work`` under ``layout``: of the busiest pp
+    rank, or of ``pp_rank`` when given (its stages' parameters, in-flight microbatches, and the
+    logits and loss on the last stage's rank only)."""
     check_layout_ep(facts, layout.ep)  # the engine's refusal (a dense model, experts ep does not divide)
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
@@ -346,7 +348,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
     # the busiest pp rank by its state: a pipeline stage's gathered parameters and unsharded gradients included
-    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes + staged) * s for s in shares])
+    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes + staged) * s for s in shares],
+                            pp_rank)
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
     comm -= staged - int(staged * shares[acts.rank])
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
@@ -371,6 +374,14 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload) -> Memory
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or staged > 0, grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block)
+
+
+def estimate_stages(facts: ModelFacts, layout: Layout, work: Workload) -> list[MemoryEstimate]:
+    """:func:`estimate_memory` of each pp rank in turn (one estimate without pp): the first holds
+    the embeddings and the most in-flight microbatches, the last the head, the logits and the loss."""
+    if layout.pp == 1:
+        return [estimate_memory(facts, layout, work)]
+    return [estimate_memory(facts, layout, work, r) for r in range(layout.pp)]
 
 
 def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple[float, float, int]:
@@ -403,10 +414,11 @@ class Activations(NamedTuple):
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
-                     state: list[float] | None = None) -> Activations:
+                     state: list[float] | None = None, pp_rank: int | None = None) -> Activations:
     """Activation bytes of the busiest rank: the one whose ``state[rank]`` bytes (parameters,
-    gradients and optimizer state; none when not given) and activations add up to the most. The
-    recomputation starts once the loss's gradients are freed, so the two never add."""
+    gradients and optimizer state; none when not given) and activations add up to the most; or of
+    pp rank ``pp_rank`` when given. The recomputation starts once the loss's gradients are freed,
+    so the two never add."""
     prof = facts.profile(work.seq, TORCH_DTYPES[layout.precision], work.attn)
     t = layout.tp
     if layout.pp > 1:
@@ -445,7 +457,7 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
     # stage back onto it): the busiest rank is the larger of the two
     last = 0 if layout.pp_schedule == "zbv" else len(per_rank) - 1
     state = state or [0.0] * len(per_rank)
-    busiest = max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
+    busiest = pp_rank if pp_rank is not None else max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
         max(logits, recompute * seqs) if r == last else recompute * seqs))
     return Activations(saved=int(per_rank[busiest]), recompute=int(recompute * seqs),
                        logits_loss=int(logits if busiest == last else 0), rank=busiest,

@@ -340,7 +340,8 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
     Residual-width (the same on every tp rank): a ``seq x hidden`` tensor (or one value per
     token) that no column-parallel Linear made and no row-parallel Linear saved (its input is
     split); a row-parallel Linear's output (partial sums, full width) when kept."""
-    model = facts.model.to(dtype)
+    # a copy (cheap on meta): the facts' model may be the caller's, whose dtypes stay as given
+    model = copy.deepcopy(facts.model).to(dtype)
     model.train()
     units = wrap_units(model, facts.plan)
     params = {p.untyped_storage()._cdata for p in model.parameters()}

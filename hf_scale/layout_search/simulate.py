@@ -21,8 +21,9 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    gradient and optimizer state, and of the tensors each block and the model receive, against
    ``cuda:LOCAL_RANK`` (the host for what ``cpu_offload`` keeps there).
 
-Beside it, the planner's :func:`~.estimate.estimate_memory` for the same layout and workload,
-less the process overhead (``MemTracker`` sees tensors only, not the CUDA context).
+Beside it, the planner's :func:`~.estimate.estimate_memory` for the same layout and workload
+(under pp, of the pipeline rank simulated: its stages, its in-flight microbatches, the head and
+loss on the last), less the process overhead (``MemTracker`` sees tensors only, not the CUDA context).
 
 Usage::
 
@@ -138,7 +139,7 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
            "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", BACKEND_VAR: "fake"}
     start = time.perf_counter()
-    estimate = _estimate(source, layout, seq, batch, task, device)
+    facts = _facts(source, task)  # before the run: the model facts' meta forward runs outside fake mode
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
     if device not in ("cuda", "cpu"):
         raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
@@ -148,7 +149,9 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
             result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps)
         finally:
             shutdown_distributed()
-    result.estimate = estimate
+    # under pp, the estimate of the pipeline rank this rank ran (its first stage's index)
+    pp_rank = result.stages[0] if result.stages else None
+    result.estimate = estimate_memory(facts, layout, Workload(seq=seq, batch=batch, device=device), pp_rank)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -457,11 +460,10 @@ def gradients_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
             handle.remove()
 
 
-def _estimate(source, layout: Layout, seq: int, batch: int, task: str, device: str) -> MemoryEstimate:
+def _facts(source, task: str):
     from .profile import model_facts
 
-    work = Workload(seq=seq, batch=batch, device=device)
-    return estimate_memory(model_facts(source, task), layout, work)
+    return model_facts(source, task)
 
 
 @contextlib.contextmanager

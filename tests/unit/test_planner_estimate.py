@@ -233,6 +233,24 @@ def test_pipeline_busiest_rank(tiny):
     assert mem.activations + mem.logits_loss == max(rank0, last)
 
 
+def test_pipeline_estimate_per_stage(tiny):
+    """The same pp=2 layout stage by stage: rank 0 holds the embedding and 2 microbatches in flight of
+    its block, no logits; rank 1 one microbatch, the final norm, and the logits and loss; the
+    planner's estimate (no rank named) is the busier of the two."""
+    from hf_scale.layout_search.estimate import estimate_stages, pp_rank_params
+
+    layout = Layout("fsdp", 1, 1, pp=2, micro_batch=2)
+    first, last = estimate_stages(tiny, layout, WORK2)
+    prof = tiny.profile(16, torch.float32, "sdpa")
+    assert (first.activations, first.logits_loss) == (2 * prof.block_bytes, 0)
+    assert last.activations == prof.block_bytes and last.logits_loss > 0
+    counts = pp_rank_params(tiny, layout)  # the tied embedding and head counted on both ends
+    assert (first.params, last.params) == (4 * counts[0], 4 * counts[1])
+    busiest = estimate_memory(tiny, layout, WORK2)
+    assert busiest.device_total == max(first.device_total, last.device_total)
+    assert busiest in (first, last)
+
+
 def test_models_the_planner_cannot_estimate():
     from torch import nn
     from transformers import PretrainedConfig, PreTrainedModel

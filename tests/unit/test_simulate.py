@@ -94,6 +94,7 @@ def test_lora_adapters(config):
     from hf_scale.layout_preview import meta_model
 
     model = peft.get_peft_model(meta_model(config), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    dtypes = [p.dtype for p in model.parameters()]
     layout = Layout("fsdp", dp_shard=8, precision="bf16")
     result = simulate(model, world_size=8, rank=1, parallel=layout, seq=SEQ, batch=BATCH)
     placed(result, layout)
@@ -101,6 +102,7 @@ def test_lora_adapters(config):
     assert sum(result.placement["gradients"].values()) == trainable  # frozen weights make none
     # the caller's model is left on the meta device: it simulates again, the same
     assert all(p.is_meta and type(p) is torch.nn.Parameter for p in model.parameters())
+    assert [p.dtype for p in model.parameters()] == dtypes  # the planner's bf16 profile ran on a copy
     again = simulate(model, world_size=8, rank=1, parallel=layout, seq=SEQ, batch=BATCH)
     placed(again, layout)
     assert again.peak["total"] == result.peak["total"]
@@ -208,6 +210,8 @@ def test_pipeline_stages_run_their_schedule_with_every_tensor_on_its_gpu(deep_co
     # stage, which also sends them on, sent what it was assumed to receive
     assert bool(result.assumed) == (max(stages) > 0), result.assumed
     assert result.contradicted == []
+    # the estimate beside it is this stage's: the logits and loss only where the last stage runs
+    assert (result.estimate.logits_loss > 0) == (layout.pp * per_rank - 1 in stages), result.format()
     assert 0.5 < result.ratio < 2.0, result.format()
 
 
@@ -240,6 +244,8 @@ EXPERTS = {  # bf16: torch's grouped matmul (transformers' experts kernel on CUD
     "ep8": (Layout("fsdp", dp_shard=8, ep=8, precision="bf16"), 8, 3),
     "ep4_of_fsdp8": (Layout("fsdp", dp_shard=8, ep=4, precision="bf16"), 8, 6),
     "ep2_zero2_full_ac": (Layout("zero2", dp_shard=8, ep=2, precision="bf16", ac="full"), 8, 5),
+    "tp2_ep4_of_fsdp4": (Layout("fsdp", dp_shard=4, tp=2, ep=4, precision="bf16"), 8, 3),
+    "tp2": (Layout("fsdp", dp_shard=4, tp=2, precision="bf16"), 8, 6),
 }
 
 
@@ -250,11 +256,38 @@ def test_expert_parallel_runs_on_balanced_routing(moe, name):
     placed(result, layout)
     tokens = SEQ * moe.num_experts_per_tok  # (token, expert) pairs per rank and MoE layer
     per_rank = tokens // layout.ep
-    assert result.assumed == [f"ep={layout.ep}: balanced routing assumed: {tokens} (token, expert) pairs per rank "
-                              f"and layer, {per_rank} sent to and received from each ep rank"], result.assumed
+    assumed = (f"ep={layout.ep}: balanced routing assumed: {tokens} (token, expert) pairs per rank "
+               f"and layer, {per_rank} sent to and received from each ep rank")
+    assert result.assumed == ([assumed] if layout.ep > 1 else []), result.assumed
     for kind in ("params", "optimizer", "grads", "activations"):
         assert result.peak[kind] > 0, (kind, result.format())
     assert 0.5 < result.ratio < 2.0, result.format()
+
+
+def test_tp_on_fake_tensors_skips_the_probe_forward_and_says_so(moe, monkeypatch):
+    """transformers' tp plan for a MoE model whose configuration lacks some of its modules is pruned,
+    and a pruned plan is checked by one forward of a sharded copy: fake tensors have no values to
+    compare, so the simulation skips the check (as the meta device does) and logs it on rank 0."""
+    import logging
+
+    from hf_scale import log, orchestrate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the tp probe forward ran on fake tensors")
+
+    said = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    monkeypatch.setattr(orchestrate, "check_tp_forward", refuse)
+    monkeypatch.setattr(log, "_said", set())
+    log.logger.addHandler(handler)
+    try:
+        layout = Layout("fsdp", dp_shard=4, tp=2, ep=4, precision="bf16")
+        result = simulate(moe, world_size=8, rank=0, parallel=layout, seq=SEQ, batch=1)
+    finally:
+        log.logger.removeHandler(handler)
+    placed(result, layout)
+    assert "tensor parallel: the inferred plan is not checked (the model is on fake tensors: a simulation)" in said
 
 
 def test_expert_parallel_holds_its_share_of_the_experts(moe):
