@@ -130,13 +130,16 @@ def tp_report(model, plan, tp: int) -> dict:
         patterns.setdefault(key, []).append(name)
     sharded = replicated = local = bytes_local = 0
     seen: set[int] = set()  # a tied weight is one tensor under two modules: count it once
+    # routed experts: each expert's intermediate size split over the tp ranks (parallel.ep)
+    experts = {f"{m}.{p}": dim for m, split in layout.experts.items() for p, (dim, _) in split.items()}
     for module_name, module in model.named_modules():
         style = layout.styles.get(module_name, "replicate")
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
             seen.add(id(param))
-            dim = layout.params.get(f"{module_name}.{p_name}", shard_dim(module, p_name, style))
+            full = f"{module_name}.{p_name}"
+            dim = experts[full] if full in experts else layout.params.get(full, shard_dim(module, p_name, style))
             if dim is None:
                 replicated += param.numel()
                 kept = param.numel()

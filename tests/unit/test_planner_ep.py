@@ -181,3 +181,20 @@ def test_auto_keeps_a_fixed_ep_and_the_report_names_it(moe):
     assert config.ep == 2 and best.layout.ep == 2 and config.strategy in ("fsdp", "zero2")
     text = format_candidates(moe, best, [best], 100 * GiB, WORK)
     assert "ep=2" in text.splitlines()[-1]
+
+
+def test_tp_splits_the_routed_experts_in_the_planners_count(moe):
+    """Under tp each expert's intermediate size is split over the tp ranks (parallel.ep), so a
+    tp rank holds half the experts' parameters at tp=2: the planner counted them whole on every
+    rank (the simulation of Qwen3-30B-A3B at tp=4 held 7.1 GiB where it estimated 54.7)."""
+    from hf_scale.layout_preview import tp_report
+    from hf_scale.model_plans.ep import experts_layout
+
+    model, plan = moe.model, moe.plan
+    experts = sum(model.get_submodule(m).get_parameter(p).numel()
+                  for m, params in experts_layout(model, plan).modules.items() for p in params)
+    total = sum(p.numel() for p in model.parameters())
+    report = tp_report(model, plan, 2)
+    assert experts > total / 2  # the experts dominate this model
+    # every expert weight sharded: the rank's count drops by (at least) half the experts
+    assert report["sharded_params"] >= experts and report["params_per_rank"] <= total - experts / 2
