@@ -189,6 +189,7 @@ PIPELINES = {  # layout, world, rank, batch: the first, a middle and the last st
                              8, 5, 2),
     "pp2_interleaved": (Layout("fsdp", dp_shard=2, pp=2, micro_batch=4, pp_schedule="interleaved_1f1b"), 4, 3, 4),
     "pp2_zbv": (Layout("fsdp", dp_shard=2, pp=2, micro_batch=4, pp_schedule="zbv"), 4, 0, 4),
+    "pp2_zero_bubble": (Layout("fsdp", dp_shard=2, pp=2, micro_batch=4, pp_schedule="zero_bubble"), 4, 0, 4),
 }
 
 
@@ -199,7 +200,7 @@ def test_pipeline_stages_run_their_schedule_with_every_tensor_on_its_gpu(deep_co
     placed(result, layout)
     assert set(result.placement["stage inputs"]) == {result.device}  # what each stage receives
     stages = tuple(result.stages)
-    per_rank = 2 if layout.pp_schedule in ("interleaved_1f1b", "zbv") else 1
+    per_rank = 2 if layout.pp_schedule in ("interleaved_1f1b", "zero_bubble", "zbv") else 1
     assert len(stages) == per_rank
     pp_rank = rank // (world // layout.pp)
     assert stages[0] == pp_rank, stages
