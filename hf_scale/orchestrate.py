@@ -158,7 +158,7 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
         return plan, topology
     first, candidate = None, 0
     while plan is not None:
-        target, layout = _probe_target(model, plan, topology)
+        target, layout = _probe_target(model, plan, topology, candidate)
         if target is None:
             return plan, topology
         names = {id(m): n for n, m in target.named_modules()}
@@ -185,11 +185,14 @@ def check_inferred_tp(model: nn.Module, plan: ModelPlan, topology: Topology, env
     )
 
 
-def _probe_target(model: nn.Module, plan: ModelPlan, topology: Topology) -> tuple[nn.Module | None, TPLayout | None]:
-    """What the tp check runs (None: none, logged): the model itself; on the meta device (``from_pretrained``: the
-    weights are not there yet) the same architecture built tiny from its config, with the same
-    random weights on every rank (:mod:`.model_plans.shrink`). The plan is checked for its
-    styles on these module classes; the real sizes' divisibility was checked by ``tp_layout``."""
+def _probe_target(model: nn.Module, plan: ModelPlan, topology: Topology,
+                  candidate: int = 0) -> tuple[nn.Module | None, TPLayout | None]:
+    """What the tp check runs (None: none, logged): the model itself; on the meta device
+    (``from_pretrained``: the weights are not there yet) the same architecture built tiny from its
+    config, with the same random weights on every rank (:mod:`.model_plans.shrink`), and an
+    inferred plan inferred again there (its ``candidate``-th guess: styles that carry a width,
+    ``colwise_replicated_kv:K``, take the small one). The plan is checked for its styles on these
+    module classes; the real sizes' divisibility was checked by ``tp_layout``."""
     params = list(model.parameters())
     if any(is_fake(p) for p in params):  # a simulation (layout_search.simulate): nothing to run on
         log_rank0("tensor parallel: the inferred plan is not checked (the model is on fake tensors: a simulation)",
@@ -199,18 +202,25 @@ def _probe_target(model: nn.Module, plan: ModelPlan, topology: Topology) -> tupl
         return model, topology.tp
     from .model_plans.shrink import shrunk_config
 
-    tp = topology.dims.tp
+    tp, why = topology.dims.tp, None
     try:
         small_config = shrunk_config(model.config, heads=2 * tp, kv_heads=tp)
         with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             torch.manual_seed(0)
             small = type(model)._from_config(small_config)
-        return small, tp_layout(small, plan, tp)
     except Exception as e:  # noqa: BLE001 - an architecture that does not build small: say so, unchecked
-        log_rank0(f"tensor parallel: the inferred plan is not checked (the model is on the meta device, and "
-                  f"{type(model).__name__} did not build at a small size to check it on: {type(e).__name__}: "
-                  f"{str(e).strip()[:200]})", once=True)
-        return None, None
+        small, why = None, f"{type(model).__name__} did not build at a small size to check it on: {type(e).__name__}: {e}"
+    if small is not None:
+        small_plan = with_inferred_tp(small, plan, candidate) if plan.source.get("tp_plan") == "inferred" else plan
+        try:
+            if small_plan is None:
+                raise HfScalePlanError(f"no {candidate}-th guess is inferred at the small size")
+            return small, tp_layout(small, small_plan, tp)
+        except HfScalePlanError as e:
+            why = f"the plan does not apply to {type(model).__name__} at a small size: {e}"
+    log_rank0(f"tensor parallel: the inferred plan is not checked (the model is on the meta device, and "
+              f"{str(why).strip()[:300]})", once=True)
+    return None, None
 
 
 def keep_own_stages(model: nn.Module, topology: Topology) -> Topology:

@@ -113,9 +113,15 @@ def _plain(metas) -> list[tuple]:
 
 
 def _hidden_width(stage: torch.nn.Module) -> int:
-    """The width of the hidden states between stages: the input embedding's (its stand-in keeps it)."""
+    """The width of the hidden states between stages: the (text) config's ``hidden_size``, else
+    the input embedding's (its stand-in keeps it; a factored embedding, OPT-350m's 512 projected
+    to 1024, is narrower than the blocks)."""
     from ..parallel.pp import ZeroEmbedding
 
+    config = getattr(getattr(stage, "view", stage), "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(getattr(config, "hidden_size", None), int):
+        return config.hidden_size
     for module in stage.modules():
         if isinstance(module, ZeroEmbedding):
             return module.dim

@@ -278,13 +278,13 @@ def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
     positions) is needed on every stage, which a stage split does not give.
     None when the forward cannot be run this way (registration order then decides alone)."""
     called: set[str] = set()
-    outputs: dict[int, str] = {}
+    outputs: list[tuple[str, torch.Tensor]] = []  # held: a freed output's id could be reused
 
     def ran(name, module, args, out):
         called.add(name)
         for t in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(t, torch.Tensor):
-                outputs[id(t)] = name
+                outputs.append((name, t))
 
     fed: list[str] = []
 
@@ -293,7 +293,7 @@ def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
             [v for k, v in kwargs.items() if k != "hidden_states"]
         for t in rest:
             if isinstance(t, torch.Tensor):
-                name = outputs.get(id(t)) or outputs.get(id(t._base))
+                name = next((n for n, o in outputs if t is o or t._base is o), None)
                 if name and name not in fed:
                     fed.append(name)
         raise _Reached
@@ -302,14 +302,20 @@ def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
     handles.append(blocks[0].register_forward_pre_hook(stop, with_kwargs=True))
     param = next(base.parameters(), None)
     ids = torch.zeros((1, 2), dtype=torch.long, device=param.device if param is not None else "cpu")
+    modes = [(m, m.training) for m in base.modules()]
+    # eval, and the random state put back: dropout before the blocks draws nothing from the run's
+    devices = [ids.device] if ids.device.type == "cuda" else []
     try:
-        with torch.no_grad(), _MetaScalars():
+        with torch.no_grad(), _MetaScalars(), torch.random.fork_rng(devices=devices):
+            base.eval()
             base(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     except _Reached:
         return called, fed
     except Exception:  # noqa: BLE001 - a forward that needs more than token ids: fall back
         return None
     finally:
+        for module, mode in modes:
+            module.training = mode
         for handle in handles:
             handle.remove()
     return None  # the blocks never ran

@@ -226,12 +226,18 @@ class StageModule(nn.Module):
         if not self.last:
             getattr(self.view, self.base)(**inputs)
             return None
+        held = int((labels != -100).sum()) if self.own_mean else None
+        if held == 0:  # its mean over no labels is NaN (and so would its gradients be): nothing to add
+            out = self.view(**inputs)
+            logits = out.logits if hasattr(out, "logits") else out[0]
+            full = getattr(logits, "full_tensor", None)
+            return (full() if full else logits).sum() * 0.0
         out = self.view(**inputs, labels=labels, num_items_in_batch=self.label_tokens)
         loss = out.loss if hasattr(out, "loss") else out[0]
         full = getattr(loss, "full_tensor", None)  # a tensor-parallel loss is a DTensor
         loss = full() if full else loss
         if self.own_mean:  # its mean is over the labelled positions it holds (no shift: BART's)
-            loss = loss * ((labels != -100).sum() / self.label_positions)
+            loss = loss * (held / self.label_positions)
         return loss
 
 
@@ -239,11 +245,10 @@ def honours_num_items(model: nn.Module) -> bool:
     """Whether ``model``'s loss is transformers' ``loss_function``, which sums the token losses
     over ``num_items_in_batch`` (a microbatch's loss is then its share of the batch mean), not a
     ``CrossEntropyLoss()`` mean the forward computes itself. Read from the forward's source, as a
-    signature does not tell (both take ``**kwargs``); ``accepts_loss_kwargs = False`` says no."""
+    signature does not tell (both take ``**kwargs``; and ``accepts_loss_kwargs = False``, which
+    Qwen2.5-VL declares, is Trainer's business: its forward still hands them to ``loss_function``)."""
     import inspect
 
-    if getattr(model, "accepts_loss_kwargs", True) is False:
-        return False
     try:
         return "loss_function" in inspect.getsource(type(model).forward)
     except (OSError, TypeError):  # no source (compiled, interactive): assume transformers' loss

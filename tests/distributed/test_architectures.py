@@ -81,7 +81,10 @@ def test_an_inferred_plan_is_checked_on_the_meta_device_too():
     """A model on the meta device has no weights to run the probe forward on: the check runs on
     the same architecture built tiny (random weights, the same on every rank), so an inferred
     plan that holds is marked checked and one that does not is refused, as on the CPU."""
-    ranks = run_ranks(_meta_plan_sources, 2, ["persimmon", "bitnet"], timeout=300)
+    ranks = run_ranks(_meta_plan_sources, 2, ["persimmon", "gpt_bigcode", "bitnet"], timeout=300)
     for got in ranks:
         assert got["persimmon"] == "inferred, checked", got
+        # a style that carries a width (one kv head kept whole: colwise_replicated_kv:K) is
+        # inferred again at the small size, not skipped
+        assert got["gpt_bigcode"] == "inferred, checked", got
         assert got["bitnet"].startswith("refused") and "does not hold: on a probe batch" in got["bitnet"], got

@@ -95,6 +95,38 @@ def test_microbatch_losses_add_up_to_the_batch_mean_whether_the_model_reduces_it
     assert chained_loss(model, batch, microbatches=2) == pytest.approx(expected, rel=1e-6, abs=0)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "bart"])
+def test_a_microbatch_without_labels_adds_nothing_and_no_nan(model_type):
+    """A microbatch of prompt-only rows (every label -100): BART's own mean over no labels is NaN,
+    which the last stage must not add (a review's finding: the step's loss was NaN)."""
+    model = tiny(model_type)
+    batch = padded_batch(6)
+    batch["labels"][:2] = -100  # the first microbatch of two holds no labels
+    with torch.no_grad():
+        expected = float(model(**batch).loss)
+    assert chained_loss(model, batch, microbatches=2) == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_a_model_that_declares_accepts_loss_kwargs_false_but_calls_loss_function_is_not_weighted_twice(monkeypatch):
+    """Qwen2.5-VL declares ``accepts_loss_kwargs = False`` (for Trainer) and still passes
+    ``num_items_in_batch`` to ``loss_function``: its microbatch losses are shares already."""
+    model = tiny("llama")
+    monkeypatch.setattr(type(model), "accepts_loss_kwargs", False, raising=False)
+    batch = padded_batch(6)
+    with torch.no_grad():
+        expected = float(model(**batch).loss)
+    assert chained_loss(model, batch, microbatches=2) == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_finding_where_modules_run_draws_no_random_numbers_and_keeps_the_training_mode():
+    model = tiny("gpt2").train()  # GPT-2 drops out its embeddings before the first block
+    model.transformer.h[1].eval()  # a module in its own mode keeps it
+    state = torch.get_rng_state()
+    pp_layout(model, resolve_plan(model), 2)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.training and model.transformer.drop.training and not model.transformer.h[1].training
+
+
 def test_a_module_registered_after_the_blocks_that_runs_before_them_is_on_the_first_stage():
     layout = pp_layout(tiny("mbart"), resolve_plan(tiny("mbart")), 2)
     assert "model.decoder.layernorm_embedding" in layout.first
