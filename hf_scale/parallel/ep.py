@@ -162,7 +162,10 @@ class TokenDispatcher:
         else:
             out = local_experts(rows, local_ids, ones)
         back = _AllToAll.apply(out, send_sizes, recv_sizes, self.group)
-        per_slot = back[torch.argsort(order)].view(num_tokens, k, -1)
+        # back to (token, slot) order: a scatter by ``order`` (its backward a gather), no inverse sort
+        per_slot = torch.empty_like(back)
+        per_slot[order] = back
+        per_slot = per_slot.view(num_tokens, k, -1)
         weighted = per_slot * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden_states.dtype)
 
