@@ -20,7 +20,8 @@ combine                ``all_to_all_single`` of the outputs back to their sender
 The routing weights are applied on the sender, so the router's gradient is computed where the
 router ran, from this rank's tokens (transformers#48687 was a router gradient lost under
 expert parallel). Weights: each expert-indexed parameter (dim 0 = expert) becomes a ``DTensor``
-``Shard(0)`` on the ep mesh; FSDP then shards it over the ranks holding the same experts.
+``Shard(0)`` on the ep mesh; FSDP then shards it over the ranks holding the same experts (none
+when ep is every data-parallel rank: see ``parallel/fsdp.py``).
 
 Usage::
 

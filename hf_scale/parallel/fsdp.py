@@ -63,6 +63,10 @@ def apply_fsdp(
             Their gradients arrive summed over the ep ranks' tokens (the all-to-all's backward),
             so the reduction divides by ``data_ranks`` (every data-parallel rank), not by the
             size of ``experts_mesh``: the same mean over all ranks' data as the dense weights.
+            When ``experts_mesh`` is one rank (no other rank holds these experts) and neither
+            ``param_dtype`` nor ``cpu_offload`` is set, they stay out of FSDP (``ignored_params``
+            of the enclosing units): FSDP would only copy them whole into its buffers and back
+            every step; a gradient hook does the division.
 
     Usage::
 
