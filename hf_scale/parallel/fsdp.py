@@ -120,14 +120,26 @@ def _keep_whole(module: nn.Module, divide_factor: float, ignored: set) -> bool:
     all-to-all's backward brings every rank's tokens), so FSDP's only work would be the
     division by the data-parallel ranks, done here by a gradient hook. Adds the parameters to
     ``ignored`` (the enclosing units must leave them alone); False (and nothing added) when some
-    parameter is a plain tensor, which FSDP must shard and reduce."""
+    parameter is a plain tensor, which FSDP must shard and reduce.
+
+    The hooks are registered at the module's forward, on the parameters it holds then: loading
+    a checkpoint (``from_pretrained`` fills meta parameters) replaces the parameter objects, and
+    a hook registered now would stay on the replaced ones."""
     params = list(module.parameters())
     if not params or not all(isinstance(p, DTensor) for p in params):
         return False
-    for p in params:
-        if p.requires_grad:
-            p.register_hook(lambda grad: grad / divide_factor)
-        ignored.add(p)
+    ignored.update(params)
+
+    def divide(grad: torch.Tensor) -> torch.Tensor:
+        return grad / divide_factor
+
+    def hook_parameters(module: nn.Module, args) -> None:
+        for p in module.parameters():
+            if p.requires_grad and not getattr(p, "_hf_scale_divided", False):
+                p.register_hook(divide)
+                p._hf_scale_divided = True
+
+    module.register_forward_pre_hook(hook_parameters)
     return True
 
 
