@@ -314,7 +314,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     scale = frac if layout.pp == 1 else 1 / layout.tp
     block, block_frozen = biggest * scale, biggest_frozen * scale
     root, root_frozen = facts.root_params * scale, facts.root_frozen * scale
-    # expert parallel: a layer gathers only its 1/ep share of the experts (the rest live on other ranks)
+    # expert parallel: a layer gathers at most its 1/ep share of the experts (the rest live on other ranks)
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
@@ -385,13 +385,17 @@ def estimate_stages(facts: ModelFacts, layout: Layout, work: Workload) -> list[M
 
 
 def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple[float, float, int]:
-    """Under ep: one MoE layer's expert parameters held by the other ep ranks (``1 - 1/ep`` of
-    them, at this rank's tp / pp ``scale``), of them the frozen ones, and the MoE layers; zeros
-    without ep."""
+    """Under ep: one MoE layer's expert parameters this rank's FSDP unit does not gather, at this
+    rank's tp / pp ``scale``: those the other ep ranks hold (``1 - 1/ep`` of them), or all of
+    them when no other data-parallel rank holds this rank's experts (ep = dp_shard, no
+    dp_replicate; no mixed precision, no cpu offload: ``apply_fsdp`` then leaves them out of
+    FSDP); of them the frozen ones, and the MoE layers; zeros without ep."""
     moe = moe_facts(facts) if layout.ep > 1 else None
     if moe is None:
         return 0.0, 0.0, 0
-    away = moe.layer_params * (1 - 1 / layout.ep) * scale
+    whole = (layout.dp_shard == layout.ep and layout.dp_replicate == 1 and not layout.precision
+             and not layout.cpu_offload)
+    away = moe.layer_params * (1 if whole else 1 - 1 / layout.ep) * scale
     frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
     return away, away * frozen, moe.moe_layers
 

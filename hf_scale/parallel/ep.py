@@ -20,7 +20,8 @@ combine                ``all_to_all_single`` of the outputs back to their sender
 The routing weights are applied on the sender, so the router's gradient is computed where the
 router ran, from this rank's tokens (transformers#48687 was a router gradient lost under
 expert parallel). Weights: each expert-indexed parameter (dim 0 = expert) becomes a ``DTensor``
-``Shard(0)`` on the ep mesh; FSDP then shards it over the ranks holding the same experts.
+``Shard(0)`` on the ep mesh; FSDP then shards it over the ranks holding the same experts (none
+when ep is every data-parallel rank: see ``parallel/fsdp.py``).
 
 Usage::
 
@@ -159,7 +160,10 @@ class TokenDispatcher:
         else:
             out = local_experts(rows, local_ids, ones)
         back = _AllToAll.apply(out, send_sizes, recv_sizes, self.group)
-        per_slot = back[torch.argsort(order)].view(num_tokens, k, -1)
+        # back to (token, slot) order: a scatter by ``order`` (its backward a gather), no inverse sort
+        per_slot = torch.empty_like(back)
+        per_slot[order] = back
+        per_slot = per_slot.view(num_tokens, k, -1)
         weighted = per_slot * top_k_weights.unsqueeze(-1)
         return weighted.sum(1).to(hidden_states.dtype)
 

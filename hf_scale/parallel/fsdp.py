@@ -63,6 +63,10 @@ def apply_fsdp(
             Their gradients arrive summed over the ep ranks' tokens (the all-to-all's backward),
             so the reduction divides by ``data_ranks`` (every data-parallel rank), not by the
             size of ``experts_mesh``: the same mean over all ranks' data as the dense weights.
+            When ``experts_mesh`` is one rank (no other rank holds these experts) and neither
+            ``param_dtype`` nor ``cpu_offload`` is set, they stay out of FSDP (``ignored_params``
+            of the enclosing units): FSDP would only copy them whole into its buffers and back
+            every step; a gradient hook does the division.
 
     Usage::
 
@@ -74,12 +78,13 @@ def apply_fsdp(
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     )
-    common = dict(mesh=dp_mesh, offload_policy=offload, shard_placement_fn=_shard_placement)
-    if param_dtype is not None:
-        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        for module in fp32_modules:
-            fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
+    # experts that no other rank holds (one rank in ``experts_mesh``): FSDP would copy them whole
+    # into its buffers and back every forward and backward, for nothing to gather or scatter
+    whole = experts_mesh is not None and experts_mesh.size() == 1 and param_dtype is None and not cpu_offload
+    ignored: set[nn.Parameter] = set()
     for module in experts:
+        if whole and _keep_whole(module, float(data_ranks), ignored):
+            continue
         fully_shard(module, mesh=experts_mesh, offload_policy=offload, mp_policy=mp_policy,
                     reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(float(data_ranks))
@@ -87,6 +92,12 @@ def apply_fsdp(
             # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
             # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
             module.set_force_sum_reduction_for_comms(True)
+    common = {"mesh": dp_mesh, "offload_policy": offload, "shard_placement_fn": _shard_placement,
+              "ignored_params": ignored or None}
+    if param_dtype is not None:
+        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for module in fp32_modules:
+            fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
     groups = [list(units[i : i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
     for index, group in enumerate(groups):
         # The last unit's parameters are needed first in backward: keep them gathered.
@@ -101,6 +112,35 @@ def apply_fsdp(
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
     if prefetch:
         set_prefetch(model, [group[0] for group in groups], prefetch)
+
+
+def _keep_whole(module: nn.Module, divide_factor: float, ignored: set) -> bool:
+    """Leave an experts module out of FSDP when every one of its parameters is a ``DTensor``
+    (the ep / tp split) that this rank alone holds: its gradients arrive whole (the
+    all-to-all's backward brings every rank's tokens), so FSDP's only work would be the
+    division by the data-parallel ranks, done here by a gradient hook. Adds the parameters to
+    ``ignored`` (the enclosing units must leave them alone); False (and nothing added) when some
+    parameter is a plain tensor, which FSDP must shard and reduce.
+
+    The hooks are registered at the module's forward, on the parameters it holds then: loading
+    a checkpoint (``from_pretrained`` fills meta parameters) replaces the parameter objects, and
+    a hook registered now would stay on the replaced ones."""
+    params = list(module.parameters())
+    if not params or not all(isinstance(p, DTensor) for p in params):
+        return False
+    ignored.update(params)
+
+    def divide(grad: torch.Tensor) -> torch.Tensor:
+        return grad / divide_factor
+
+    def hook_parameters(module: nn.Module, args) -> None:
+        for p in module.parameters():
+            if p.requires_grad and not getattr(p, "_hf_scale_divided", False):
+                p.register_hook(divide)
+                p._hf_scale_divided = True
+
+    module.register_forward_pre_hook(hook_parameters)
+    return True
 
 
 def set_prefetch(root: nn.Module, units: list[nn.Module], depth: int) -> None:

@@ -261,10 +261,15 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
         logits = model(input_ids=b2["input_ids"][:2]).logits  # every rank: the all-to-alls need them all
     out = {"folder": folder, "loads": []}
     next_loss = _next_loss(model, optimizer, b2, state)
+    saved_grads = _full_grads(model, b2, state)
     for config in load_configs:
         loaded = hf_scale.from_pretrained(folder, config)
         got = full_params(loaded)
         weights = max(float((got[n] - saved[n]).abs().max()) for n in saved)
+        # the loaded model trains as the saved one did: every gradient of the next batch (AdamW's
+        # update hides a gradient's scale, so the next losses alone would not tell)
+        grads = _full_grads(loaded, b2, hf_scale.get_state(loaded))
+        grad_diff = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in saved_grads.items())
         fresh = hf_scale.parallelize(moe_model(arch, seed=7), config)
         fresh_opt = hf_scale.build_optimizer(fresh, lr=LR, weight_decay=0.0)
         hf_scale.load_state(fresh, fresh_opt, path=f"{folder}_state/latest")
@@ -275,7 +280,8 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
         loss = _next_loss(fresh, fresh_opt, b2, hf_scale.get_state(fresh))
         out["loads"].append({"config": config, "weights": weights, "resumed_weights": weights_resumed,
                              "optimizer": optim, "optimizer_keys": len(resumed_optim) == len(saved_optim),
-                             "next_loss": loss, "saved_next_loss": next_loss})
+                             "next_loss": loss, "saved_next_loss": next_loss, "grads": grad_diff,
+                             "grad_keys": sorted(grads) == sorted(saved_grads)})
     if rank == 0:
         out["saved"], out["logits"] = saved, logits
     return out
@@ -290,6 +296,17 @@ def _full_optimizer_state(model, optimizer) -> dict:
             if isinstance(v, torch.Tensor) and v.dim() > 0:
                 out[(names[id(p)], k)] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
     return dict(sorted(out.items()))
+
+
+def _full_grads(model, batch, state) -> dict:
+    """Name -> the whole gradient of a training forward and backward on ``batch`` (a collective);
+    the model's gradients are cleared again."""
+    model.train()
+    model(**slice_batch(batch, state.dp_rank, state.dp_degree)).loss.backward()
+    out = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+           for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
 
 
 def _next_loss(model, optimizer, batch, state) -> float:

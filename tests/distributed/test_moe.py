@@ -171,7 +171,8 @@ def test_bad_input_refused_on_every_rank(world2):
 def test_checkpoint_across_ep_degrees(request, world):
     """Saved at ep=2 by every rank: plain transformers loads it with the weights and logits of the
     ep run; hf_scale loads it exactly into other ep degrees, tp and fsdp, and resumes the
-    training state there (optimizer state exact, the next loss the same)."""
+    training state there (optimizer state exact, the next loss the same); the loaded model's
+    gradients on the next batch are the saved model's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -184,6 +185,7 @@ def test_checkpoint_across_ep_degrees(request, world):
             assert load["weights"] == 0.0 and load["resumed_weights"] == 0.0, load
             assert load["optimizer"] == 0.0 and load["optimizer_keys"], load
             assert load["next_loss"] == pytest.approx(load["saved_next_loss"], rel=1e-6), load
+            assert load["grad_keys"] and load["grads"] <= 1e-5, load  # rounding only (other layouts)
     saved = ranks[0]["checkpoint"]
     folder = saved["folder"]
     import json
