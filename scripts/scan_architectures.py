@@ -153,7 +153,24 @@ def run_case(model_type: str, layout: str, dtype: str = "float32") -> dict:
     except Exception as e:  # noqa: BLE001 - recorded as a failure with its traceback
         out = {"status": "fails", "reason": _first_line(e), "traceback": traceback.format_exc()[-3000:]}
     out["seconds"] = time.perf_counter() - start
+    _free_groups()
     return out
+
+
+def _free_groups() -> None:
+    """Destroy the sub-groups the case's device mesh made (the default group stays for the next
+    case): each gloo group keeps two threads and sockets, and a scan of hundreds of cases in one
+    process group piled up thousands of threads (load average in the hundreds)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from hf_scale.distributed import _clear_dtensor_caches
+
+    if not dist.is_initialized():
+        return
+    _clear_dtensor_caches()
+    for group in [g for g in list(_world.pg_map) if g is not _world.default_pg]:
+        dist.destroy_process_group(group)
 
 
 def run_cases(cases: list[tuple[str, str]]) -> list[dict]:
