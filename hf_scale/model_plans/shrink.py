@@ -32,12 +32,14 @@ FIXED = {  # attribute -> tiny value, set where the default config has an int th
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
     "n_shared_experts": 1, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8, "v_head_dim": 16, "sliding_window": 64, "attention_window_size": 64,
-    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "state_size": 8, "ssm_state_size": 8, "mamba_d_state": 8, "mamba_n_heads": 8, "mamba_d_head": 16,
     "mamba_expand": 2, "mamba_d_ssm": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "first_k_dense_replace": 1,
     "num_memory_heads": 2, "time_step_rank": 8, "lru_width": 64, "index_n_heads": 4,
     "index_head_dim": 16, "index_topk": 8, "block_size": 8, "rotary_dim": 8, "rotary_emb_dim": 8,
+    "attn_layer_period": 2, "attn_layer_offset": 1,  # Jamba: an attention layer among the 2 kept
 }
+OFF = ("use_mamba_kernels",)  # flags set False: CUDA kernels that the small model does not need
 QUIET = ("dropout", "pdrop", "jitter", "layerdrop", "drop_rate", "drop_path")
 
 
@@ -60,6 +62,8 @@ def shrink(d: dict, heads: int = 4, kv_heads: int = 2) -> dict:
     for key, value in d.items():
         if _is_subconfig(value):
             out[key] = shrink(value, heads, kv_heads)
+        elif isinstance(value, bool) and key in OFF:
+            out[key] = False
         elif isinstance(value, bool) or value is None:
             continue
         elif isinstance(value, float) and any(q in key for q in QUIET):
