@@ -289,8 +289,7 @@ def _run_before_blocks(base: nn.Module, candidates: dict[str, nn.Module],
     fed: list[str] = []
 
     def stop(module, args, kwargs):
-        rest = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")] if args else \
-            [v for k, v in kwargs.items() if k != "hidden_states"]
+        rest = [*args[1:], *(v for k, v in kwargs.items() if k != "hidden_states")]
         for t in rest:
             if isinstance(t, torch.Tensor):
                 name = next((n for n, o in outputs if t is o or t._base is o), None)

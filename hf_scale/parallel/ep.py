@@ -39,6 +39,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .group_grad import copy_to_group, sum_over_group
+
 
 def apply_experts(
     model: nn.Module,
@@ -101,14 +103,14 @@ def _experts_forward(module: nn.Module, experts_forward, params, dispatcher, tp_
                 return experts_forward(rows, ids, weights, *args, **kwargs)
 
         if tp_group is not None:
-            hidden_states = _CopyToGroup.apply(hidden_states, tp_group)
-            top_k_weights = _CopyToGroup.apply(top_k_weights, tp_group)
+            hidden_states = copy_to_group(hidden_states, tp_group)
+            top_k_weights = copy_to_group(top_k_weights, tp_group)
         if dispatcher is None:
             out = local_experts(hidden_states, top_k_index, top_k_weights)
         else:
             out = dispatcher(hidden_states, top_k_index, top_k_weights, local_experts)
         if tp_group is not None:
-            out = _SumOverGroup.apply(out, tp_group)
+            out = sum_over_group(out, tp_group)
         return out
 
     return forward
@@ -176,35 +178,6 @@ class TokenDispatcher:
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_sizes, recv_sizes = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         return recv_counts, send_sizes, recv_sizes
-
-
-class _CopyToGroup(torch.autograd.Function):
-    """Identity in forward; the gradient summed over ``group`` in backward (each rank's is partial)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """The partial sums of ``group``'s ranks added up in forward; identity in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
 
 
 class _ZeroForward(torch.autograd.Function):

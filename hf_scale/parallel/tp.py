@@ -41,7 +41,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import (
     DTensor,
-    Partial,
     Replicate,
     Shard,
     distribute_module,
@@ -58,6 +57,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..model_plans.tp import heads_input, is_conv1d, packed_parts, replicated_kv_width, rope_dim
 from . import tp_local
+from .group_grad import copy_to_group, sum_over_group
 
 # styles applied by forward hooks on a module that is not itself sharded (apply_tp, after the rest)
 HOOK_STYLES = ("local_params", "mla_kv_a_proj", "all_reduce")
@@ -213,12 +213,12 @@ def _sum_rope_grad(module: nn.Module, mesh, rope: int) -> None:
     rank): its output is ``[kv latent, k_rope]``. The latent feeds a column-parallel
     ``kv_b_proj``, whose DTensor input sums its gradient over the ranks; ``k_rope`` goes straight
     to this rank's heads, so its gradient covers them only: it is summed over the tp ranks in
-    backward (a ``Partial`` gradient made ``Replicate``), as transformers' style does."""
+    backward (:func:`.group_grad.copy_to_group`), as transformers' style does."""
     def hook(mod, args, output):
         if not torch.is_grad_enabled() or isinstance(output, DTensor):
             return output
         latent, rot = output.split([output.shape[-1] - rope, rope], dim=-1)
-        rot = to_local(DTensor.from_local(rot, mesh, [Replicate()], run_check=False), [Partial()])
+        rot = copy_to_group(rot, mesh.get_group())
         return torch.cat([latent, rot], dim=-1)
 
     module.register_forward_hook(hook)
@@ -279,13 +279,13 @@ def _replicated_kv(module: nn.Module, mesh, tail: int) -> None:
     of a local ``[heads + 2, head_dim]`` view expects (Megatron replicates kv heads so when they
     are fewer than the tp ranks). Each rank's gradient covers its own heads, for the weight
     (query rows: its own; k/v rows: its heads' share) and for the input alike: both are summed
-    over the tp ranks in backward (a ``Partial`` gradient made ``Replicate``)."""
+    over the tp ranks in backward (:func:`.group_grad.copy_to_group`)."""
     tp, rank = mesh.size(), mesh.get_local_rank()
 
     def summed(t):
         if not torch.is_grad_enabled() or not t.requires_grad:
             return t
-        return to_local(DTensor.from_local(t, mesh, [Replicate()], run_check=False), [Partial()])
+        return copy_to_group(t, mesh.get_group())
 
     def rows(t):
         q = (t.shape[0] - tail) // tp
@@ -313,7 +313,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
     ranks in backward; its output is summed in forward."""
     def as_replicated(x):
         if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.requires_grad:
-            return to_local(DTensor.from_local(x, mesh, [Replicate()], run_check=False), [Partial()])
+            return copy_to_group(x, mesh.get_group())
         return x
 
     def enter(mod, args, kwargs):
@@ -321,8 +321,7 @@ def _sum_partial_output(module: nn.Module, mesh) -> None:
 
     def leave(mod, args, kwargs, output):
         if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
-            summed = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(placements=[Replicate()])
-            return to_local(summed)
+            return sum_over_group(output, mesh.get_group())
         return output
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
