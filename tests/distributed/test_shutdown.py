@@ -55,3 +55,37 @@ def test_no_group_thread_outlives_shutdown(tmp_path):
         assert seen["running"], f"rank {rank}: no gloo thread found while the group ran (the probe is blind)"
         assert seen["zero_module"], "the run no longer imports ZeroRedundancyOptimizer's module: update this test"
         assert seen["after"] == [], f"rank {rank}: {seen['after']} still run after shutdown_distributed"
+
+
+EXITS_WITHOUT_SHUTDOWN = """
+import atexit, os, sys
+sys.path.insert(0, {root!r})
+from tests.distributed.test_shutdown import group_threads
+
+def report():  # registered before hf_scale's hook, so it runs after it (atexit is last-in first-out)
+    with open(os.path.join({out!r}, f"rank{{os.environ['RANK']}}"), "w") as f:
+        f.write(",".join(group_threads()) or "none")
+
+atexit.register(report)
+import torch, torch.distributed as dist
+from hf_scale.distributed import init_distributed
+init_distributed()
+tensor = torch.ones(1)
+dist.all_reduce(tensor)
+assert group_threads(), "no gloo thread while the group runs: the probe is blind"
+"""
+
+
+def test_a_script_that_never_shuts_down_has_its_group_stopped_at_exit(tmp_path):
+    """A user's script that ends without ``shutdown_distributed``: hf_scale's atexit hook stops the
+    gloo group before interpreter teardown (where a finished worker could abort)."""
+    from pathlib import Path
+
+    from tests.harness import finish_command, free_port, start_command
+
+    script = tmp_path / "worker.py"
+    script.write_text(EXITS_WITHOUT_SHUTDOWN.format(root=str(Path(__file__).resolve().parents[2]), out=str(tmp_path)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(script)]
+    finish_command(start_command(cmd), timeout=120)
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["none", "none"]
