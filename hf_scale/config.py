@@ -73,7 +73,10 @@ class ParallelConfig:
             holds ``num_experts / ep`` whole experts and tokens travel to their experts' rank by
             all-to-all. The ep ranks are carved out of ``dp_shard`` (torchtitan's layout): the
             dense weights stay FSDP-sharded over every data-parallel rank, the experts over the
-            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2. 1 = none.
+            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2, or ddp with ep
+            equal to the data-parallel ranks (dense weights replicated and all-reduced by DDP as
+            the backward goes; DeepSpeed-MoE's layout, which transformers' ``DistributedConfig``
+            cannot express: its ep must divide fsdp x tp). 1 = none.
         pp: pipeline-parallel degree: the blocks are split into stages over ``pp`` ranks (the
             outermost mesh dimension); train with ``model.train_step(batch)``. Causal LMs only.
         pp_schedule: one of ``PP_SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,
@@ -180,11 +183,12 @@ class ParallelConfig:
         _check_positive_int("ep", self.ep, "(experts split over ep ranks; 1 = no expert parallel)", optional=False)
         if self.ep == 1:
             return
-        if self.strategy not in ("fsdp", "zero2", AUTO):
+        if self.strategy not in ("fsdp", "zero2", "ddp", AUTO):
             raise HfScaleConfigError(
                 f"ep={self.ep} with strategy={self.strategy!r}: expert parallel carves its ranks out "
-                "of FSDP's dp_shard dimension, and shards the experts with FSDP over the rest. Use "
-                "strategy='fsdp' or 'zero2' with ep."
+                "of the data-parallel ones: FSDP's dp_shard (the experts FSDP-sharded over the rest), "
+                "or DDP's replicas (each rank its own experts). Use strategy='fsdp', 'zero2' or "
+                "'ddp' with ep."
             )
         if self.pp > 1:
             raise HfScaleConfigError(

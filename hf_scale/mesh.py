@@ -35,7 +35,16 @@ class ParallelDims:
         for name, size in {**sizes, "ep": self.ep}.items():
             if not isinstance(size, int) or size < 1:
                 raise HfScaleConfigError(f"{name}={size!r} must be a positive integer ({self}).")
-        if self.dp_shard % self.ep:
+        if self.ep > 1 and self.dp_shard == 1 and self.dp_replicate > 1:
+            # replicated data parallel (ddp): no FSDP over the experts, so no replica of them either
+            if self.ep != self.dp_replicate:
+                raise HfScaleConfigError(
+                    f"ep={self.ep} with replicated data parallel (ddp) over {self.dp_replicate} ranks: "
+                    f"under ddp every rank holds its own experts, so ep must be {self.dp_replicate}. "
+                    f"Use ep={self.dp_replicate}, or strategy='fsdp' / 'zero2' (their experts are "
+                    "FSDP-sharded over the ranks holding the same ones) for a smaller ep."
+                )
+        elif self.dp_shard % self.ep:
             shown = " x ".join(f"{n}={s}" for n, s in sizes.items())
             raise HfScaleConfigError(
                 f"ep={self.ep} does not divide dp_shard={self.dp_shard} ({shown}): the expert-parallel "
@@ -146,17 +155,21 @@ class ParallelDims:
 
     def describe(self) -> str:
         shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
-        return shown + (f" (ep={self.ep} of dp_shard)" if self.ep > 1 else "")
+        return shown + (f" (ep={self.ep} of {'dp_shard' if self.dp_shard > 1 else 'dp_replicate'})" if self.ep > 1 else "")
 
     def expert_meshes(self, mesh):
         """``(experts' weight mesh, experts' data-parallel mesh)``. Under expert parallel
         ``dp_shard`` is unflattened into ``efsdp x ep`` (ep innermost: the ranks of one ep group
         are neighbours); the weights live on ``ep`` (``ep x tp`` with tensor parallel) and are
-        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp). Same root mesh as
+        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp); under ddp ep is all of
+        ``dp_replicate`` and the experts' data-parallel mesh is one rank. Same root mesh as
         ``mesh``, so FSDP composes the two (its TP/EP path). Without ep: ``tp`` and the dp mesh.
         Collective: call once, on every rank."""
         if self.ep == 1:
             return mesh["tp"], self.dp_mesh(mesh)
+        if self.dp_shard == 1:  # ddp: the replicas are the ep ranks (ep = dp_replicate), one each
+            expert = mesh._unflatten("dp_replicate", (1, self.ep), ("erep", "ep"))
+            return expert["ep"], expert["erep"]
         expert = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
         expert["efsdp", "ep"]._flatten("efsdp_ep")  # one collective for a norm over both (DTensor finds it)
         dp = expert["dp_replicate", "efsdp"] if self.dp_replicate > 1 else expert["efsdp"]

@@ -36,7 +36,7 @@ from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
-from .parallel.ep import apply_experts
+from .parallel.ep import apply_experts, divide_gradients
 from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
@@ -335,7 +335,10 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
                        cpu_offload=config.cpu_offload, fp32_modules=fp32,
                        blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
         else:
-            apply_ddp(root, dims.dp_mesh(topology.mesh))
+            experts = _experts_modules(root, topology)
+            apply_ddp(root, dims.dp_mesh(topology.mesh), ignored=experts)
+            for module in experts:  # ep = the data-parallel ranks: each rank's experts its own
+                divide_gradients(module, float(dims.dp_degree))
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
     return roots
@@ -392,7 +395,8 @@ def attach_state(model: nn.Module, state: ParallelState) -> nn.Module:
 
 
 def _experts_modules(root: nn.Module, topology: Topology) -> list[nn.Module]:
-    """The experts modules FSDP shards as units of their own: under ep (over other ranks)."""
+    """The experts modules under ep: FSDP shards them as units of their own (over the ranks
+    holding the same experts), DDP leaves them to :func:`~.parallel.ep.divide_gradients`."""
     if topology.experts is None or not topology.dims.ep_enabled:
         return []
     return [root.get_submodule(name) for name in topology.experts.modules]

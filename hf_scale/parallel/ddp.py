@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed._composable.replicate import replicate
 
 
-def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25) -> None:
+def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25, ignored: list[nn.Module] = ()) -> None:
     """Replicate ``model`` over ``dp_mesh`` with DistributedDataParallel, in place.
 
     Uses the composable ``replicate`` (DDP's reducer behind module hooks) as torchtitan does,
@@ -15,6 +15,11 @@ def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25) -> None:
     ``model.set_requires_gradient_sync(False)`` (see :func:`hf_scale.no_sync`).
 
     Layout: every parameter is a full plain tensor on every rank; after backward each
-    gradient is the mean over the data-parallel ranks.
+    gradient is the mean over the data-parallel ranks. ``ignored`` modules are left alone
+    (experts under expert parallel: each rank holds its own, see :func:`~.ep.divide_gradients`).
     """
-    replicate(model, device_mesh=dp_mesh, bucket_cap_mb=bucket_cap_mb)
+    # The mesh's process group, not the mesh: given a mesh sliced from a larger one, replicate
+    # turns every DTensor parameter (the ignored experts too) into a plain attribute after each
+    # forward (its DDP + TP workaround), and the experts would lose their parameters.
+    replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
+              ignored_modules=list(ignored) or None)

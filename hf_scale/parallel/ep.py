@@ -209,3 +209,25 @@ class _AllToAll(torch.autograd.Function):
         out = grad.new_empty((sum(input_sizes), *grad.shape[1:]))
         dist.all_to_all_single(out, grad.contiguous(), input_sizes, output_sizes, group=ctx.group)
         return out, None, None, None
+
+
+def divide_gradients(module: nn.Module, factor: float) -> None:
+    """Divide the gradients of ``module``'s parameters by ``factor`` as they are computed: the
+    data-parallel mean of experts that no other rank holds (ep = the data-parallel ranks),
+    whose gradients arrive whole through the all-to-all's backward, so no collective is left
+    to divide them (FSDP and DDP, which would, leave these parameters alone).
+
+    The hooks are registered at the module's forward, on the parameters it holds then: loading
+    a checkpoint (``from_pretrained`` fills meta parameters) replaces the parameter objects, and
+    a hook registered now would stay on the replaced ones."""
+
+    def divide(grad: torch.Tensor) -> torch.Tensor:
+        return grad / factor
+
+    def hook_parameters(module: nn.Module, args) -> None:
+        for p in module.parameters():
+            if p.requires_grad and not getattr(p, "_hf_scale_divided", False):
+                p.register_hook(divide)
+                p._hf_scale_divided = True
+
+    module.register_forward_pre_hook(hook_parameters)

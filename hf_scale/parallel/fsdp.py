@@ -13,6 +13,8 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .ep import divide_gradients
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -118,28 +120,14 @@ def _keep_whole(module: nn.Module, divide_factor: float, ignored: set) -> bool:
     """Leave an experts module out of FSDP when every one of its parameters is a ``DTensor``
     (the ep / tp split) that this rank alone holds: its gradients arrive whole (the
     all-to-all's backward brings every rank's tokens), so FSDP's only work would be the
-    division by the data-parallel ranks, done here by a gradient hook. Adds the parameters to
-    ``ignored`` (the enclosing units must leave them alone); False (and nothing added) when some
-    parameter is a plain tensor, which FSDP must shard and reduce.
-
-    The hooks are registered at the module's forward, on the parameters it holds then: loading
-    a checkpoint (``from_pretrained`` fills meta parameters) replaces the parameter objects, and
-    a hook registered now would stay on the replaced ones."""
+    division by the data-parallel ranks, done by :func:`~.ep.divide_gradients`. Adds the
+    parameters to ``ignored`` (the enclosing units must leave them alone); False (and nothing
+    added) when some parameter is a plain tensor, which FSDP must shard and reduce."""
     params = list(module.parameters())
     if not params or not all(isinstance(p, DTensor) for p in params):
         return False
     ignored.update(params)
-
-    def divide(grad: torch.Tensor) -> torch.Tensor:
-        return grad / divide_factor
-
-    def hook_parameters(module: nn.Module, args) -> None:
-        for p in module.parameters():
-            if p.requires_grad and not getattr(p, "_hf_scale_divided", False):
-                p.register_hook(divide)
-                p._hf_scale_divided = True
-
-    module.register_forward_pre_hook(hook_parameters)
+    divide_gradients(module, divide_factor)
     return True
 
 

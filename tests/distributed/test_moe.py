@@ -33,6 +33,9 @@ WORLD2 = [
     {"id": "qwen3_moe_ep2_full_ac_aux", "arch": "qwen3_moe", "aux": True,
      "config": {"ep": 2, "activation_checkpointing": "full"}},  # the all-to-alls run again in recomputation
     {"id": "mixtral_ep2_zero2", "arch": "mixtral", "aux": False, "config": {"strategy": "zero2", "ep": 2}},
+    # dense weights replicated by DDP, every rank its own experts (their gradients divided, not reduced)
+    {"id": "qwen3_moe_ep2_ddp_aux", "arch": "qwen3_moe", "aux": True, "config": {"strategy": "ddp", "ep": 2}},
+    {"id": "deepseek_v3_ep2_ddp", "arch": "deepseek_v3", "aux": False, "config": {"strategy": "ddp", "ep": 2}},
     # transformers#48687: OLMoE's router lost part of its gradient under ep with batched_mm
     {"id": "router_grad_48687_batched_mm", "arch": "olmoe_48687", "impl": "batched_mm", "config": {"ep": 2}},
 ]
@@ -50,14 +53,15 @@ ERRORS = [
     {"id": "ep_not_dividing_experts", "arch": "qwen3_moe", "config": {"ep": 2, "dp_shard": 2}, "error": True,
      "num_experts": 3},
     {"id": "ep_on_dense", "arch": "llama", "config": {"ep": 2}, "error": True},
-    {"id": "ep_with_ddp", "arch": "qwen3_moe", "config": {"strategy": "ddp", "ep": 2}, "error": True},
+    {"id": "ep_with_zero1", "arch": "qwen3_moe", "config": {"strategy": "zero1", "ep": 2}, "error": True},
 ]
 
 
 # checkpoints: saved under ep (Hub layout: one tensor per expert and projection, as transformers
 # writes Qwen3-MoE), loaded and resumed (DCP training state) at other ep degrees and layouts
-CHECKPOINT2 = {"config": {"ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]}
-CHECKPOINT4 = {"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}]}
+# (world 2 saves under ep + ddp, world 4 loads into it)
+CHECKPOINT2 = {"config": {"strategy": "ddp", "ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]}
+CHECKPOINT4 = {"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}, {"strategy": "ddp", "ep": 4}]}
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +168,8 @@ def test_bad_input_refused_on_every_rank(world2):
         assert "Choose ep in [1, 3]" in errors["ep_not_dividing_experts"]
         assert errors["ep_on_dense"].startswith("HfScalePlanError: ep=2 but LlamaForCausalLM")
         assert "no mixture-of-experts layers" in errors["ep_on_dense"]
-        assert errors["ep_with_ddp"].startswith("HfScaleConfigError: ep=2 with strategy='ddp'")
+        assert errors["ep_with_zero1"].startswith("HfScaleConfigError: ep=2 with strategy='zero1'")
+        assert "'ddp' with ep" in errors["ep_with_zero1"]
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])

@@ -74,8 +74,6 @@ def test_bad_ep_input():
     dense = meta_model(tiny_config("llama"))
     with pytest.raises(HfScalePlanError, match="ep=2 but LlamaForCausalLM .* has no mixture-of-experts layers"):
         ep_report(dense, resolve_plan(dense), ep=2)
-    with pytest.raises(HfScaleConfigError, match="ep=2 with strategy='ddp'"):
-        ParallelConfig(strategy="ddp", ep=2)
     with pytest.raises(HfScaleConfigError, match="ep=2 with pp=2 is not supported yet"):
         ParallelConfig(ep=2, pp=2)
     with pytest.raises(HfScaleConfigError, match="ep=0"):
@@ -83,6 +81,13 @@ def test_bad_ep_input():
     with pytest.raises(HfScaleConfigError, match="ep=4 does not divide dp_shard=2"):
         ParallelDims.resolve(ParallelConfig(ep=4, tp=2), world_size=4)
     assert ParallelDims.resolve(ParallelConfig(ep=2), world_size=4).describe().endswith("(ep=2 of dp_shard)")
+    # ddp: the replicas are the ep ranks, each its own experts (nothing keeps expert replicas in sync)
+    ddp = ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=4), world_size=4)
+    assert (ddp.dp_replicate, ddp.dp_shard) == (4, 1) and ddp.describe().endswith("(ep=4 of dp_replicate)")
+    with pytest.raises(HfScaleConfigError, match="under ddp every rank holds its own experts, so ep must be 4"):
+        ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=2), world_size=4)
+    with pytest.raises(HfScaleConfigError, match="ep=2 with strategy='zero1'"):
+        ParallelConfig(strategy="zero1", ep=2)
 
 
 def test_experts_not_called_with_the_routing_are_left_whole_by_tp_and_refused_by_ep():
