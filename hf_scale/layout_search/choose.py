@@ -74,8 +74,7 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
     stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try, and
     ``prefetches``: FSDP prefetch depths (None: FSDP2's default), both for sharded strategies
     over more than one rank only. ``eps``: expert-parallel degrees (MoE models; 1: none), each
-    tried where the engine accepts it: fsdp or zero2, no pipeline, ep dividing dp_shard (carved
-    out of it)."""
+    tried where the engine accepts it (:func:`_ep_accepted`)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -103,13 +102,24 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
                 for pipe, ep in product(_pipelines(pp, mb, pp_schedules, pp_microbatches), eps):
-                    if ep > 1 and (strategy not in ("fsdp", "zero2") or pp > 1 or shard % ep):
-                        continue  # ep: ranks carved out of FSDP's dp_shard, no pipeline (ParallelConfig)
+                    if ep > 1 and not _ep_accepted(strategy, rep, shard, tp, pp, ep):
+                        continue
                     layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k,
                                     prefetch=ahead, ep=ep)
                     if keep is None or keep(layout):
                         layouts.append(layout)
     return list(dict.fromkeys(layouts))
+
+
+def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int) -> bool:
+    """Where the engine accepts expert parallel (``ParallelConfig``, ``ParallelDims``): no
+    pipeline; fsdp / zero2 with ep dividing dp_shard (carved out of it), or ddp without tp with
+    ep = its replicas (each rank its own experts)."""
+    if pp > 1:
+        return False
+    if strategy in ("fsdp", "zero2"):
+        return shard % ep == 0
+    return strategy == "ddp" and tp == 1 and rep == ep
 
 
 def _pipelines(pp: int, micro_batch: int, schedules, microbatches) -> list[dict]:

@@ -21,7 +21,8 @@
   input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
   (measured on CPU); pp sends each microbatch's activations and receives their gradients, once
   per stage on the rank; ep (MoE) runs each layer's experts as FSDP units of their own over
-  ``dp_shard / ep`` ranks, each rank gathering 1/ep of them, and exchanges the tokens by
+  ``dp_shard / ep`` ranks, each rank gathering 1/ep of them (ddp + ep: each rank its own
+  experts, no collective for them, the dense gradients all-reduced), and exchanges the tokens by
   all-to-all (:func:`.experts.all_to_all_bytes`, ``(ep-1)/ep`` of it off the rank, on the
   critical path; five all-to-alls per MoE layer and micro-batch, each paying a latency). The fixed costs (per block, per tp module, per message) are paid once
   per microbatch: more pipeline microbatches shrink the bubble but repeat them, the trade the
@@ -286,7 +287,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     # holding the same ones; the rest of the model as without ep
     moved, expert_units = _ep_experts(facts, layout, params)
     comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), micro, units, dp_link, device)
-    if expert_units:
+    replicated_ep = layout.ep > 1 and layout.strategy == "ddp"  # each rank its own experts: no collective for them
+    if expert_units and not replicated_ep:
         comm_dp += _dp_seconds(replace(layout, dp_shard=layout.dp_shard // layout.ep), gather_bytes * moved / layout.ep,
                                train * moved / layout.ep, micro, expert_units, dp_link, device)
         gather_bytes *= 1 - moved * (1 - 1 / layout.ep)  # what a host-bound step's forward gathers
@@ -320,6 +322,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         comm_pp = sends * tokens * facts.hidden * d / link.bandwidth + sends * runs * link.latency
     shards = layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1
     local = int(train) // (layout.dp if layout.strategy == "zero1" else shards)  # the trainable parameters stepped here
+    if replicated_ep:  # 1/ep of the experts here
+        local = int(train * (1 - moved * (1 - 1 / layout.ep)))
     optimizer = 28 * local / (device.host_bandwidth if layout.cpu_offload else device.mem_bandwidth)
     # this rank's trainable tensors (pp: its stages'; tp shards every one)
     tensors = facts.trainable_tensors * blocks_here / facts.layers

@@ -17,7 +17,8 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   the low-precision weight casts are saved for backward (``compute_copies``).
 - tp: each rank's parameters from :func:`hf_scale.layout_preview.tp_report` (``tp_layout``); pp: the
   busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
-- ep (MoE models, :mod:`.experts`): each of ep ranks holds 1/ep of every MoE layer's experts,
+- ep (MoE models, :mod:`.experts`): each of ep ranks holds 1/ep of every MoE layer's experts
+  (ddp + ep: the dense weights replicated, the experts 1/ep, nothing more: ep = every rank),
   FSDP-sharded over the dp_shard / ep ranks holding the same ones: per rank the same weight,
   gradient and optimizer bytes as FSDP over dp_shard, but a gathered layer holds only 1/ep of its
   experts (zero2: of every layer's). The all-to-all's token buffers (``tokens x top_k`` rows of
@@ -301,6 +302,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
     replicated = layout.strategy in ("ddp", "zero1")
+    if replicated and layout.ep > 1:  # ddp + ep: the dense weights replicated, each rank its own 1/ep of the experts
+        away, away_frozen = _replicated_experts_away(facts, layout, frac)
+        train, frozen = train - (away - away_frozen), frozen - away_frozen
     # trainable: an fp32 master weight, its fp32 gradient, AdamW's two fp32 moments; frozen: the weight only
     p_bytes, g_bytes = int(4 * train + fb * frozen) // n, int(4 * train) // n
     opt_bytes = int(8 * train) // (layout.dp if layout.strategy == "zero1" else n)
@@ -398,6 +402,17 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     away = moe.layer_params * (1 if whole else 1 - 1 / layout.ep) * scale
     frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
     return away, away * frozen, moe.moe_layers
+
+
+def _replicated_experts_away(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float]:
+    """Under ddp + ep: the expert parameters this rank does not hold (the other ep ranks'
+    ``1 - 1/ep`` of every MoE layer's), at this rank's tp / pp share ``frac``, and of them the
+    frozen ones."""
+    moe = moe_facts(facts)
+    if moe is None:
+        return 0.0, 0.0
+    away = moe.expert_params * (1 - 1 / layout.ep) * frac
+    return away, away * (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
 
 
 def _largest_holds_experts(facts: ModelFacts) -> bool:

@@ -59,8 +59,11 @@ def test_ep_layouts_only_for_moe_models_and_only_valid_ones(moe, dense):
     assert eps == {1, 2, 4, 8}
     for c in ranked:
         lay = c.layout
-        if lay.ep > 1:  # the engine's conditions: fsdp / zero2, no pp, ep | dp_shard and | experts
-            assert lay.strategy in ("fsdp", "zero2") and lay.pp == 1 and lay.dp_shard % lay.ep == 0, lay
+        if lay.ep > 1:  # the engine's conditions: no pp; fsdp / zero2 with ep | dp_shard, or ddp with
+            # ep = its replicas and no tp; ep | experts
+            assert lay.pp == 1, lay
+            assert (lay.strategy in ("fsdp", "zero2") and lay.dp_shard % lay.ep == 0
+                    or lay.strategy == "ddp" and lay.tp == 1 and lay.dp_replicate == lay.ep), lay
             assert 8 % lay.ep == 0 and c.fits, (lay, c.reason)
             assert f"ep={lay.ep}" in lay.describe() and lay.parallel_config().ep == lay.ep
     assert any(c.layout.ep == 8 and c.layout.dp_shard == 8 for c in ranked)
@@ -98,6 +101,31 @@ def test_gathered_experts_shrink_to_one_over_ep_and_state_stays(moe, precision):
             assert (mem.params, mem.grads, mem.optimizer) == (ref.params, ref.grads, ref.optimizer)
             # one MoE layer's all-to-all buffers: tokens x top_k x hidden, out and back
             assert mem.activations - ref.activations == 2 * (1 * 16) * 2 * 64 * d
+
+
+def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_experts(moe):
+    """ddp + ep (each rank its own experts, ep = the replicas): the dense weights, their gradients
+    and AdamW state whole on every rank, the experts' 1/ep; no collective for the experts (the
+    dense gradients' all-reduce only); ranked only at ep = the data-parallel ranks."""
+    from hf_scale.mesh import ParallelDims
+
+    experts = moe_facts(moe).expert_params
+    plain, split = (estimate_memory(moe, Layout("ddp", 4, 1, ep=ep), WORK) for ep in (1, 4))
+    away = experts * 3 / 4  # the other 3 ranks' experts
+    assert plain.params - split.params == pytest.approx(4 * away, abs=4)
+    assert plain.grads - split.grads == pytest.approx(4 * away, abs=4)
+    assert plain.optimizer - split.optimizer == pytest.approx(8 * away, abs=8)
+    assert plain.comm_buffers - split.comm_buffers == pytest.approx(4 * away, abs=4)  # DDP's buckets: dense only
+    slow, fast = (step_cost(moe, Layout("ddp", 4, 1, ep=ep), WORK, GPU) for ep in (1, 4))
+    dense = 1 - experts / moe.params
+    assert fast.comm_dp < slow.comm_dp and fast.comm_ep > 0 and fast.optimizer < slow.optimizer
+    assert fast.comm_dp == pytest.approx(step_cost(moe, Layout("ddp", 4, 1), WORK, GPU).comm_dp * dense, rel=0.05)
+    _, ranked = choose(moe, WORK, 4, 100 * GiB, GPU, tps=(1,), strategies=("ddp",), **SMALL)
+    assert {c.layout.ep for c in ranked} == {1, 4}
+    layout = next(c.layout for c in ranked if c.layout.ep == 4)
+    config = layout.parallel_config()
+    assert (config.strategy, config.ep) == ("ddp", 4)
+    assert ParallelDims.resolve(config, world_size=4).describe().endswith("(ep=4 of dp_replicate)")
 
 
 def test_all_to_all_bytes_and_seconds_follow_the_formula(moe):
@@ -159,13 +187,16 @@ def test_qwen3_moe_shaped_model_at_16_gpus_ranks_ep_layouts():
         plain = next(x for x in fits if x.layout == replace(c.layout, ep=1))
         ep = c.layout.ep
         gathered = moe.layer_params * (1 - 1 / ep) * 2 * (moe.moe_layers if c.layout.strategy == "zero2" else 1)
-        if c.layout.tp == 1:  # under tp each rank gathers its tp share of them (the block's share: estimated)
+        if c.layout.strategy == "ddp":  # ddp + ep (ep = 16, every rank its own experts): nothing gathered
+            assert ep == 16 and plain.memory.comm_buffers - c.memory.comm_buffers > 0  # DDP's buckets: dense only
+        elif c.layout.tp == 1:  # under tp each rank gathers its tp share of them (the block's share: estimated)
             assert plain.memory.comm_buffers - c.memory.comm_buffers == pytest.approx(gathered, abs=2)
-        assert gathered / c.layout.tp / 2 < plain.memory.comm_buffers - c.memory.comm_buffers <= gathered
+        else:
+            assert gathered / c.layout.tp / 2 < plain.memory.comm_buffers - c.memory.comm_buffers <= gathered
         link = H100.intra if ep * c.layout.tp <= 8 else H100.inter  # an ep group: ep x tp neighbouring ranks
         leaving = 4096 * 2048 * 8 * 2 * 2 * 4 * 2 * (ep - 1) / ep
         assert c.cost.comm_ep == pytest.approx(leaving / link.bandwidth + 5 * 4 * link.latency)
-        assert c.cost.comm_dp < plain.cost.comm_dp  # the experts' FSDP traffic runs over dp_shard / ep
+        assert c.cost.comm_dp < plain.cost.comm_dp  # the experts' traffic runs over dp_shard / ep (ddp: none)
         # ranked by the estimate: whichever of the two is more than 1% faster comes first
         if c.cost.tokens_per_second > plain.cost.tokens_per_second * 1.01:
             assert position[c.layout] < position[plain.layout]
