@@ -16,6 +16,7 @@ ep the time spent in the token all-to-alls per step beside their byte count.
 
     python scripts/bench_moe.py                               # 2 and 4 ranks, print the table
     python scripts/bench_moe.py --write docs/benchmarks.md    # into its section
+    python scripts/bench_moe.py --bounds                      # and what limits any ep here (BOUNDS)
     python scripts/bench_moe.py --worker LEG OUT              # one leg's rank (run by torchrun)
 """
 
@@ -46,6 +47,11 @@ MODEL = dict(hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
              head_dim=64, vocab_size=8192, max_position_embeddings=512, norm_topk_prob=True)
 SEQ, BATCH, LR = 256, 4, 1e-4
 LEGS = ("hf_scale_ep_ddp", "hf_scale_ep", "transformers_ep", "hf_scale_fsdp")
+# --bounds: what limits any ep implementation on this machine, not ways to train: ep + ddp with
+# DDP's gradient all-reduce switched off (the dense gradients are then NOT averaged: its losses
+# drift from the others), and every rank training a whole model alone on its own batch, no process
+# group work at all (the same rows per expert matmul as balanced ep: the compute floor)
+BOUNDS = ("bound_ep_ddp_no_allreduce", "bound_no_communication")
 # hf_scale's layouts: ep with the dense weights replicated (ddp) or FSDP-sharded (fsdp, the layout of
 # transformers' leg); plain fsdp without ep
 CONFIGS = {"hf_scale_ep_ddp": {"strategy": "ddp"}, "hf_scale_ep": {"strategy": "fsdp"},
@@ -80,7 +86,12 @@ def worker(leg: str, out: Path, folder: Path, steps: int, warmup: int) -> None:
         dist.init_process_group("gloo")
         sampler = RssSampler()
         sampler.start()
-        if leg == "transformers_ep":
+        if leg == "bound_no_communication":
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+        elif leg == "transformers_ep":
             from transformers import AutoModelForCausalLM
             from transformers.distributed import DistributedConfig
 
@@ -90,21 +101,29 @@ def worker(leg: str, out: Path, folder: Path, steps: int, warmup: int) -> None:
         else:
             import hf_scale
 
-            config = {**CONFIGS[leg], **({"ep": world} if leg.startswith("hf_scale_ep") else {})}
+            config = {**CONFIGS.get(leg, {"strategy": "ddp"}), **({"ep": world} if "_ep" in leg else {})}
             model = hf_scale.from_pretrained(folder, config)
             optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+            if leg == "bound_ep_ddp_no_allreduce":
+                model.set_requires_gradient_sync(False)
         model.train()
         record["expert_bytes"] = _expert_bytes(model)
         timer = _A2ATimer()
-        losses, start = [], None
+        losses, start, phases = [], None, [0.0, 0.0, 0.0]
         for step in range(warmup + steps):
             if step == warmup:
                 dist.barrier()
-                start, timer.seconds, timer.bytes = time.perf_counter(), 0.0, 0
+                start, timer.seconds, timer.bytes, phases = time.perf_counter(), 0.0, 0, [0.0, 0.0, 0.0]
+            t0 = time.perf_counter()
             loss = model(**batch_for(step, rank)).loss
+            t1 = time.perf_counter()
             loss.backward()
+            t2 = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
+            t3 = time.perf_counter()
+            for i, seconds in enumerate((t1 - t0, t2 - t1, t3 - t2)):
+                phases[i] += seconds
             value = loss.detach().reshape(1).clone()
             dist.all_reduce(value)
             losses.append(float(value) / world)
@@ -113,6 +132,7 @@ def worker(leg: str, out: Path, folder: Path, steps: int, warmup: int) -> None:
         timer.stop()
         record.update(losses=losses, seconds=elapsed, tokens_per_s=steps * BATCH * SEQ * world / elapsed,
                       a2a_seconds_per_step=timer.seconds / steps, a2a_bytes_per_step=timer.bytes / steps,
+                      phases_ms=[1e3 * p / steps for p in phases],
                       peak_rss=sampler.stop())
         dist.destroy_process_group()
     except Exception as e:  # noqa: BLE001 - the table says why a leg failed
@@ -158,14 +178,14 @@ class _A2ATimer:
         self.dist.all_to_all_single = self.original
 
 
-def run(worlds: list[int], steps: int, warmup: int, timeout: int) -> dict:
+def run(worlds: list[int], steps: int, warmup: int, timeout: int, legs=LEGS) -> dict:
     out = Path(tempfile.mkdtemp(prefix="bench_moe_"))
     folder = out / "model"
     make_model(folder)
     results = {}
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     for world in worlds:
-        for leg in LEGS:
+        for leg in legs:
             cmd = torchrun(__file__, world, "--worker", leg, str(out), str(folder), str(steps), str(warmup))
             ranks, error = launch_ranks(cmd, out, f"{leg}.w{world}", world, timeout, env)
             results[(leg, world)] = (ranks, error)
@@ -178,7 +198,7 @@ def report(results: dict, worlds: list[int]) -> str:
     for world in worlds:
         base = results.get(("transformers_ep", world))
         base_ok = base and not base[1]
-        for leg in LEGS:
+        for leg in [leg for leg in (*LEGS, *BOUNDS) if (leg, world) in results]:
             ranks, error = results[(leg, world)]
             if error:
                 rows.append([f"{leg} ({world} ranks)", f"failed: {error}"])
@@ -197,9 +217,11 @@ def report(results: dict, worlds: list[int]) -> str:
                         if a2a else "-")
             rows.append([f"{leg} ({world} ranks)", ratio, rss_ratio, loss_diff, f"{tps:,.0f}",
                          f"{rss / 2**20:,.0f}", f"{expert / 2**20:,.1f}", a2a_text,
+                         " / ".join(f"{v:.0f}" for v in ranks[0]["phases_ms"]),
                          " ".join(f"{v:.4f}" for v in losses)])
     header = ["leg", "tokens/s vs transformers ep", "peak RSS vs transformers ep", "max loss diff",
-              "tokens/s", "peak RSS MiB", "expert MiB per rank", "token all-to-all per step (rank 0)", "losses"]
+              "tokens/s", "peak RSS MiB", "expert MiB per rank", "token all-to-all per step (rank 0)",
+              "forward / backward / optimizer ms per step (rank 0)", "losses"]
     experts = 16 * (512 * 512 + 512 * 256) * 4 * MODEL["num_hidden_layers"]
     note = (f"Qwen3-MoE-shaped: {MODEL['num_hidden_layers']} layers, 16 experts, top-2, hidden 512, moe "
             f"intermediate 256, random init, fp32 (all experts: {experts / 2**20:.1f} MiB); {BATCH} x {SEQ} "
@@ -237,6 +259,12 @@ def verdicts(results: dict, worlds: list[int]) -> list[str]:
                 f"{'PASS' if held == experts // world else 'FAIL'}: {world} ranks, {label}: expert bytes per rank "
                 f"{held / 2**20:.1f} MiB = 1/{experts / max(held, 1):.2g} of the experts (need 1/{world})",
             ]
+        for leg, label in (("bound_no_communication", "every rank training alone, no communication (the compute "
+                            "floor)"), ("bound_ep_ddp_no_allreduce", "ep + ddp without DDP's gradient all-reduce")):
+            bound = results.get((leg, world))
+            if bound and not bound[1] and theirs and not theirs[1]:
+                ratio = bound[0][0]["tokens_per_s"] / theirs[0][0]["tokens_per_s"]
+                lines.append(f"info: {world} ranks, bound: {label}: tokens/s {ratio:.2f}x transformers' ep")
     return lines
 
 
@@ -250,11 +278,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=900)
+    parser.add_argument("--bounds", action="store_true",
+                        help="also run the bounds (BOUNDS): what limits any ep implementation here")
     add_write_arg(parser, "moe")
     args = parser.parse_args()
     check_doc(args)
     worlds = [int(w) for w in args.worlds.split(",")]
-    body = report(run(worlds, args.steps, args.warmup, args.timeout), worlds)
+    body = report(run(worlds, args.steps, args.warmup, args.timeout, LEGS + (BOUNDS if args.bounds else ())), worlds)
     print(body)
     write_doc(args, body)
 
