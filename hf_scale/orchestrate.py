@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .config import ParallelConfig
 from .distributed import DistEnv, init_distributed
@@ -336,6 +337,7 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
                        blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
         else:
             experts = _experts_modules(root, topology)
+            _check_all_split(root, experts, dims.ep)
             apply_ddp(root, dims.dp_mesh(topology.mesh), ignored=experts)
             for module in experts:  # ep = the data-parallel ranks: each rank's experts its own
                 divide_gradients(module, float(dims.dp_degree))
@@ -392,6 +394,20 @@ def attach_state(model: nn.Module, state: ParallelState) -> nn.Module:
     model.train_step = functools.partial(train_step, model)
     model.eval_step = functools.partial(eval_step, model)
     return model
+
+
+def _check_all_split(root: nn.Module, experts: list[nn.Module], ep: int) -> None:
+    """Under ddp + ep DDP leaves each experts module out whole: refuse one holding a parameter
+    that ep did not split (a plain tensor), whose gradient nothing would average over the ranks."""
+    names = {id(m): n for n, m in root.named_modules()}
+    plain = [f"{names[id(m)]}.{n}" for m in experts for n, p in m.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise HfScaleConfigError(
+            f"strategy='ddp' with ep={ep}: DDP leaves the experts modules to expert parallel, but "
+            f"{', '.join(plain[:3])}{' ...' if len(plain) > 3 else ''} is not split per expert, so its "
+            "gradient would never be averaged over the ranks. Use strategy='fsdp' or 'zero2' with ep "
+            "(FSDP shards and reduces such parameters)."
+        )
 
 
 def _experts_modules(root: nn.Module, topology: Topology) -> list[nn.Module]:

@@ -224,6 +224,10 @@ def bad_input(case: dict) -> str:
         if "num_experts" in case:
             config.num_experts = case["num_experts"]
         model = AutoModelForCausalLM.from_config(config)
+    if case.get("plain_expert_param"):  # a parameter of the experts module that is not per expert
+        import torch
+
+        model.model.layers[0].mlp.experts.register_parameter("scale", torch.nn.Parameter(torch.ones(1)))
     try:
         hf_scale.parallelize(model, case["config"])
     except Exception as e:  # noqa: BLE001 - the test reads type and message

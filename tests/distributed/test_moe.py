@@ -54,6 +54,10 @@ ERRORS = [
      "num_experts": 3},
     {"id": "ep_on_dense", "arch": "llama", "config": {"ep": 2}, "error": True},
     {"id": "ep_with_zero1", "arch": "qwen3_moe", "config": {"strategy": "zero1", "ep": 2}, "error": True},
+    # ddp leaves the experts module out whole: a parameter in it that ep does not split would
+    # never be averaged over the ranks
+    {"id": "ddp_ep_plain_param", "arch": "qwen3_moe", "config": {"strategy": "ddp", "ep": 2}, "error": True,
+     "plain_expert_param": True},
 ]
 
 
@@ -170,6 +174,8 @@ def test_bad_input_refused_on_every_rank(world2):
         assert "no mixture-of-experts layers" in errors["ep_on_dense"]
         assert errors["ep_with_zero1"].startswith("HfScaleConfigError: ep=2 with strategy='zero1'")
         assert "'ddp' with ep" in errors["ep_with_zero1"]
+        assert errors["ddp_ep_plain_param"].startswith("HfScaleConfigError: strategy='ddp' with ep=2")
+        assert "model.layers.0.mlp.experts.scale" in errors["ddp_ep_plain_param"]
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
