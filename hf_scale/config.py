@@ -24,6 +24,19 @@ from typing import Any, Literal, TypeVar, Union
 from .errors import HfScaleConfigError
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp")
+# Mixture-of-experts options of other stacks (DeepSpeed-MoE, Megatron, Tutel) that hf_scale does
+# not have: what to do instead, for the unknown-key error
+_DROPLESS = ("hf_scale's expert parallel drops no token and pads none: every (token, expert) pair "
+             "reaches its expert, as the model computes in one process. Remove this key.")
+_ROUTER = ("The routing is the model's own (router, top-k, normalisation, auxiliary loss), unchanged "
+           "under ep: set it on the model's config before loading (e.g. num_experts_per_tok, "
+           "router_aux_loss_coef, output_router_logits), not in the parallel config.")
+ROUTING_KEYS = dict.fromkeys(("capacity_factor", "eval_capacity_factor", "min_capacity", "expert_capacity",
+                              "moe_capacity", "capacity", "drop_tokens", "token_dropping", "moe_token_dropping",
+                              "expert_capacity_factor"), _DROPLESS)
+ROUTING_KEYS.update(dict.fromkeys(("top_k", "moe_top_k", "num_experts_per_tok", "router_topk", "router_jitter",
+                                   "noisy_gate_policy", "aux_loss_coef", "router_aux_loss_coef",
+                                   "moe_router_topk", "moe_aux_loss_coeff"), _ROUTER))
 AUTO = "auto"  # strategy: let hf_scale.layout_search choose the layout (fields given beside it stay fixed)
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
@@ -331,6 +344,8 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" Did you mean '{close[0]}'?" if close else ""
+            if cls.__name__ == "ParallelConfig" and key in ROUTING_KEYS:
+                hint = f" {ROUTING_KEYS[key]}"
             raise HfScaleConfigError(
                 f"unknown config key '{where}'.{hint} Known keys: {', '.join(fields)}."
             )

@@ -115,3 +115,19 @@ def test_experts_not_called_with_the_routing_are_left_whole_by_tp_and_refused_by
     # transformers' routed experts (Qwen3-MoE) stay the ones ep and tp split
     qwen = _meta_moe()
     assert experts_layout(qwen, resolve_plan(qwen)).is_moe and not experts_layout(qwen, resolve_plan(qwen)).unrouted
+
+
+def test_routing_options_of_other_stacks_say_what_to_do_instead():
+    """DeepSpeed-MoE / Megatron options hf_scale does not have: the unknown-key error says why
+    (dropless ep; the model's own routing, set on its config) instead of only listing keys."""
+    from hf_scale.config import as_parallel_config, load_yaml
+    from hf_scale.train.config import JobConfig
+
+    with pytest.raises(HfScaleConfigError, match="'capacity_factor'. hf_scale's expert parallel drops no token"):
+        as_parallel_config({"ep": 2, "capacity_factor": 1.25})
+    with pytest.raises(HfScaleConfigError, match="'moe_router_topk'. The routing is the model's own"):
+        as_parallel_config({"ep": 2, "moe_router_topk": 2})
+    with pytest.raises(HfScaleConfigError, match="Did you mean 'strategy'"):  # other keys: the closest one
+        as_parallel_config({"stratgy": "fsdp"})
+    with pytest.raises(HfScaleConfigError, match="drops no token"):  # the CLI's override path too
+        load_yaml(JobConfig, "configs/quickstart.yaml", ["--parallel.capacity_factor", "1.0"])
