@@ -52,10 +52,10 @@ LEGS = ("hf_scale_ep_ddp", "hf_scale_ep", "transformers_ep", "hf_scale_fsdp")
 # drift from the others), and every rank training a whole model alone on its own batch, no process
 # group work at all (the same rows per expert matmul as balanced ep: the compute floor)
 BOUNDS = ("bound_ep_ddp_no_allreduce", "bound_no_communication")
-# hf_scale's layouts: ep with the dense weights replicated (ddp) or FSDP-sharded (fsdp, the layout of
-# transformers' leg); plain fsdp without ep
-CONFIGS = {"hf_scale_ep_ddp": {"strategy": "ddp"}, "hf_scale_ep": {"strategy": "fsdp"},
-           "hf_scale_fsdp": {"strategy": "fsdp"}}
+# hf_scale's layouts: ep (over every rank) with the dense weights replicated (ddp) or FSDP-sharded
+# (fsdp, the layout of transformers' leg); plain fsdp without ep
+CONFIGS = {"hf_scale_ep_ddp": {"strategy": "ddp", "ep": True}, "hf_scale_ep": {"strategy": "fsdp", "ep": True},
+           "hf_scale_fsdp": {"strategy": "fsdp"}, "bound_ep_ddp_no_allreduce": {"strategy": "ddp", "ep": True}}
 
 
 def make_model(folder: Path) -> None:
@@ -101,7 +101,7 @@ def worker(leg: str, out: Path, folder: Path, steps: int, warmup: int) -> None:
         else:
             import hf_scale
 
-            config = {**CONFIGS.get(leg, {"strategy": "ddp"}), **({"ep": world} if "_ep" in leg else {})}
+            config = {**CONFIGS[leg], **({"ep": world} if CONFIGS[leg].get("ep") else {})}  # ep: every rank
             model = hf_scale.from_pretrained(folder, config)
             optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
             if leg == "bound_ep_ddp_no_allreduce":
