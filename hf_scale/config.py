@@ -203,6 +203,12 @@ class ParallelConfig:
                 "or DDP's replicas (each rank its own experts). Use strategy='fsdp', 'zero2' or "
                 "'ddp' with ep."
             )
+        if self.strategy == "ddp" and self.mixed_precision == "fp16":
+            raise HfScaleConfigError(
+                f"ep={self.ep} with strategy='ddp' and mixed_precision='fp16': the GradScaler unscales "
+                "every gradient in one call, and under ddp + ep the experts' are DTensors beside plain "
+                "dense ones, which torch refuses to mix. Use mixed_precision='bf16', or strategy='fsdp' with ep."
+            )
         if self.pp > 1:
             raise HfScaleConfigError(
                 f"ep={self.ep} with pp={self.pp} is not supported yet: drop one of them "

@@ -131,3 +131,11 @@ def test_routing_options_of_other_stacks_say_what_to_do_instead():
         as_parallel_config({"stratgy": "fsdp"})
     with pytest.raises(HfScaleConfigError, match="drops no token"):  # the CLI's override path too
         load_yaml(JobConfig, "configs/quickstart.yaml", ["--parallel.capacity_factor", "1.0"])
+
+
+def test_ddp_ep_with_fp16_is_refused():
+    """GradScaler.unscale_ runs one foreach over every gradient: DTensor experts beside plain dense
+    gradients (ddp + ep) make torch raise there, on the first step."""
+    with pytest.raises(HfScaleConfigError, match="mixed_precision='fp16'.*Use mixed_precision='bf16'"):
+        ParallelConfig(strategy="ddp", ep=2, mixed_precision="fp16")
+    ParallelConfig(strategy="ddp", ep=2, mixed_precision="bf16")
