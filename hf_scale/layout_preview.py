@@ -61,6 +61,8 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
         per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
     shards = dims.dp_shard if dims and parallel.sharded else 1
+    if ep and not parallel.sharded:  # ddp + ep: the dense weights whole, this rank's 1/ep of the experts
+        per_tp_rank -= ep["expert_params"] * (ep["degree"] - 1) // ep["degree"] // parallel.tp
     return {
         "model_class": type(model).__name__,
         "model_type": plan.model_type,

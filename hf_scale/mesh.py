@@ -29,13 +29,15 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # carved out of dp_shard: not a dimension of its own in the product
+    # ddp / zero1: the model replicated over dp_replicate, no FSDP; ep is then all of dp_replicate
+    replicated: bool = False
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in MESH_DIMS}
         for name, size in {**sizes, "ep": self.ep}.items():
             if not isinstance(size, int) or size < 1:
                 raise HfScaleConfigError(f"{name}={size!r} must be a positive integer ({self}).")
-        if self.ep > 1 and self.dp_shard == 1 and self.dp_replicate > 1:
+        if self.ep > 1 and self.replicated:
             # replicated data parallel (ddp): no FSDP over the experts, so no replica of them either
             if self.ep != self.dp_replicate:
                 raise HfScaleConfigError(
@@ -49,7 +51,9 @@ class ParallelDims:
             raise HfScaleConfigError(
                 f"ep={self.ep} does not divide dp_shard={self.dp_shard} ({shown}): the expert-parallel "
                 "ranks are carved out of the data-parallel shard ranks. Choose an ep that divides "
-                f"{self.dp_shard}, or start a multiple of {self.ep * self.tp * self.pp} processes."
+                f"{self.dp_shard}, or start a multiple of {self.ep * self.tp * self.pp} processes"
+                + (f", or set a smaller dp_replicate (or strategy='ddp' with ep={self.dp_replicate}: each "
+                   "replica its own experts)." if self.dp_replicate > 1 else ".")
             )
         product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
@@ -103,7 +107,8 @@ class ParallelDims:
                 "processes, so no data-parallel rank is left for FSDP. Start more processes "
                 f"(e.g. {2 * world_size}, for fsdp over 2 x tp={tp}) or drop cpu_offload."
             )
-        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp, ep=config.ep)
+        return cls(dp_replicate=replicate, dp_shard=shard, world_size=world_size, tp=tp, pp=pp, ep=config.ep,
+                   replicated=strategy in ("ddp", "zero1"))
 
     @property
     def dp_degree(self) -> int:
@@ -155,7 +160,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
-        return shown + (f" (ep={self.ep} of {'dp_shard' if self.dp_shard > 1 else 'dp_replicate'})" if self.ep > 1 else "")
+        return shown + (f" (ep={self.ep} of {'dp_replicate' if self.replicated else 'dp_shard'})" if self.ep > 1 else "")
 
     def expert_meshes(self, mesh):
         """``(experts' weight mesh, experts' data-parallel mesh)``. Under expert parallel
@@ -167,7 +172,7 @@ class ParallelDims:
         Collective: call once, on every rank."""
         if self.ep == 1:
             return mesh["tp"], self.dp_mesh(mesh)
-        if self.dp_shard == 1:  # ddp: the replicas are the ep ranks (ep = dp_replicate), one each
+        if self.replicated:  # ddp: the replicas are the ep ranks (ep = dp_replicate), one each
             expert = mesh._unflatten("dp_replicate", (1, self.ep), ("erep", "ep"))
             return expert["ep"], expert["erep"]
         expert = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))

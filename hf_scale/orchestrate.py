@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from .config import ParallelConfig
 from .distributed import DistEnv, init_distributed
@@ -37,7 +36,7 @@ from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
-from .parallel.ep import apply_experts, divide_gradients
+from .parallel.ep import apply_experts, divide_gradients, unsplit_parameters
 from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
@@ -400,7 +399,7 @@ def _check_all_split(root: nn.Module, experts: list[nn.Module], ep: int) -> None
     """Under ddp + ep DDP leaves each experts module out whole: refuse one holding a parameter
     that ep did not split (a plain tensor), whose gradient nothing would average over the ranks."""
     names = {id(m): n for n, m in root.named_modules()}
-    plain = [f"{names[id(m)]}.{n}" for m in experts for n, p in m.named_parameters() if not isinstance(p, DTensor)]
+    plain = [f"{names[id(m)]}.{n}" for m in experts for n in unsplit_parameters(m)]
     if plain:
         raise HfScaleConfigError(
             f"strategy='ddp' with ep={ep}: DDP leaves the experts modules to expert parallel, but "

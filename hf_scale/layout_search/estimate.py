@@ -302,9 +302,11 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
     replicated = layout.strategy in ("ddp", "zero1")
-    if replicated and layout.ep > 1:  # ddp + ep: the dense weights replicated, each rank its own 1/ep of the experts
-        away, away_frozen = _replicated_experts_away(facts, layout, frac)
-        train, frozen = train - (away - away_frozen), frozen - away_frozen
+    # ddp + ep: the dense weights replicated, each rank its own 1/ep of the experts, which DDP leaves
+    # out (their gradients are never all-reduced)
+    r_away, r_away_frozen, own_experts = (_replicated_experts(facts, layout, frac) if replicated and layout.ep > 1
+                                          else (0.0, 0.0, 0.0))
+    train, frozen = train - (r_away - r_away_frozen), frozen - r_away_frozen
     # trainable: an fp32 master weight, its fp32 gradient, AdamW's two fp32 moments; frozen: the weight only
     p_bytes, g_bytes = int(4 * train + fb * frozen) // n, int(4 * train) // n
     opt_bytes = int(8 * train) // (layout.dp if layout.strategy == "zero1" else n)
@@ -341,13 +343,13 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             comm = staged = int(everything + 4 * train)
             prefetched = 0
     elif replicated and layout.dp > 1:
-        comm = int(4 * train)  # DDP's gradient buckets (trainable parameters only)
+        comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
     if (replicated or layout.dp == 1) and layout.precision:
-        # autocast: low-precision copies of the matmul weights saved for backward; a frozen weight
-        # already stored in the compute dtype is used as it is
+        # autocast: low-precision copies of the matmul weights saved for backward (this rank's
+        # experts only under ddp + ep); a frozen weight already stored in the compute dtype is used as it is
         copied = facts.trainable_matmul_params + (facts.matmul_params - facts.trainable_matmul_params
                                                   if fb != d else 0)
-        compute = int(copied * frac * d)
+        compute = int(copied * frac * d - (r_away - r_away_frozen) * d - (r_away_frozen * d if fb != d else 0))
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
@@ -370,7 +372,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     piped = layout.pp > 1 and microbatches > max(inflight)
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
-    first_block = max(0, acts.first_block - (4 * int(block - block_frozen) // n if g_bytes else 0))
+    # (under ddp + ep of its own experts only)
+    made = block - block_frozen - ((in_unit - in_unit_frozen) if r_away else 0)
+    first_block = max(0, acts.first_block - (4 * int(made) // n if g_bytes else 0))
     # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved activations
     exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq, d) if layout.ep > 1 else 0
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
@@ -404,15 +408,16 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     return away, away * frozen, moe.moe_layers
 
 
-def _replicated_experts_away(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float]:
+def _replicated_experts(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float, float]:
     """Under ddp + ep: the expert parameters this rank does not hold (the other ep ranks'
-    ``1 - 1/ep`` of every MoE layer's), at this rank's tp / pp share ``frac``, and of them the
-    frozen ones."""
+    ``1 - 1/ep`` of every MoE layer's), at this rank's tp / pp share ``frac``, of them the frozen
+    ones, and the trainable experts it holds (its ``1/ep``, outside DDP's buckets)."""
     moe = moe_facts(facts)
     if moe is None:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     away = moe.expert_params * (1 - 1 / layout.ep) * frac
-    return away, away * (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
+    frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
+    return away, away * frozen, moe.trainable_expert_params * frac / layout.ep
 
 
 def _largest_holds_experts(facts: ModelFacts) -> bool:

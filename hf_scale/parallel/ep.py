@@ -231,3 +231,10 @@ def divide_gradients(module: nn.Module, factor: float) -> None:
                 p._hf_scale_divided = True
 
     module.register_forward_pre_hook(hook_parameters)
+
+
+def unsplit_parameters(module: nn.Module) -> list[str]:
+    """Names of ``module``'s parameters that are plain tensors, not the ``DTensor`` shards the ep
+    (or tp) split made: an experts module holding one cannot be left out of data parallel whole
+    (nothing would average that parameter's gradient over the ranks)."""
+    return [name for name, p in module.named_parameters() if not isinstance(p, DTensor)]

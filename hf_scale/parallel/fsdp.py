@@ -13,7 +13,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .ep import divide_gradients
+from .ep import divide_gradients, unsplit_parameters
 
 
 def apply_fsdp(
@@ -124,7 +124,7 @@ def _keep_whole(module: nn.Module, divide_factor: float, ignored: set) -> bool:
     parameters to ``ignored`` (the enclosing units must leave them alone); False (and nothing
     added) when some parameter is a plain tensor, which FSDP must shard and reduce."""
     params = list(module.parameters())
-    if not params or not all(isinstance(p, DTensor) for p in params):
+    if not params or unsplit_parameters(module):
         return False
     ignored.update(params)
     divide_gradients(module, divide_factor)

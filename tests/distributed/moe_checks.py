@@ -263,7 +263,7 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=b2["input_ids"][:2]).logits  # every rank: the all-to-alls need them all
-    out = {"folder": folder, "loads": []}
+    out = {"folder": folder, "config": save_config, "loads": []}
     next_loss = _next_loss(model, optimizer, b2, state)
     saved_grads = _full_grads(model, b2, state)
     for config in load_configs:
@@ -328,11 +328,11 @@ def world_checks(cases: list[dict]) -> dict:
     """Every case on this rank: {"parity": [...], "errors": [...]} (rank-local values; the test
     compares rank 0's, and the errors of every rank)."""
     rank = int(os.environ["RANK"])
-    out = {"parity": [], "errors": []}
+    out = {"parity": [], "errors": [], "checkpoints": []}
     for case in cases:
         try:
             if "checkpoint" in case:
-                out["checkpoint"] = checkpoint_checks(case["root"], case["config"], case["checkpoint"])
+                out["checkpoints"].append(checkpoint_checks(case["root"], case["config"], case["checkpoint"]))
                 continue
             if "error" in case:
                 out["errors"].append(bad_input(case))
@@ -340,5 +340,6 @@ def world_checks(cases: list[dict]) -> dict:
             result = parallel_run(case["arch"], case.get("aux", False), case["config"], case.get("impl"))
             out["parity"].append(result if rank == 0 else {"losses": result["losses"]})
         except Exception:  # keep the other cases' results: the test names the failing one
-            out["parity" if "error" not in case else "errors"].append({"traceback": traceback.format_exc()})
+            kind = "checkpoints" if "checkpoint" in case else "errors" if "error" in case else "parity"
+            out[kind].append({"traceback": traceback.format_exc()})
     return out

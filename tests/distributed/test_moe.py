@@ -63,21 +63,23 @@ ERRORS = [
 
 # checkpoints: saved under ep (Hub layout: one tensor per expert and projection, as transformers
 # writes Qwen3-MoE), loaded and resumed (DCP training state) at other ep degrees and layouts
-# (world 2 saves under ep + ddp, world 4 loads into it)
-CHECKPOINT2 = {"config": {"strategy": "ddp", "ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]}
-CHECKPOINT4 = {"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}, {"strategy": "ddp", "ep": 4}]}
+# (world 2 saves under ep + ddp, and under fsdp with ep = dp_shard, whose experts FSDP leaves whole;
+# world 4 under fsdp with ep < dp_shard, whose experts FSDP shards over the ranks holding the same ones)
+CHECKPOINT2 = [{"config": {"strategy": "ddp", "ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]},
+               {"config": {"ep": 2}, "checkpoint": [{"strategy": "ddp", "ep": 2}]}]
+CHECKPOINT4 = [{"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}, {"strategy": "ddp", "ep": 4}]}]
 
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe2"))
-    return run_ranks(moe_checks.world_checks, 2, WORLD2 + ERRORS + [{**CHECKPOINT2, "root": root}], timeout=600)
+    return run_ranks(moe_checks.world_checks, 2, WORLD2 + ERRORS + [{**c, "root": root} for c in CHECKPOINT2], timeout=600)
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe4"))
-    return run_ranks(moe_checks.world_checks, 4, WORLD4 + [{**CHECKPOINT4, "root": root}], timeout=600)
+    return run_ranks(moe_checks.world_checks, 4, WORLD4 + [{**c, "root": root} for c in CHECKPOINT4], timeout=600)
 
 
 _REFERENCES: dict = {}
@@ -178,8 +180,8 @@ def test_bad_input_refused_on_every_rank(world2):
         assert "model.layers.0.mlp.experts.scale" in errors["ddp_ep_plain_param"]
 
 
-@pytest.mark.parametrize("world", ["world2", "world4"])
-def test_checkpoint_across_ep_degrees(request, world):
+@pytest.mark.parametrize("world, index", [("world2", 0), ("world2", 1), ("world4", 0)])
+def test_checkpoint_across_ep_degrees(request, world, index):
     """Saved at ep=2 by every rank: plain transformers loads it with the weights and logits of the
     ep run; hf_scale loads it exactly into other ep degrees, tp and fsdp, and resumes the
     training state there (optimizer state exact, the next loss the same); the loaded model's
@@ -188,16 +190,18 @@ def test_checkpoint_across_ep_degrees(request, world):
     from transformers import AutoModelForCausalLM
 
     ranks = request.getfixturevalue(world)
-    expected = CHECKPOINT2["checkpoint"] if world == "world2" else CHECKPOINT4["checkpoint"]
+    case = (CHECKPOINT2 if world == "world2" else CHECKPOINT4)[index]
     for rank in ranks:
-        loads = rank["checkpoint"]["loads"]
-        assert [c["config"] for c in loads] == expected
+        assert "traceback" not in rank["checkpoints"][index], rank["checkpoints"][index]["traceback"]
+        loads = rank["checkpoints"][index]["loads"]
+        assert rank["checkpoints"][index]["config"] == case["config"]
+        assert [c["config"] for c in loads] == case["checkpoint"]
         for load in loads:
             assert load["weights"] == 0.0 and load["resumed_weights"] == 0.0, load
             assert load["optimizer"] == 0.0 and load["optimizer_keys"], load
             assert load["next_loss"] == pytest.approx(load["saved_next_loss"], rel=1e-6), load
             assert load["grad_keys"] and load["grads"] <= 1e-5, load  # rounding only (other layouts)
-    saved = ranks[0]["checkpoint"]
+    saved = ranks[0]["checkpoints"][index]
     folder = saved["folder"]
     import json
     from pathlib import Path

@@ -35,6 +35,18 @@ def test_ep_report_counts_experts_and_all_to_all_volume():
     assert report["all_to_all_bytes_step"] == 2 * report["all_to_all_bytes_forward"]
 
 
+def test_plan_report_under_ddp_ep_counts_one_over_ep_of_the_experts():
+    """ddp + ep: the dense weights whole on every rank, the experts 1/ep (not the whole model)."""
+    from hf_scale.layout_preview import plan_report
+    from tests.distributed.moe_checks import moe_config
+
+    config = moe_config("qwen3_moe", False)
+    whole, split = (plan_report(config, ParallelConfig(strategy="ddp", ep=ep), 2) for ep in (1, 2))
+    experts = split["ep"]["expert_params"]
+    assert whole["params_per_rank"] == whole["parameters"]
+    assert split["params_per_rank"] == whole["parameters"] - experts // 2
+
+
 def test_plan_cli_prints_the_ep_section(tmp_path, capsys):
     from hf_scale.cli import main
     from tests.distributed.moe_checks import moe_config
@@ -86,6 +98,9 @@ def test_bad_ep_input():
     assert (ddp.dp_replicate, ddp.dp_shard) == (4, 1) and ddp.describe().endswith("(ep=4 of dp_replicate)")
     with pytest.raises(HfScaleConfigError, match="under ddp every rank holds its own experts, so ep must be 4"):
         ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=2), world_size=4)
+    # the replicas carry ep only under ddp: fsdp over dp_replicate x dp_shard=1 is refused, not taken for ddp
+    with pytest.raises(HfScaleConfigError, match="ep=2 does not divide dp_shard=1 .* set a smaller dp_replicate"):
+        ParallelDims.resolve(ParallelConfig(strategy="fsdp", dp_replicate=2, ep=2), world_size=2)
     with pytest.raises(HfScaleConfigError, match="ep=2 with strategy='zero1'"):
         ParallelConfig(strategy="zero1", ep=2)
 

@@ -115,7 +115,11 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     assert plain.params - split.params == pytest.approx(4 * away, abs=4)
     assert plain.grads - split.grads == pytest.approx(4 * away, abs=4)
     assert plain.optimizer - split.optimizer == pytest.approx(8 * away, abs=8)
-    assert plain.comm_buffers - split.comm_buffers == pytest.approx(4 * away, abs=4)  # DDP's buckets: dense only
+    # DDP's buckets hold the dense gradients only: every expert's is out (the others' not held, its own ignored)
+    assert plain.comm_buffers - split.comm_buffers == pytest.approx(4 * experts, abs=4)
+    # under autocast a rank copies only the experts it holds
+    plain16, split16 = (estimate_memory(moe, Layout("ddp", 4, 1, precision="bf16", ep=ep), WORK) for ep in (1, 4))
+    assert plain16.compute_copies - split16.compute_copies == pytest.approx(2 * away, abs=4)
     slow, fast = (step_cost(moe, Layout("ddp", 4, 1, ep=ep), WORK, GPU) for ep in (1, 4))
     dense = 1 - experts / moe.params
     assert fast.comm_dp < slow.comm_dp and fast.comm_ep > 0 and fast.optimizer < slow.optimizer
