@@ -86,10 +86,11 @@ class ParallelConfig:
             holds ``num_experts / ep`` whole experts and tokens travel to their experts' rank by
             all-to-all. The ep ranks are carved out of ``dp_shard`` (torchtitan's layout): the
             dense weights stay FSDP-sharded over every data-parallel rank, the experts over the
-            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2, or ddp with ep
-            equal to the data-parallel ranks (dense weights replicated and all-reduced by DDP as
-            the backward goes; DeepSpeed-MoE's layout, which transformers' ``DistributedConfig``
-            cannot express: its ep must divide fsdp x tp). 1 = none.
+            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2, or ddp (dense
+            weights replicated and all-reduced by DDP as the backward goes; ep carved out of the
+            replicas, the experts FSDP-sharded over the ``replicas / ep`` holding the same ones,
+            none when ep is every replica; DeepSpeed-MoE's layout, which transformers'
+            ``DistributedConfig`` cannot express: its ep must divide fsdp x tp). 1 = none.
         pp: pipeline-parallel degree: the blocks are split into stages over ``pp`` ranks (the
             outermost mesh dimension); train with ``model.train_step(batch)``. Causal LMs only.
         pp_schedule: one of ``PP_SCHEDULES``: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``,

@@ -56,13 +56,15 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp * parallel.pp > 1 else None
     tp = tp_report(model, plan, parallel.tp) if parallel.tp > 1 else None
     pp = pp_report(model, plan, parallel) if parallel.pp > 1 else None
-    ep = ep_report(model, plan, parallel.ep, parallel.tp, dims.dp_shard if dims else 1) if parallel.ep > 1 else None
+    # the ranks ep is carved out of: dp_shard, or the replicas under ddp
+    carved = (dims.dp_replicate if dims.replicated else dims.dp_shard) if dims else 1
+    ep = ep_report(model, plan, parallel.ep, parallel.tp, carved) if parallel.ep > 1 else None
     per_tp_rank = tp["params_per_rank"] if tp else params
     if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
         per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
     shards = dims.dp_shard if dims and parallel.sharded else 1
-    if ep and not parallel.sharded:  # ddp + ep: the dense weights whole, this rank's 1/ep of the experts
-        per_tp_rank -= ep["expert_params"] * (ep["degree"] - 1) // ep["degree"] // parallel.tp
+    if ep and not parallel.sharded:  # ddp + ep: the dense weights whole, this rank's share of the experts
+        per_tp_rank -= ep["expert_params"] // parallel.tp - ep["expert_params_per_rank"]
     return {
         "model_class": type(model).__name__,
         "model_type": plan.model_type,

@@ -38,13 +38,13 @@ class ParallelDims:
             if not isinstance(size, int) or size < 1:
                 raise HfScaleConfigError(f"{name}={size!r} must be a positive integer ({self}).")
         if self.ep > 1 and self.replicated:
-            # replicated data parallel (ddp): no FSDP over the experts, so no replica of them either
-            if self.ep != self.dp_replicate:
+            # replicated data parallel (ddp): ep carved out of the replicas; the ranks holding the
+            # same experts (dp_replicate / ep of them) FSDP-shard them
+            if self.dp_replicate % self.ep:
                 raise HfScaleConfigError(
-                    f"ep={self.ep} with replicated data parallel (ddp) over {self.dp_replicate} ranks: "
-                    f"under ddp every rank holds its own experts, so ep must be {self.dp_replicate}. "
-                    f"Use ep={self.dp_replicate}, or strategy='fsdp' / 'zero2' (their experts are "
-                    "FSDP-sharded over the ranks holding the same ones) for a smaller ep."
+                    f"ep={self.ep} does not divide the {self.dp_replicate} data-parallel ranks of "
+                    f"strategy='ddp': the expert-parallel ranks are carved out of them. Choose an ep "
+                    f"that divides {self.dp_replicate}, or start a multiple of {self.ep} processes."
                 )
         elif self.dp_shard % self.ep:
             shown = " x ".join(f"{n}={s}" for n, s in sizes.items())
@@ -166,14 +166,14 @@ class ParallelDims:
         """``(experts' weight mesh, experts' data-parallel mesh)``. Under expert parallel
         ``dp_shard`` is unflattened into ``efsdp x ep`` (ep innermost: the ranks of one ep group
         are neighbours); the weights live on ``ep`` (``ep x tp`` with tensor parallel) and are
-        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp); under ddp ep is all of
-        ``dp_replicate`` and the experts' data-parallel mesh is one rank. Same root mesh as
+        FSDP-sharded over ``efsdp`` (with ``dp_replicate`` under hsdp); under ddp ``dp_replicate``
+        is unflattened the same way into ``erep x ep``, erep of one rank when ep is every replica. Same root mesh as
         ``mesh``, so FSDP composes the two (its TP/EP path). Without ep: ``tp`` and the dp mesh.
         Collective: call once, on every rank."""
         if self.ep == 1:
             return mesh["tp"], self.dp_mesh(mesh)
-        if self.replicated:  # ddp: the replicas are the ep ranks (ep = dp_replicate), one each
-            expert = mesh._unflatten("dp_replicate", (1, self.ep), ("erep", "ep"))
+        if self.replicated:  # ddp: ep carved out of the replicas, the rest (erep) hold the same experts
+            expert = mesh._unflatten("dp_replicate", (self.dp_replicate // self.ep, self.ep), ("erep", "ep"))
             return expert["ep"], expert["erep"]
         expert = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), ("efsdp", "ep"))
         expert["efsdp", "ep"]._flatten("efsdp_ep")  # one collective for a norm over both (DTensor finds it)

@@ -36,7 +36,8 @@ from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
-from .parallel.ep import apply_experts, divide_gradients, unsplit_parameters
+from .parallel.ep import apply_experts, unsplit_parameters
+from .parallel.fsdp import shard_experts
 from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
@@ -337,9 +338,10 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
         else:
             experts = _experts_modules(root, topology)
             _check_all_split(root, experts, dims.ep)
+            # each rank's experts its own (ep = the replicas), else FSDP-sharded over the replicas
+            # holding the same ones; DDP all-reduces the rest
+            shard_experts(experts, topology.experts_dp_mesh, dims.dp_degree)
             apply_ddp(root, dims.dp_mesh(topology.mesh), ignored=experts)
-            for module in experts:  # ep = the data-parallel ranks: each rank's experts its own
-                divide_gradients(module, float(dims.dp_degree))
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
     return roots

@@ -18,7 +18,8 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 - tp: each rank's parameters from :func:`hf_scale.layout_preview.tp_report` (``tp_layout``); pp: the
   busiest pp rank's stage parameters (``pp_layout``), a tied head counted on both ends.
 - ep (MoE models, :mod:`.experts`): each of ep ranks holds 1/ep of every MoE layer's experts
-  (ddp + ep: the dense weights replicated, the experts 1/ep, nothing more: ep = every rank),
+  (ddp + ep: the dense weights replicated; the experts 1/ep, FSDP-sharded over the replicas
+  holding the same ones when ep is fewer than the replicas),
   FSDP-sharded over the dp_shard / ep ranks holding the same ones: per rank the same weight,
   gradient and optimizer bytes as FSDP over dp_shard, but a gathered layer holds only 1/ep of its
   experts (zero2: of every layer's). The all-to-all's token buffers (``tokens x top_k`` rows of
@@ -344,6 +345,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             prefetched = 0
     elif replicated and layout.dp > 1:
         comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
+        if r_away and layout.dp_replicate > layout.ep:  # experts FSDP-sharded over the replicas holding
+            # the same ones: one MoE layer's 1/ep gathered in fp32, and its gradient before the reduce-scatter
+            comm += int(2 * 4 * moe_facts(facts).layer_params / layout.ep * frac)
     if (replicated or layout.dp == 1) and layout.precision:
         # autocast: low-precision copies of the matmul weights saved for backward (this rank's
         # experts only under ddp + ep); a frozen weight already stored in the compute dtype is used as it is
@@ -409,15 +413,17 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
 
 
 def _replicated_experts(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float, float]:
-    """Under ddp + ep: the expert parameters this rank does not hold (the other ep ranks'
-    ``1 - 1/ep`` of every MoE layer's), at this rank's tp / pp share ``frac``, of them the frozen
-    ones, and the trainable experts it holds (its ``1/ep``, outside DDP's buckets)."""
+    """Under ddp + ep: the expert parameters this rank does not hold between steps (the other ep
+    ranks' ``1 - 1/ep`` of every MoE layer's, and with ep < the replicas the FSDP shards of its
+    own that the other replicas holding them keep), at this rank's tp / pp share ``frac``, of
+    them the frozen ones, and the trainable experts it holds (outside DDP's buckets)."""
     moe = moe_facts(facts)
     if moe is None:
         return 0.0, 0.0, 0.0
-    away = moe.expert_params * (1 - 1 / layout.ep) * frac
+    held = 1 / layout.dp_replicate  # 1/ep, FSDP-sharded over the dp_replicate / ep replicas holding the same ones
+    away = moe.expert_params * (1 - held) * frac
     frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
-    return away, away * frozen, moe.trainable_expert_params * frac / layout.ep
+    return away, away * frozen, moe.trainable_expert_params * frac * held
 
 
 def _largest_holds_experts(facts: ModelFacts) -> bool:

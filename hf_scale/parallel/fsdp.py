@@ -80,20 +80,8 @@ def apply_fsdp(
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     )
-    # experts that no other rank holds (one rank in ``experts_mesh``): FSDP would copy them whole
-    # into its buffers and back every forward and backward, for nothing to gather or scatter
-    whole = experts_mesh is not None and experts_mesh.size() == 1 and param_dtype is None and not cpu_offload
-    ignored: set[nn.Parameter] = set()
-    for module in experts:
-        if whole and _keep_whole(module, float(data_ranks), ignored):
-            continue
-        fully_shard(module, mesh=experts_mesh, offload_policy=offload, mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward)
-        module.set_gradient_divide_factor(float(data_ranks))
-        if experts_mesh.size() > 1:
-            # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
-            # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
-            module.set_force_sum_reduction_for_comms(True)
+    ignored = shard_experts(experts, experts_mesh, data_ranks, mp_policy=mp_policy, offload=offload,
+                            reshard_after_forward=reshard_after_forward)
     common = {"mesh": dp_mesh, "offload_policy": offload, "shard_placement_fn": _shard_placement,
               "ignored_params": ignored or None}
     if param_dtype is not None:
@@ -114,6 +102,37 @@ def apply_fsdp(
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
     if prefetch:
         set_prefetch(model, [group[0] for group in groups], prefetch)
+
+
+def shard_experts(experts: list[nn.Module], experts_mesh, data_ranks: int, *,
+                  mp_policy: MixedPrecisionPolicy | None = None, offload: OffloadPolicy | None = None,
+                  reshard_after_forward: bool = True) -> set[nn.Parameter]:
+    """Each expert-parallel experts module its own FSDP unit over ``experts_mesh`` (the ranks
+    holding the same experts), its gradients divided by ``data_ranks`` (every data-parallel
+    rank: they arrive summed over the ep ranks' tokens). Experts no other rank holds
+    (``experts_mesh`` of one rank), without mixed precision or offload, stay out of FSDP (it
+    would copy them whole into its buffers and back, for nothing to gather or scatter): returns
+    their parameters, which the enclosing units must ignore.
+
+    Usage (DDP's dense weights, experts over the replicas holding the same ones)::
+
+        shard_experts(experts, erep_mesh, data_ranks=dims.dp_degree)
+    """
+    policy = mp_policy or MixedPrecisionPolicy()
+    whole = (experts_mesh is not None and experts_mesh.size() == 1 and policy.param_dtype is None
+             and not isinstance(offload, CPUOffloadPolicy))
+    ignored: set[nn.Parameter] = set()
+    for module in experts:
+        if whole and _keep_whole(module, float(data_ranks), ignored):
+            continue
+        fully_shard(module, mesh=experts_mesh, offload_policy=offload or OffloadPolicy(), mp_policy=policy,
+                    reshard_after_forward=reshard_after_forward)
+        module.set_gradient_divide_factor(float(data_ranks))
+        if experts_mesh.size() > 1:
+            # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
+            # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
+            module.set_force_sum_reduction_for_comms(True)
+    return ignored
 
 
 def _keep_whole(module: nn.Module, divide_factor: float, ignored: set) -> bool:

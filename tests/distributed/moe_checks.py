@@ -24,6 +24,10 @@ from tests.tiny_models import slice_batch
 
 STEPS = 2
 LR = 1e-3
+# AdamW's eps above rounding: an element whose true gradient is 0 but comes out at rounding level
+# (another summation order under ep) would otherwise get a full +-lr step of either sign
+# (Qwen3-MoE with the aux loss at world 4: one embedding element, 1.3e-3 of the update's norm)
+EPS = 1e-6
 GLOBAL_BATCH = 8
 SEQ = 12
 VOCAB = 256
@@ -106,7 +110,7 @@ def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None) -> dic
     """One process: each of ``dp`` slices of every batch on its own, gradients averaged; AdamW."""
     model = moe_model(arch, aux, impl=impl)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=EPS)
     losses, norms, grads, counts = [], [], None, None
     for step, batch in enumerate(batches()):
         total = 0.0
@@ -178,7 +182,7 @@ def parallel_run(arch: str, aux: bool, config: dict, impl: str | None = None) ->
     and final parameters whole, tokens per expert summed over ranks, all-to-alls of one forward."""
     model = hf_scale.parallelize(moe_model(arch, aux, impl=impl), config)
     state = hf_scale.get_state(model)
-    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
     losses, norms, grads, counts, calls = [], [], None, None, None
     for step, batch in enumerate(batches()):
         local = slice_batch(batch, state.dp_rank, state.dp_degree)
@@ -209,8 +213,12 @@ def parallel_run(arch: str, aux: bool, config: dict, impl: str | None = None) ->
         losses.append(float(value) / state.dp_degree)
     params = full_params(model)
     moe_layers = len(counts)
+    # the expert weights this rank holds between steps (its ep share, FSDP's shard of it, tp's
+    # slice; not the biases, some of which tp replicates)
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
+               if ".experts." in n and not n.endswith("bias"))
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts,
-            "calls": calls, "moe_layers": moe_layers}
+            "calls": calls, "moe_layers": moe_layers, "experts_held": held}
 
 
 def bad_input(case: dict) -> str:

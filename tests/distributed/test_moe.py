@@ -48,6 +48,10 @@ WORLD4 = [
     {"id": "olmoe_ep2_fsdp2_aux", "arch": "olmoe", "aux": True, "config": {"ep": 2}},
     {"id": "qwen3_moe_ep2_tp2_aux", "arch": "qwen3_moe", "aux": True, "config": {"ep": 2, "tp": 2}},
     {"id": "gpt_oss_ep2_tp2", "arch": "gpt_oss", "aux": False, "config": {"ep": 2, "tp": 2}},
+    # ddp with ep < the replicas: dense weights all-reduced by DDP, experts FSDP-sharded over the 2
+    # replicas holding the same ones (erep = 2)
+    {"id": "qwen3_moe_ep2_ddp4_aux", "arch": "qwen3_moe", "aux": True, "config": {"strategy": "ddp", "ep": 2}},
+    {"id": "deepseek_v3_ep2_ddp4", "arch": "deepseek_v3", "aux": False, "config": {"strategy": "ddp", "ep": 2}},
 ]
 ERRORS = [
     {"id": "ep_not_dividing_experts", "arch": "qwen3_moe", "config": {"ep": 2, "dp_shard": 2}, "error": True,
@@ -67,7 +71,8 @@ ERRORS = [
 # world 4 under fsdp with ep < dp_shard, whose experts FSDP shards over the ranks holding the same ones)
 CHECKPOINT2 = [{"config": {"strategy": "ddp", "ep": 2}, "checkpoint": [{"ep": 2}, {"strategy": "fsdp"}, {"tp": 2}]},
                {"config": {"ep": 2}, "checkpoint": [{"strategy": "ddp", "ep": 2}]}]
-CHECKPOINT4 = [{"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}, {"strategy": "ddp", "ep": 4}]}]
+CHECKPOINT4 = [{"config": {"ep": 2}, "checkpoint": [{"ep": 4}, {"ep": 2, "tp": 2}, {"strategy": "ddp", "ep": 4},
+                                                     {"strategy": "ddp", "ep": 2}]}]
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +140,10 @@ def test_world4_parity(world4, case):
     ref = reference(case, dp_degree(case, 4))
     check_parity(got, ref)
     check_routing(got, ref)
+    # every layout here splits the experts over all 4 ranks: ep x tp, or ep x FSDP over the ranks
+    # holding the same ones (under ddp too)
+    total = sum(p.numel() for n, p in ref["params"].items() if ".experts." in n and not n.endswith("bias"))
+    assert got["experts_held"] * 4 == total, (got["experts_held"], total)
 
 
 def check_routing(got: dict, ref: dict) -> None:

@@ -45,6 +45,10 @@ def test_plan_report_under_ddp_ep_counts_one_over_ep_of_the_experts():
     experts = split["ep"]["expert_params"]
     assert whole["params_per_rank"] == whole["parameters"]
     assert split["params_per_rank"] == whole["parameters"] - experts // 2
+    # ep fewer than the replicas: the experts FSDP-sharded over the 2 replicas holding the same ones
+    quarter = plan_report(config, ParallelConfig(strategy="ddp", ep=2), 4)
+    assert quarter["ep"]["expert_params_per_rank"] == experts // 4
+    assert quarter["params_per_rank"] == whole["parameters"] - experts + experts // 4
 
 
 def test_plan_cli_prints_the_ep_section(tmp_path, capsys):
@@ -93,11 +97,13 @@ def test_bad_ep_input():
     with pytest.raises(HfScaleConfigError, match="ep=4 does not divide dp_shard=2"):
         ParallelDims.resolve(ParallelConfig(ep=4, tp=2), world_size=4)
     assert ParallelDims.resolve(ParallelConfig(ep=2), world_size=4).describe().endswith("(ep=2 of dp_shard)")
-    # ddp: the replicas are the ep ranks, each its own experts (nothing keeps expert replicas in sync)
+    # ddp: ep carved out of the replicas (the rest FSDP-shard the experts they share)
     ddp = ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=4), world_size=4)
     assert (ddp.dp_replicate, ddp.dp_shard) == (4, 1) and ddp.describe().endswith("(ep=4 of dp_replicate)")
-    with pytest.raises(HfScaleConfigError, match="under ddp every rank holds its own experts, so ep must be 4"):
-        ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=2), world_size=4)
+    assert ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=2), world_size=4).describe().endswith(
+        "(ep=2 of dp_replicate)")
+    with pytest.raises(HfScaleConfigError, match="ep=4 does not divide the 6 data-parallel ranks of strategy='ddp'"):
+        ParallelDims.resolve(ParallelConfig(strategy="ddp", ep=4), world_size=6)
     # the replicas carry ep only under ddp: fsdp over dp_replicate x dp_shard=1 is refused, not taken for ddp
     with pytest.raises(HfScaleConfigError, match="ep=2 does not divide dp_shard=1 .* set a smaller dp_replicate"):
         ParallelDims.resolve(ParallelConfig(strategy="fsdp", dp_replicate=2, ep=2), world_size=2)

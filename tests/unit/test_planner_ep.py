@@ -117,6 +117,12 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     assert plain.optimizer - split.optimizer == pytest.approx(8 * away, abs=8)
     # DDP's buckets hold the dense gradients only: every expert's is out (the others' not held, its own ignored)
     assert plain.comm_buffers - split.comm_buffers == pytest.approx(4 * experts, abs=4)
+    # ep fewer than the replicas (not searched, estimated when asked): the experts FSDP-sharded over
+    # the 2 replicas holding the same ones, 1/4 of them held between steps, one layer's share gathered
+    half = estimate_memory(moe, Layout("ddp", 4, 1, ep=2), WORK)
+    assert (half.params, half.grads, half.optimizer) == (split.params, split.grads, split.optimizer)
+    per_layer = moe_facts(moe).layer_params
+    assert half.comm_buffers - split.comm_buffers == pytest.approx(2 * 4 * per_layer / 2, abs=4)
     # under autocast a rank copies only the experts it holds
     plain16, split16 = (estimate_memory(moe, Layout("ddp", 4, 1, precision="bf16", ep=ep), WORK) for ep in (1, 4))
     assert plain16.compute_copies - split16.compute_copies == pytest.approx(2 * away, abs=4)
