@@ -50,7 +50,8 @@ LEGS = ("hf_scale_ep_ddp", "hf_scale_ep", "transformers_ep", "hf_scale_fsdp")
 # --bounds: what limits any ep implementation on this machine, not ways to train: ep + ddp with
 # DDP's gradient all-reduce switched off (the dense gradients are then NOT averaged: its losses
 # drift from the others), and every rank training a whole model alone on its own batch, no process
-# group work at all (the same rows per expert matmul as balanced ep: the compute floor)
+# group work but the one-number loss all-reduce every leg records (the same expert rows per rank as
+# balanced ep, spread over all the experts instead of 1/ep of them: the compute floor)
 BOUNDS = ("bound_ep_ddp_no_allreduce", "bound_no_communication")
 # hf_scale's layouts: ep (over every rank) with the dense weights replicated (ddp) or FSDP-sharded
 # (fsdp, the layout of transformers' leg); plain fsdp without ep
