@@ -28,8 +28,8 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # carved out of dp_shard: not a dimension of its own in the product
-    # ddp / zero1: the model replicated over dp_replicate, no FSDP; ep is then all of dp_replicate
+    ep: int = 1  # carved out of dp_shard (or dp_replicate): not a dimension of its own in the product
+    # ddp / zero1: the model replicated over dp_replicate, no FSDP; ep is then carved out of dp_replicate
     replicated: bool = False
 
     def __post_init__(self) -> None:
