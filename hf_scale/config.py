@@ -197,12 +197,12 @@ class ParallelConfig:
         _check_positive_int("ep", self.ep, "(experts split over ep ranks; 1 = no expert parallel)", optional=False)
         if self.ep == 1:
             return
-        if self.strategy not in ("fsdp", "zero2", "ddp", AUTO):
+        if self.strategy not in ("fsdp", "zero2", "hsdp", "ddp", AUTO):
             raise HfScaleConfigError(
                 f"ep={self.ep} with strategy={self.strategy!r}: expert parallel carves its ranks out "
                 "of the data-parallel ones: FSDP's dp_shard (the experts FSDP-sharded over the rest), "
-                "or DDP's replicas (each rank its own experts). Use strategy='fsdp', 'zero2' or "
-                "'ddp' with ep."
+                "or DDP's replicas (each rank its own experts). Use strategy='fsdp', 'zero2', 'hsdp' "
+                "or 'ddp' with ep."
             )
         if self.strategy == "ddp" and self.mixed_precision == "fp16":
             raise HfScaleConfigError(

@@ -113,12 +113,12 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
 
 def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int) -> bool:
     """Where the engine accepts expert parallel (``ParallelConfig``, ``ParallelDims``) and the
-    cost model prices it: no pipeline; fsdp / zero2 with ep dividing dp_shard (carved out of it),
+    cost model prices it: no pipeline; fsdp / zero2 / hsdp with ep dividing dp_shard (carved out of it),
     or ddp without tp with ep = its replicas (each rank its own experts; the engine also takes
     a smaller ep, whose experts' FSDP collectives under ddp the cost model has no term for)."""
     if pp > 1:
         return False
-    if strategy in ("fsdp", "zero2"):
+    if strategy in ("fsdp", "zero2", "hsdp"):
         return shard % ep == 0
     return strategy == "ddp" and tp == 1 and rep == ep
 

@@ -128,9 +128,10 @@ def shard_experts(experts: list[nn.Module], experts_mesh, data_ranks: int, *,
         fully_shard(module, mesh=experts_mesh, offload_policy=offload or OffloadPolicy(), mp_policy=policy,
                     reshard_after_forward=reshard_after_forward)
         module.set_gradient_divide_factor(float(data_ranks))
-        if experts_mesh.size() > 1:
-            # a sum, then the division (gloo has no PREMUL_SUM); not on one rank, where torch
-            # 2.13's FSDP would divide twice (its pre-division, then the world-size-1 copy's)
+        if experts_mesh.size(experts_mesh.ndim - 1) > 1:
+            # a sum, then the division (gloo has no PREMUL_SUM); not when the shard dimension is one
+            # rank (ep = dp_shard, HSDP's replicas beside it or not), where torch 2.13's FSDP copies
+            # the gradient divided instead of reduce-scattering it, and would divide again after
             module.set_force_sum_reduction_for_comms(True)
     return ignored
 

@@ -52,6 +52,9 @@ WORLD4 = [
     # replicas holding the same ones (erep = 2)
     {"id": "qwen3_moe_ep2_ddp4_aux", "arch": "qwen3_moe", "aux": True, "config": {"strategy": "ddp", "ep": 2}},
     {"id": "deepseek_v3_ep2_ddp4", "arch": "deepseek_v3", "aux": False, "config": {"strategy": "ddp", "ep": 2}},
+    # hsdp: ep carved out of dp_shard within each replica group, the experts replicated over the groups
+    {"id": "mixtral_ep2_hsdp2x2_aux", "arch": "mixtral", "aux": True,
+     "config": {"strategy": "hsdp", "dp_replicate": 2, "ep": 2}, "experts_split": 2},
 ]
 ERRORS = [
     {"id": "ep_not_dividing_experts", "arch": "qwen3_moe", "config": {"ep": 2, "dp_shard": 2}, "error": True,
@@ -140,10 +143,10 @@ def test_world4_parity(world4, case):
     ref = reference(case, dp_degree(case, 4))
     check_parity(got, ref)
     check_routing(got, ref)
-    # every layout here splits the experts over all 4 ranks: ep x tp, or ep x FSDP over the ranks
-    # holding the same ones (under ddp too)
+    # the layouts here split the experts over all 4 ranks (ep x tp, or ep x FSDP over the ranks
+    # holding the same ones, under ddp too), but hsdp, which replicates them over its 2 groups
     total = sum(p.numel() for n, p in ref["params"].items() if ".experts." in n and not n.endswith("bias"))
-    assert got["experts_held"] * 4 == total, (got["experts_held"], total)
+    assert got["experts_held"] * case.get("experts_split", 4) == total, (got["experts_held"], total)
 
 
 def check_routing(got: dict, ref: dict) -> None:

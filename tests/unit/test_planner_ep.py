@@ -59,14 +59,15 @@ def test_ep_layouts_only_for_moe_models_and_only_valid_ones(moe, dense):
     assert eps == {1, 2, 4, 8}
     for c in ranked:
         lay = c.layout
-        if lay.ep > 1:  # the engine's conditions: no pp; fsdp / zero2 with ep | dp_shard, or ddp with
+        if lay.ep > 1:  # the engine's conditions: no pp; fsdp / zero2 / hsdp with ep | dp_shard, or ddp with
             # ep = its replicas and no tp; ep | experts
             assert lay.pp == 1, lay
-            assert (lay.strategy in ("fsdp", "zero2") and lay.dp_shard % lay.ep == 0
+            assert (lay.strategy in ("fsdp", "zero2", "hsdp") and lay.dp_shard % lay.ep == 0
                     or lay.strategy == "ddp" and lay.tp == 1 and lay.dp_replicate == lay.ep), lay
             assert 8 % lay.ep == 0 and c.fits, (lay, c.reason)
             assert f"ep={lay.ep}" in lay.describe() and lay.parallel_config().ep == lay.ep
     assert any(c.layout.ep == 8 and c.layout.dp_shard == 8 for c in ranked)
+    assert any(c.layout.ep > 1 and c.layout.strategy == "hsdp" for c in ranked)  # ep within each replica group
     assert not any(c.layout.ep > 1 and c.layout.tp * c.layout.pp > 1 and c.layout.dp_shard < c.layout.ep for c in ranked)
 
     # a dense model never gets ep, and one forced on it is refused with the engine's message
