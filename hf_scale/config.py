@@ -86,7 +86,8 @@ class ParallelConfig:
             holds ``num_experts / ep`` whole experts and tokens travel to their experts' rank by
             all-to-all. The ep ranks are carved out of ``dp_shard`` (torchtitan's layout): the
             dense weights stay FSDP-sharded over every data-parallel rank, the experts over the
-            ``dp_shard / ep`` ranks that hold the same ones. Needs fsdp or zero2, or ddp (dense
+            ``dp_shard / ep`` ranks that hold the same ones (hsdp: within each replica group,
+            the experts replicated over the groups). Needs fsdp, zero2 or hsdp, or ddp (dense
             weights replicated and all-reduced by DDP as the backward goes; ep carved out of the
             replicas, the experts FSDP-sharded over the ``replicas / ep`` holding the same ones,
             none when ep is every replica; DeepSpeed-MoE's layout, which transformers'
