@@ -79,6 +79,7 @@ def pp_layout(
     """
     _check_causal_lm(model)
     _check_stagewise(model)
+    _check_router_loss(model)
     base_name = base_model_name(model) or getattr(model, "base_model_prefix", "")
     base = getattr(model, base_name, None) if base_name else None
     if not isinstance(base, nn.Module):
@@ -179,6 +180,23 @@ def _check_stagewise(model: nn.Module) -> None:
         raise HfScaleConfigError(
             f"pipeline parallel cannot split {type(model).__name__} yet: {NOT_STAGEWISE[model_type]} "
             f"(model_type {model_type!r}). Use fsdp / tp for this model, or pp=1."
+        )
+
+
+def _check_router_loss(model: nn.Module) -> None:
+    """A mixture-of-experts model whose loss adds the routers' load-balancing term
+    (``output_router_logits=True``) cannot be cut into stages: the term is computed from every
+    layer's router logits together (a product of two means over all layers' tokens, not a sum
+    per layer), and the last stage sees its own layers' only. Run, it would add that stage's term
+    once per microbatch (measured: Qwen3-MoE's loss off by twice the term at pp=2)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise HfScaleConfigError(
+            f"pipeline parallel with {type(model).__name__}'s load-balancing loss (config."
+            "output_router_logits=True): the loss needs every layer's router logits in one place, "
+            "and a pipeline stage holds only its own layers. Set model.config.output_router_logits = "
+            "False before parallelize (the loss without the auxiliary term), or use ep / tp / fsdp "
+            "for this model (they keep the term)."
         )
 
 

@@ -228,7 +228,7 @@ def bad_input(case: dict) -> str:
     else:
         from transformers import AutoModelForCausalLM
 
-        config = moe_config(case["arch"], False)
+        config = moe_config(case["arch"], case.get("aux", False))
         if "num_experts" in case:
             config.num_experts = case["num_experts"]
         model = AutoModelForCausalLM.from_config(config)

@@ -65,6 +65,8 @@ ERRORS = [
     # never be averaged over the ranks
     {"id": "ddp_ep_plain_param", "arch": "qwen3_moe", "config": {"strategy": "ddp", "ep": 2}, "error": True,
      "plain_expert_param": True},
+    # the load-balancing loss needs every layer's router logits: no pipeline stage has them all
+    {"id": "pp_with_router_loss", "arch": "qwen3_moe", "aux": True, "config": {"pp": 2}, "error": True},
 ]
 
 
@@ -190,6 +192,9 @@ def test_bad_input_refused_on_every_rank(world2):
         assert "'ddp' with ep" in errors["ep_with_zero1"]
         assert errors["ddp_ep_plain_param"].startswith("HfScaleConfigError: strategy='ddp' with ep=2")
         assert "model.layers.0.mlp.experts.scale" in errors["ddp_ep_plain_param"]
+        assert errors["pp_with_router_loss"].startswith("HfScaleConfigError: pipeline parallel with "
+                                                        "Qwen3MoeForCausalLM's load-balancing loss")
+        assert "output_router_logits = False" in errors["pp_with_router_loss"]
 
 
 @pytest.mark.parametrize("world, index", [("world2", 0), ("world2", 1), ("world4", 0)])
