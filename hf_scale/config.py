@@ -87,7 +87,7 @@ class ParallelConfig:
             all-to-all. The ep ranks are carved out of ``dp_shard`` (torchtitan's layout): the
             dense weights stay FSDP-sharded over every data-parallel rank, the experts over the
             ``dp_shard / ep`` ranks that hold the same ones (hsdp: within each replica group,
-            the experts replicated over the groups). Needs fsdp, zero2 or hsdp, or ddp (dense
+            the experts replicated over the groups; pp: within each stage). Needs fsdp, zero2 or hsdp, or ddp (dense
             weights replicated and all-reduced by DDP as the backward goes; ep carved out of the
             replicas, the experts FSDP-sharded over the ``replicas / ep`` holding the same ones,
             none when ep is every replica; DeepSpeed-MoE's layout, which transformers'
@@ -210,11 +210,6 @@ class ParallelConfig:
                 f"ep={self.ep} with strategy='ddp' and mixed_precision='fp16': the GradScaler unscales "
                 "every gradient in one call, and under ddp + ep the experts' are DTensors beside plain "
                 "dense ones, which torch refuses to mix. Use mixed_precision='bf16', or strategy='fsdp' with ep."
-            )
-        if self.pp > 1:
-            raise HfScaleConfigError(
-                f"ep={self.ep} with pp={self.pp} is not supported yet: drop one of them "
-                "(ep with fsdp and tp is supported)."
             )
 
     def _check_pp(self) -> None:

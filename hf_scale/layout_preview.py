@@ -59,6 +59,8 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     # the ranks ep is carved out of: dp_shard, or the replicas under ddp
     carved = (dims.dp_replicate if dims.replicated else dims.dp_shard) if dims else 1
     ep = ep_report(model, plan, parallel.ep, parallel.tp, carved) if parallel.ep > 1 else None
+    if ep and pp:  # a pipeline rank holds its own stages' experts: the busiest rank's share
+        _stage_share(ep, pp, model, units)
     per_tp_rank = tp["params_per_rank"] if tp else params
     if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
         per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
@@ -81,6 +83,20 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
         "pp": pp,
         "ep": ep,
     }
+
+
+def _stage_share(ep: dict, pp: dict, model, units) -> None:
+    """Scale ``ep``'s per-rank expert figures to the MoE layers of the pipeline rank holding the
+    most of them (each rank holds its own stages' blocks only)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(u)] + "." for u in units]
+    moe_blocks = {i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in ep["modules"])}
+    per_rank: dict[int, int] = {}
+    for stage in pp["stages"]:
+        per_rank[stage["rank"]] = per_rank.get(stage["rank"], 0) + len(moe_blocks.intersection(stage["blocks"]))
+    share = max(per_rank.values()) / max(1, len(moe_blocks))
+    for key in ("expert_params_per_rank", "expert_train_state_bytes_per_rank"):
+        ep[key] = int(ep[key] * share)
 
 
 def ep_report(model, plan, ep: int, tp: int = 1, dp_shard: int | None = None, tokens: int = 1024,
@@ -118,6 +134,7 @@ def ep_report(model, plan, ep: int, tp: int = 1, dp_shard: int | None = None, to
         "all_to_all_bytes_step": 2 * forward,
         "off_rank_fraction": (ep - 1) / ep,  # with routing spread evenly
         "source": layout.source,
+        "modules": sorted(layout.modules),
     }
 
 

@@ -328,7 +328,7 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
         elif config.sharded:
-            experts = _experts_modules(root, topology)
+            experts = _experts_modules(model, root, topology)
             apply_fsdp(root, dims.dp_mesh(topology.mesh), [u for u in units if id(u) in inside],
                        experts=experts, experts_mesh=topology.experts_dp_mesh, data_ranks=dims.dp_degree,
                        param_dtype=dtype,
@@ -336,7 +336,7 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
                        cpu_offload=config.cpu_offload, fp32_modules=fp32,
                        blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch)
         else:
-            experts = _experts_modules(root, topology)
+            experts = _experts_modules(model, root, topology)
             _check_all_split(root, experts, dims.ep)
             # each rank's experts its own (ep = the replicas), else FSDP-sharded over the replicas
             # holding the same ones; DDP all-reduces the rest
@@ -411,12 +411,16 @@ def _check_all_split(root: nn.Module, experts: list[nn.Module], ep: int) -> None
         )
 
 
-def _experts_modules(root: nn.Module, topology: Topology) -> list[nn.Module]:
-    """The experts modules under ep: FSDP shards them as units of their own (over the ranks
-    holding the same experts), DDP leaves them to :func:`~.parallel.ep.divide_gradients`."""
+def _experts_modules(model: nn.Module, root: nn.Module, topology: Topology) -> list[nn.Module]:
+    """The experts modules under ep inside ``root`` (the model, or under pp one of this rank's
+    stages): FSDP shards them as units of their own (over the ranks holding the same experts),
+    DDP leaves them to :func:`~.parallel.ep.divide_gradients`."""
     if topology.experts is None or not topology.dims.ep_enabled:
         return []
-    return [root.get_submodule(name) for name in topology.experts.modules]
+    inside = {id(m) for m in root.modules()}
+    present = dict(model.named_modules())  # under pp: this rank's stages' blocks only
+    modules = (present[name] for name in topology.experts.modules if name in present)
+    return [m for m in modules if id(m) in inside and not is_stand_in(m)]
 
 
 def _describe(layout: PipelineLayout) -> str:

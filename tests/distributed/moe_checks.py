@@ -36,8 +36,9 @@ COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_ke
               max_position_embeddings=64, router_aux_loss_coef=0.02)
 
 
-def moe_config(arch: str, aux: bool):
-    """A tiny fp32 config of ``arch`` with 4 experts, top-2; ``aux``: the load-balancing loss on."""
+def moe_config(arch: str, aux: bool, layers: int = 2):
+    """A tiny fp32 config of ``arch`` with 4 experts, top-2 and ``layers`` layers; ``aux``: the
+    load-balancing loss on."""
     from transformers import (
         DeepseekV3Config,
         GptOssConfig,
@@ -67,6 +68,7 @@ def moe_config(arch: str, aux: bool):
     else:
         raise ValueError(arch)
     config.output_router_logits = aux
+    config.num_hidden_layers = layers
     for key in list(config.to_dict()):
         if "dropout" in key:
             setattr(config, key, 0.0)
@@ -74,13 +76,13 @@ def moe_config(arch: str, aux: bool):
     return config
 
 
-def moe_model(arch: str, aux: bool = False, seed: int = 0, impl: str | None = None):
+def moe_model(arch: str, aux: bool = False, seed: int = 0, impl: str | None = None, layers: int = 2):
     """The tiny ``arch`` model, seeded; ``impl``: transformers' experts implementation
     (``"batched_mm"``, ``"grouped_mm"``; None: the default)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(moe_config(arch, aux))
+    model = AutoModelForCausalLM.from_config(moe_config(arch, aux, layers))
     if impl is not None:
         model.set_experts_implementation(impl)
     # transformers initialises routers to zero for some families: give them a real routing
@@ -106,9 +108,9 @@ def watched(name: str) -> bool:
     return ".mlp.gate." in name or ".mlp.router." in name or ".experts." in name or name.endswith("embed_tokens.weight")
 
 
-def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None) -> dict:
+def reference_run(arch: str, aux: bool, dp: int, impl: str | None = None, layers: int = 2) -> dict:
     """One process: each of ``dp`` slices of every batch on its own, gradients averaged; AdamW."""
-    model = moe_model(arch, aux, impl=impl)
+    model = moe_model(arch, aux, impl=impl, layers=layers)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, eps=EPS)
     losses, norms, grads, counts = [], [], None, None
@@ -332,11 +334,34 @@ def _next_loss(model, optimizer, batch, state) -> float:
     return float(loss) / state.dp_degree
 
 
+def pipeline_run(arch: str, config: dict, layers: int) -> dict:
+    """The same training under a pipeline-parallel ``config`` (``train_step``); the losses (mean
+    over dp ranks), this rank's stages' final parameters whole, and the expert weights it holds."""
+    model = hf_scale.parallelize(moe_model(arch, layers=layers), config)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
+    losses, norms, grads = [], [], None
+    for batch in batches():
+        loss = hf_scale.train_step(model, slice_batch(batch, state.dp_rank, state.dp_degree))
+        if grads is None:  # the first step's, of the watched parameters this rank's stages hold
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                     for n, p in model.named_parameters() if watched(n) and p.grad is not None}
+        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.reshape(1).clone()
+        dist.all_reduce(value, group=state.dp_group)  # every pp rank holds its pipeline's loss
+        losses.append(float(value) / state.dp_degree)
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
+               if ".experts." in n)
+    return {"losses": losses, "norms": norms, "grads": grads, "params": full_params(model), "experts_held": held}
+
+
 def world_checks(cases: list[dict]) -> dict:
     """Every case on this rank: {"parity": [...], "errors": [...]} (rank-local values; the test
     compares rank 0's, and the errors of every rank)."""
     rank = int(os.environ["RANK"])
-    out = {"parity": [], "errors": [], "checkpoints": []}
+    out = {"parity": [], "errors": [], "checkpoints": [], "pipeline": []}
     for case in cases:
         try:
             if "checkpoint" in case:
@@ -345,9 +370,13 @@ def world_checks(cases: list[dict]) -> dict:
             if "error" in case:
                 out["errors"].append(bad_input(case))
                 continue
+            if "layers" in case:  # pipeline cases: every rank holds other parameters
+                out["pipeline"].append(pipeline_run(case["arch"], case["config"], case["layers"]))
+                continue
             result = parallel_run(case["arch"], case.get("aux", False), case["config"], case.get("impl"))
             out["parity"].append(result if rank == 0 else {"losses": result["losses"]})
         except Exception:  # keep the other cases' results: the test names the failing one
-            kind = "checkpoints" if "checkpoint" in case else "errors" if "error" in case else "parity"
+            kind = ("checkpoints" if "checkpoint" in case else "errors" if "error" in case
+                    else "pipeline" if "layers" in case else "parity")
             out[kind].append({"traceback": traceback.format_exc()})
     return out

@@ -56,6 +56,12 @@ WORLD4 = [
     {"id": "mixtral_ep2_hsdp2x2_aux", "arch": "mixtral", "aux": True,
      "config": {"strategy": "hsdp", "dp_replicate": 2, "ep": 2}, "experts_split": 2},
 ]
+# ep x pp at world 4 (pp=2, ep=2 over each stage's 2 data-parallel ranks), 4 layers: the all-to-alls
+# inside the schedules' microbatches, the zero-bubble one's split backward included
+PIPELINE4 = [
+    {"id": "qwen3_moe_ep2_pp2_1f1b", "arch": "qwen3_moe", "layers": 4, "config": {"pp": 2, "ep": 2}},
+    {"id": "mixtral_ep2_pp2_zbv", "arch": "mixtral", "layers": 4, "config": {"pp": 2, "ep": 2, "pp_schedule": "zbv"}},
+]
 ERRORS = [
     {"id": "ep_not_dividing_experts", "arch": "qwen3_moe", "config": {"ep": 2, "dp_shard": 2}, "error": True,
      "num_experts": 3},
@@ -89,7 +95,8 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe4"))
-    return run_ranks(moe_checks.world_checks, 4, WORLD4 + [{**c, "root": root} for c in CHECKPOINT4], timeout=600)
+    return run_ranks(moe_checks.world_checks, 4, WORLD4 + PIPELINE4 + [{**c, "root": root} for c in CHECKPOINT4],
+                     timeout=600)
 
 
 _REFERENCES: dict = {}
@@ -149,6 +156,34 @@ def test_world4_parity(world4, case):
     # holding the same ones, under ddp too), but hsdp, which replicates them over its 2 groups
     total = sum(p.numel() for n, p in ref["params"].items() if ".experts." in n and not n.endswith("bias"))
     assert got["experts_held"] * case.get("experts_split", 4) == total, (got["experts_held"], total)
+
+
+@pytest.mark.parametrize("case", PIPELINE4, ids=[c["id"] for c in PIPELINE4])
+def test_pipeline_with_ep_parity(world4, case):
+    """Losses and gradient norms of every step, the first step's router / expert / embedding
+    gradients and every parameter's 2 AdamW updates (each from the ranks holding its stage)
+    against one process; each rank holds half its stage's experts."""
+    index = PIPELINE4.index(case)
+    ref = moe_checks.reference_run(case["arch"], False, 2, layers=case["layers"])
+    seen = set()
+    for rank in world4:
+        got = rank["pipeline"][index]
+        assert "traceback" not in got, got["traceback"]
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
+        np.testing.assert_allclose(got["norms"], ref["norms"], rtol=RTOL)  # over every stage's gradients
+        assert got["grads"] and any(".experts." in n for n in got["grads"])
+        for name, g in got["grads"].items():
+            want = ref["grads"][name].numpy()
+            err = np.abs(np.asarray(g) - want).max() / (np.abs(want).max() + 1e-12)
+            assert err < RTOL, f"gradient of {name}: {err:.2e} of its largest value"
+        for name, p in got["params"].items():
+            update = (ref["params"][name] - ref["initial"][name]).numpy()
+            err = np.linalg.norm(np.asarray(p) - ref["params"][name].numpy()) / (np.linalg.norm(update) + 1e-12)
+            assert err < UPDATE_RTOL, f"update of {name}: {err:.2e} of its norm"
+        seen |= set(got["params"])
+        experts = sum(np.size(p) for n, p in got["params"].items() if ".experts." in n)
+        assert got["experts_held"] * 2 == experts, (got["experts_held"], experts)
+    assert seen == set(ref["params"])
 
 
 def check_routing(got: dict, ref: dict) -> None:

@@ -51,6 +51,17 @@ def test_plan_report_under_ddp_ep_counts_one_over_ep_of_the_experts():
     assert quarter["params_per_rank"] == whole["parameters"] - experts + experts // 4
 
 
+def test_plan_report_under_pp_counts_a_stage_s_experts():
+    """ep x pp: a pipeline rank holds its own stages' experts (here 2 of 4 MoE layers)."""
+    from hf_scale.layout_preview import plan_report
+    from tests.distributed.moe_checks import moe_config
+
+    config = moe_config("qwen3_moe", False, layers=4)
+    flat, piped = (plan_report(config, ParallelConfig(pp=pp, ep=2), 4 * pp // 2 if pp > 1 else 2)["ep"]
+                   for pp in (1, 2))
+    assert piped["expert_params_per_rank"] == flat["expert_params_per_rank"] // 2
+
+
 def test_plan_cli_prints_the_ep_section(tmp_path, capsys):
     from hf_scale.cli import main
     from tests.distributed.moe_checks import moe_config
@@ -90,8 +101,11 @@ def test_bad_ep_input():
     dense = meta_model(tiny_config("llama"))
     with pytest.raises(HfScalePlanError, match="ep=2 but LlamaForCausalLM .* has no mixture-of-experts layers"):
         ep_report(dense, resolve_plan(dense), ep=2)
-    with pytest.raises(HfScaleConfigError, match="ep=2 with pp=2 is not supported yet"):
-        ParallelConfig(ep=2, pp=2)
+    # ep with pp: carved out of each stage's dp_shard
+    assert ParallelDims.resolve(ParallelConfig(ep=2, pp=2), world_size=4).describe() == \
+        "pp=2 x dp_replicate=1 x dp_shard=2 x tp=1 (ep=2 of dp_shard)"
+    with pytest.raises(HfScaleConfigError, match="ep=2 does not divide dp_shard=1"):
+        ParallelDims.resolve(ParallelConfig(ep=2, pp=2), world_size=2)
     with pytest.raises(HfScaleConfigError, match="ep=0"):
         ParallelConfig(ep=0)
     with pytest.raises(HfScaleConfigError, match="ep=4 does not divide dp_shard=2"):
