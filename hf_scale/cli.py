@@ -242,8 +242,10 @@ def plan(args: list[str]) -> int:
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
         print(format_report(plan_report(config, parallel, world, nnodes, task)))
-        print(format_simulations(simulate_ranks(config, as_layout(parallel, world), ns.seq or 1024, ns.batch or 1,
-                                                ranks, task)))
+        batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
+        layout = as_layout(parallel, world, nnodes, micro_batch=batch)
+        print(format_simulations(simulate_ranks(config, layout, ns.seq or 1024, batch, ranks, task,
+                                                local_world_size=world // nnodes if ns.nnodes else None)))
         return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text

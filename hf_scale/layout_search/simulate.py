@@ -124,8 +124,8 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
 
     from ..distributed import BACKEND_VAR, shutdown_distributed
 
-    layout = as_layout(parallel, world_size)
     local = local_world_size or _gpus_per_node(world_size, device)
+    layout = as_layout(parallel, world_size, max(1, world_size // local))
     if not 0 <= rank < world_size or world_size % local:
         raise HfScaleConfigError(
             f"rank={rank} of world_size={world_size} with {local} GPUs per node: the rank must be in "
@@ -165,9 +165,11 @@ def _gpus_per_node(world_size: int, device: str) -> int:
     return max(d for d in range(1, most + 1) if world_size % d == 0)
 
 
-def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layout:
-    """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks (its degrees resolved
-    as ``parallelize`` resolves them)."""
+def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nodes: int = 1,
+              micro_batch: int = 1) -> Layout:
+    """The planner's :class:`Layout` of ``parallel`` for ``world_size`` ranks on ``num_nodes``
+    nodes (its degrees resolved as ``parallelize`` resolves them: hsdp replicates over the nodes),
+    ``micro_batch`` sequences per forward (a pipeline splits them into its microbatches)."""
     from ..mesh import ParallelDims
 
     if isinstance(parallel, Layout):
@@ -178,8 +180,9 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int) -> Layo
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
-    dims = ParallelDims.resolve(config, world_size)
+    dims = ParallelDims.resolve(config, world_size, num_nodes)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
+                  micro_batch=micro_batch,
                   pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,
                   cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,

@@ -98,8 +98,14 @@ def _experts_forward(module: nn.Module, experts_forward, params, dispatcher, tp_
     first = tp_mesh is None or tp_mesh.get_local_rank() == 0
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
+        # under autocast (ddp's or one process's mixed precision) the experts compute in its dtype
+        # as the Linear layers do: transformers' grouped matmul is not autocast-enabled, and on
+        # CUDA it takes bf16 only (FSDP's mixed precision casts its gathered copy itself)
+        kind = hidden_states.device.type
+        cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
         def local_experts(rows, ids, weights):
-            with local_parameters(module, params, once, first):
+            with local_parameters(module, params, once, first, cast):
                 return experts_forward(rows, ids, weights, *args, **kwargs)
 
         if tp_group is not None:
@@ -117,18 +123,21 @@ def _experts_forward(module: nn.Module, experts_forward, params, dispatcher, tp_
 
 
 @contextlib.contextmanager
-def local_parameters(module: nn.Module, names, once=(), first: bool = True):
+def local_parameters(module: nn.Module, names, once=(), first: bool = True, dtype: torch.dtype | None = None):
     """Within the block, ``module.<name>`` is the local tensor of its DTensor parameter (this
     rank's experts, its slice of their intermediate size; gradients flow back to the DTensor),
     so the model's forward, written for plain tensors, runs unchanged. A parameter of ``once``
     (a bias added after a sum over tp ranks) is zero on all but the ``first`` rank in forward;
-    each rank's gradient is the whole one (the output's gradient is the same on every tp rank)."""
+    each rank's gradient is the whole one (the output's gradient is the same on every tp rank).
+    ``dtype``: a floating local tensor is cast to it (differentiably: autocast's weight copy)."""
     saved = {}
     for n in names:
         value = module._parameters.get(n)
         if isinstance(value, DTensor):
             saved[n] = value
             local = value.to_local()
+            if dtype is not None and local.is_floating_point() and local.dtype != dtype:
+                local = local.to(dtype)
             module._parameters[n] = local if first or n not in once else _ZeroForward.apply(local)
     try:
         yield
