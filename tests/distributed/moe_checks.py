@@ -334,9 +334,11 @@ def _next_loss(model, optimizer, batch, state) -> float:
     return float(loss) / state.dp_degree
 
 
-def pipeline_run(arch: str, config: dict, layers: int) -> dict:
+def pipeline_run(arch: str, config: dict, layers: int, root: str | None = None) -> dict:
     """The same training under a pipeline-parallel ``config`` (``train_step``); the losses (mean
-    over dp ranks), this rank's stages' final parameters whole, and the expert weights it holds."""
+    over dp ranks), this rank's stages' final parameters whole, and the expert weights it holds.
+    With ``root``: the model saved there (Hub format) and its training state (DCP), loaded into
+    fsdp + ep2 without pp: the largest difference of this rank's parameters from each."""
     model = hf_scale.parallelize(moe_model(arch, layers=layers), config)
     state = hf_scale.get_state(model)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
@@ -354,7 +356,19 @@ def pipeline_run(arch: str, config: dict, layers: int) -> dict:
         losses.append(float(value) / state.dp_degree)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
                if ".experts." in n)
-    return {"losses": losses, "norms": norms, "grads": grads, "params": full_params(model), "experts_held": held}
+    mine = full_params(model)
+    out = {"losses": losses, "norms": norms, "grads": grads, "params": mine, "experts_held": held}
+    if root is not None:
+        folder = f"{root}/{arch}_pp_ep"
+        hf_scale.save_pretrained(model, folder)
+        hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=len(losses))
+        loaded = full_params(hf_scale.from_pretrained(folder, {"ep": 2}))
+        fresh = hf_scale.parallelize(moe_model(arch, layers=layers, seed=7), {"ep": 2})
+        hf_scale.load_state(fresh, hf_scale.build_optimizer(fresh, lr=LR, eps=EPS), path=f"{folder}_state/latest")
+        resumed = full_params(fresh)
+        out["saved"] = {"weights": max(float((loaded[n] - p).abs().max()) for n, p in mine.items()),
+                        "resumed": max(float((resumed[n] - p).abs().max()) for n, p in mine.items())}
+    return out
 
 
 def world_checks(cases: list[dict]) -> dict:
@@ -371,7 +385,7 @@ def world_checks(cases: list[dict]) -> dict:
                 out["errors"].append(bad_input(case))
                 continue
             if "layers" in case:  # pipeline cases: every rank holds other parameters
-                out["pipeline"].append(pipeline_run(case["arch"], case["config"], case["layers"]))
+                out["pipeline"].append(pipeline_run(case["arch"], case["config"], case["layers"], case.get("root")))
                 continue
             result = parallel_run(case["arch"], case.get("aux", False), case["config"], case.get("impl"))
             out["parity"].append(result if rank == 0 else {"losses": result["losses"]})

@@ -95,7 +95,8 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("moe4"))
-    return run_ranks(moe_checks.world_checks, 4, WORLD4 + PIPELINE4 + [{**c, "root": root} for c in CHECKPOINT4],
+    pipeline = [{**PIPELINE4[0], "root": root}, *PIPELINE4[1:]]  # the first also saved, loaded without pp
+    return run_ranks(moe_checks.world_checks, 4, WORLD4 + pipeline + [{**c, "root": root} for c in CHECKPOINT4],
                      timeout=600)
 
 
@@ -162,7 +163,8 @@ def test_world4_parity(world4, case):
 def test_pipeline_with_ep_parity(world4, case):
     """Losses and gradient norms of every step, the first step's router / expert / embedding
     gradients and every parameter's 2 AdamW updates (each from the ranks holding its stage)
-    against one process; each rank holds half its stage's experts."""
+    against one process; each rank holds half its stage's experts. The first case's model and
+    training state, saved from the pipeline, load into fsdp + ep2 exactly."""
     index = PIPELINE4.index(case)
     ref = moe_checks.reference_run(case["arch"], False, 2, layers=case["layers"])
     seen = set()
@@ -183,6 +185,8 @@ def test_pipeline_with_ep_parity(world4, case):
         seen |= set(got["params"])
         experts = sum(np.size(p) for n, p in got["params"].items() if ".experts." in n)
         assert got["experts_held"] * 2 == experts, (got["experts_held"], experts)
+        if index == 0:  # saved by every stage (Hub format and DCP state), loaded into fsdp + ep2: exact
+            assert got["saved"] == {"weights": 0.0, "resumed": 0.0}, got["saved"]
     assert seen == set(ref["params"])
 
 
