@@ -245,7 +245,7 @@ def plan(args: list[str]) -> int:
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         layout = as_layout(parallel, world, nnodes, micro_batch=batch)
         print(format_simulations(simulate_ranks(config, layout, ns.seq or 1024, batch, ranks, task,
-                                                local_world_size=world // nnodes if ns.nnodes else None)))
+                                                local_world_size=world // nnodes if given_nodes else None)))
         return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text

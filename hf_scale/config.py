@@ -202,7 +202,8 @@ class ParallelConfig:
             raise HfScaleConfigError(
                 f"ep={self.ep} with strategy={self.strategy!r}: expert parallel carves its ranks out "
                 "of the data-parallel ones: FSDP's dp_shard (the experts FSDP-sharded over the rest), "
-                "or DDP's replicas (each rank its own experts). Use strategy='fsdp', 'zero2', 'hsdp' "
+                "or DDP's replicas (the experts FSDP-sharded over those holding the same ones). Use "
+                "strategy='fsdp', 'zero2', 'hsdp' "
                 "or 'ddp' with ep."
             )
         if self.strategy == "ddp" and self.mixed_precision == "fp16":

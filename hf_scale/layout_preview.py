@@ -86,8 +86,8 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
 
 
 def _stage_share(ep: dict, pp: dict, model, units) -> None:
-    """Scale ``ep``'s per-rank expert figures to the MoE layers of the pipeline rank holding the
-    most of them (each rank holds its own stages' blocks only)."""
+    """Scale ``ep``'s per-rank figures (expert weights and state, all-to-all bytes, MoE layers) to
+    the pipeline rank holding the most MoE layers (each rank holds and runs its own stages' only)."""
     names = {id(m): n for n, m in model.named_modules()}
     prefixes = [names[id(u)] + "." for u in units]
     moe_blocks = {i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in ep["modules"])}
@@ -95,8 +95,10 @@ def _stage_share(ep: dict, pp: dict, model, units) -> None:
     for stage in pp["stages"]:
         per_rank[stage["rank"]] = per_rank.get(stage["rank"], 0) + len(moe_blocks.intersection(stage["blocks"]))
     share = max(per_rank.values()) / max(1, len(moe_blocks))
-    for key in ("expert_params_per_rank", "expert_train_state_bytes_per_rank"):
+    for key in ("expert_params_per_rank", "expert_train_state_bytes_per_rank", "all_to_all_bytes_forward",
+                "all_to_all_bytes_step"):
         ep[key] = int(ep[key] * share)
+    ep["moe_layers"] = max(per_rank.values())
 
 
 def ep_report(model, plan, ep: int, tp: int = 1, dp_shard: int | None = None, tokens: int = 1024,

@@ -413,8 +413,9 @@ def _check_all_split(root: nn.Module, experts: list[nn.Module], ep: int) -> None
 
 def _experts_modules(model: nn.Module, root: nn.Module, topology: Topology) -> list[nn.Module]:
     """The experts modules under ep inside ``root`` (the model, or under pp one of this rank's
-    stages): FSDP shards them as units of their own (over the ranks holding the same experts),
-    DDP leaves them to :func:`~.parallel.ep.divide_gradients`."""
+    stages): units of their own (:func:`~.parallel.fsdp.shard_experts`: FSDP over the ranks
+    holding the same experts, or left whole with a dividing hook where no other rank does), out of
+    the dense weights' FSDP units or DDP."""
     if topology.experts is None or not topology.dims.ep_enabled:
         return []
     inside = {id(m) for m in root.modules()}

@@ -287,10 +287,17 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     # holding the same ones; the rest of the model as without ep
     moved, expert_units = _ep_experts(facts, layout, params)
     comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), micro, units, dp_link, device)
-    replicated_ep = layout.ep > 1 and layout.strategy == "ddp"  # each rank its own experts: no collective for them
-    if expert_units and not replicated_ep:
+    replicated_ep = layout.ep > 1 and layout.strategy == "ddp"  # the experts out of DDP's all-reduce
+    if expert_units and replicated_ep and layout.dp_replicate > layout.ep:
+        # ep fewer than the replicas: the experts FSDP-sharded over the replicas holding the same ones
+        erep = replace(layout, strategy="fsdp", dp_replicate=1, dp_shard=layout.dp_replicate // layout.ep)
+        comm_dp += _dp_seconds(erep, gather_bytes * moved / layout.ep, train * moved / layout.ep, micro, expert_units,
+                               dp_link, device)
+    elif expert_units and not replicated_ep:
+        # (the replicas' all-reduce on the link the dense weights' takes, even where ep = dp_shard)
+        replicas = device.inter if layout.strategy == "hsdp" and layout.dp_shard > 1 else None
         comm_dp += _dp_seconds(replace(layout, dp_shard=layout.dp_shard // layout.ep), gather_bytes * moved / layout.ep,
-                               train * moved / layout.ep, micro, expert_units, dp_link, device)
+                               train * moved / layout.ep, micro, expert_units, dp_link, device, replicas)
         gather_bytes *= 1 - moved * (1 - 1 / layout.ep)  # what a host-bound step's forward gathers
     exposed = _host_bound_gathers(layout, gather_bytes, micro, dp_link, device_compute, host) if host > device_compute else 0.0
     comm_dp = max(comm_dp * (1 - dp_link.overlap), exposed)
@@ -322,8 +329,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         comm_pp = sends * tokens * facts.hidden * d / link.bandwidth + sends * runs * link.latency
     shards = layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1
     local = int(train) // (layout.dp if layout.strategy == "zero1" else shards)  # the trainable parameters stepped here
-    if replicated_ep:  # 1/ep of the experts here
-        local = int(train * (1 - moved * (1 - 1 / layout.ep)))
+    if replicated_ep:  # the experts' 1/ep here, FSDP-sharded over the replicas holding the same ones
+        local = int(train * (1 - moved * (1 - 1 / layout.dp_replicate)))
     optimizer = 28 * local / (device.host_bandwidth if layout.cpu_offload else device.mem_bandwidth)
     # this rank's trainable tensors (pp: its stages'; tp shards every one)
     tensors = facts.trainable_tensors * blocks_here / facts.layers
@@ -397,11 +404,13 @@ def _host_bound_gathers(layout: Layout, gather_bytes: float, micro: int, link: L
 
 
 def _dp_seconds(layout: Layout, gather_bytes: float, train: float, micro: int, units: int, link: Link,
-                device: Device) -> float:
+                device: Device, replica_link: Link | None = None) -> float:
     """Seconds of data-parallel traffic per step (before overlap): the rank's parameters as
     all-gathered (``gather_bytes``, before sharding) and its ``train`` trainable parameters'
     fp32 gradients reduced (and, under zero1, broadcast once updated). FSDP issues its
-    collectives per unit (``units``, the root included), each paying the link's latency."""
+    collectives per unit (``units``, the root included), each paying the link's latency.
+    ``replica_link``: the link of HSDP's all-reduce over the replicas, when not the one the
+    layout implies (ep's experts: their shard group may be one rank, the replicas still span nodes)."""
     n, r = layout.dp_shard, layout.dp_replicate
     if layout.dp == 1:
         return 0.0
@@ -413,7 +422,7 @@ def _dp_seconds(layout: Layout, gather_bytes: float, train: float, micro: int, u
             rs = train * 4 * (n - 1) / n
             seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * units * link.latency
         if r > 1:
-            inter = device.inter if layout.strategy == "hsdp" and n > 1 else link
+            inter = replica_link or (device.inter if layout.strategy == "hsdp" and n > 1 else link)
             seconds += train / n * 4 * 2 * (r - 1) / r / inter.bandwidth + units * inter.latency
         return seconds
     buckets = max(1, int(train) * 4 // DDP_BUCKET_BYTES)

@@ -303,8 +303,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
     replicated = layout.strategy in ("ddp", "zero1")
-    # ddp + ep: the dense weights replicated, each rank its own 1/ep of the experts, which DDP leaves
-    # out (their gradients are never all-reduced)
+    # ddp + ep: the dense weights replicated, each rank its 1/ep of the experts (FSDP-sharded over the
+    # replicas holding the same ones where ep is fewer), which DDP's buckets leave out
     r_away, r_away_frozen, own_experts = (_replicated_experts(facts, layout, frac) if replicated and layout.ep > 1
                                           else (0.0, 0.0, 0.0))
     train, frozen = train - (r_away - r_away_frozen), frozen - r_away_frozen
@@ -353,7 +353,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         # experts only under ddp + ep); a frozen weight already stored in the compute dtype is used as it is
         copied = facts.trainable_matmul_params + (facts.matmul_params - facts.trainable_matmul_params
                                                   if fb != d else 0)
-        compute = int(copied * frac * d - (r_away - r_away_frozen) * d - (r_away_frozen * d if fb != d else 0))
+        # (its 1/ep of the experts, gathered whole by FSDP where ep is fewer than the replicas)
+        c_away, c_frozen = _replicated_experts_copied(facts, layout, frac) if r_away else (0.0, 0.0)
+        compute = int(copied * frac * d - (c_away - c_frozen) * d - (c_frozen * d if fb != d else 0))
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
     shares = _pp_rank_shares(facts, layout)
@@ -424,6 +426,14 @@ def _replicated_experts(facts: ModelFacts, layout: Layout, frac: float) -> tuple
     away = moe.expert_params * (1 - held) * frac
     frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
     return away, away * frozen, moe.trainable_expert_params * frac * held
+
+
+def _replicated_experts_copied(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float]:
+    """Under ddp + ep: the expert parameters this rank computes with none of (the other ep ranks'
+    ``1 - 1/ep``), at its tp / pp share ``frac``, and of them the frozen ones."""
+    moe = moe_facts(facts)
+    away = moe.expert_params * (1 - 1 / layout.ep) * frac
+    return away, away * (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
 
 
 def _largest_holds_experts(facts: ModelFacts) -> bool:

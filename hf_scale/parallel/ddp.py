@@ -16,7 +16,7 @@ def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25, ignored: li
 
     Layout: every parameter is a full plain tensor on every rank; after backward each
     gradient is the mean over the data-parallel ranks. ``ignored`` modules are left alone
-    (experts under expert parallel: each rank holds its own, see :func:`~.ep.divide_gradients`).
+    (experts under expert parallel: see :func:`~.fsdp.shard_experts`).
     """
     # The mesh's process group, not the mesh: given a mesh sliced from a larger one, replicate
     # turns every DTensor parameter (the ignored experts too) into a plain attribute after each

@@ -215,12 +215,15 @@ def parallel_run(arch: str, aux: bool, config: dict, impl: str | None = None) ->
         losses.append(float(value) / state.dp_degree)
     params = full_params(model)
     moe_layers = len(counts)
-    # the expert weights this rank holds between steps (its ep share, FSDP's shard of it, tp's
-    # slice; not the biases, some of which tp replicates)
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
-               if ".experts." in n and not n.endswith("bias"))
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts,
-            "calls": calls, "moe_layers": moe_layers, "experts_held": held}
+            "calls": calls, "moe_layers": moe_layers, "experts_held": experts_held(model)}
+
+
+def experts_held(model) -> int:
+    """The expert weights this rank holds between steps (its ep share, FSDP's shard of it, tp's
+    slice; not the biases, some of which tp replicates)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
+               if ".experts." in n and not n.endswith("bias"))
 
 
 def bad_input(case: dict) -> str:
@@ -354,10 +357,8 @@ def pipeline_run(arch: str, config: dict, layers: int, root: str | None = None) 
         value = loss.reshape(1).clone()
         dist.all_reduce(value, group=state.dp_group)  # every pp rank holds its pipeline's loss
         losses.append(float(value) / state.dp_degree)
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for n, p in model.named_parameters()
-               if ".experts." in n)
     mine = full_params(model)
-    out = {"losses": losses, "norms": norms, "grads": grads, "params": mine, "experts_held": held}
+    out = {"losses": losses, "norms": norms, "grads": grads, "params": mine, "experts_held": experts_held(model)}
     if root is not None:
         folder = f"{root}/{arch}_pp_ep"
         hf_scale.save_pretrained(model, folder)

@@ -60,6 +60,7 @@ def test_plan_report_under_pp_counts_a_stage_s_experts():
     flat, piped = (plan_report(config, ParallelConfig(pp=pp, ep=2), 4 * pp // 2 if pp > 1 else 2)["ep"]
                    for pp in (1, 2))
     assert piped["expert_params_per_rank"] == flat["expert_params_per_rank"] // 2
+    assert piped["moe_layers"] == 2 and piped["all_to_all_bytes_step"] == flat["all_to_all_bytes_step"] // 2
 
 
 def test_plan_cli_prints_the_ep_section(tmp_path, capsys):

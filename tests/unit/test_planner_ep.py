@@ -105,9 +105,10 @@ def test_gathered_experts_shrink_to_one_over_ep_and_state_stays(moe, precision):
 
 
 def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_experts(moe):
-    """ddp + ep (each rank its own experts, ep = the replicas): the dense weights, their gradients
+    """ddp + ep (at ep = the replicas each rank its own experts): the dense weights, their gradients
     and AdamW state whole on every rank, the experts' 1/ep; no collective for the experts (the
-    dense gradients' all-reduce only); ranked only at ep = the data-parallel ranks."""
+    dense gradients' all-reduce only); ranked only at ep = the data-parallel ranks. With fewer ep
+    the experts are FSDP-sharded over the replicas holding the same ones."""
     from hf_scale.mesh import ParallelDims
 
     experts = moe_facts(moe).expert_params
@@ -124,12 +125,20 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     assert (half.params, half.grads, half.optimizer) == (split.params, split.grads, split.optimizer)
     per_layer = moe_facts(moe).layer_params
     assert half.comm_buffers - split.comm_buffers == pytest.approx(2 * 4 * per_layer / 2, abs=4)
-    # under autocast a rank copies only the experts it holds
+    # under autocast a rank copies only the experts it computes with: its 1/ep (gathered whole at ep < replicas)
+    for ep in (2, 4):
+        low = estimate_memory(moe, Layout("ddp", 4, 1, precision="bf16", ep=ep), WORK)
+        whole = estimate_memory(moe, Layout("ddp", 4, 1, precision="bf16"), WORK)
+        assert whole.compute_copies - low.compute_copies == pytest.approx(2 * experts * (1 - 1 / ep), abs=4)
     plain16, split16 = (estimate_memory(moe, Layout("ddp", 4, 1, precision="bf16", ep=ep), WORK) for ep in (1, 4))
     assert plain16.compute_copies - split16.compute_copies == pytest.approx(2 * away, abs=4)
     slow, fast = (step_cost(moe, Layout("ddp", 4, 1, ep=ep), WORK, GPU) for ep in (1, 4))
     dense = 1 - experts / moe.params
     assert fast.comm_dp < slow.comm_dp and fast.comm_ep > 0 and fast.optimizer < slow.optimizer
+    # ep fewer than the replicas (not searched, priced when asked): the experts' FSDP traffic over the
+    # 2 replicas holding the same ones, their optimizer step over 1/4 of them as at ep = 4
+    half_cost = step_cost(moe, Layout("ddp", 4, 1, ep=2), WORK, GPU)
+    assert half_cost.comm_dp > fast.comm_dp and half_cost.optimizer == pytest.approx(fast.optimizer, rel=1e-6)
     assert fast.comm_dp == pytest.approx(step_cost(moe, Layout("ddp", 4, 1), WORK, GPU).comm_dp * dense, rel=0.05)
     _, ranked = choose(moe, WORK, 4, 100 * GiB, GPU, tps=(1,), strategies=("ddp",), **SMALL)
     assert {c.layout.ep for c in ranked} == {1, 4}
@@ -137,6 +146,17 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     config = layout.parallel_config()
     assert (config.strategy, config.ep) == ("ddp", 4)
     assert ParallelDims.resolve(config, world_size=4).describe().endswith("(ep=4 of dp_replicate)")
+
+
+def test_hsdp_experts_all_reduce_over_the_replicas_on_the_inter_node_link(moe):
+    """hsdp + ep: the experts' gradients are all-reduced over the replicas (across nodes) whatever
+    ep is; at ep = dp_shard their shard group is one rank, which must not move that all-reduce onto
+    the in-node link."""
+    fast = Link(bandwidth=1e11, latency=1e-6, overlap=0.5)
+    two_nodes = replace(GPU, intra=fast, inter=Link(bandwidth=1e7, latency=1e-4, overlap=0.5))
+    cost = {ep: step_cost(moe, Layout("hsdp", 2, 8, ep=ep), WORK, two_nodes, nodes=2).comm_dp for ep in (1, 4, 8)}
+    # the slow link's replica all-reduce dominates, of the same bytes at every ep (it was 0.39x at ep=8)
+    assert cost[8] == pytest.approx(cost[4], rel=0.05) and cost[8] == pytest.approx(cost[1], rel=0.05), cost
 
 
 def test_all_to_all_bytes_and_seconds_follow_the_formula(moe):
