@@ -99,8 +99,8 @@ def _experts_forward(module: nn.Module, experts_forward, params, dispatcher, tp_
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args, **kwargs):
         # under autocast (ddp's or one process's mixed precision) the experts compute in its dtype
-        # as the Linear layers do: transformers' grouped matmul is not autocast-enabled, and on
-        # CUDA it takes bf16 only (FSDP's mixed precision casts its gathered copy itself)
+        # as the Linear layers do: transformers' grouped matmul is not autocast-enabled, and torch
+        # 2.13's checks refuse it fp32 on CUDA (FSDP's mixed precision casts its gathered copy itself)
         kind = hidden_states.device.type
         cast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
