@@ -52,6 +52,9 @@ WORLD4 = [
     # replicas holding the same ones (erep = 2)
     {"id": "qwen3_moe_ep2_ddp4_aux", "arch": "qwen3_moe", "aux": True, "config": {"strategy": "ddp", "ep": 2}},
     {"id": "deepseek_v3_ep2_ddp4", "arch": "deepseek_v3", "aux": False, "config": {"strategy": "ddp", "ep": 2}},
+    # recomputation re-runs the experts' FSDP gather and the all-to-alls inside DDP's backward
+    {"id": "olmoe_ep2_ddp4_full_ac", "arch": "olmoe", "aux": True,
+     "config": {"strategy": "ddp", "ep": 2, "activation_checkpointing": "full"}},
     # hsdp: ep carved out of dp_shard within each replica group, the experts replicated over the groups
     {"id": "mixtral_ep2_hsdp2x2_aux", "arch": "mixtral", "aux": True,
      "config": {"strategy": "hsdp", "dp_replicate": 2, "ep": 2}, "experts_split": 2},
