@@ -88,13 +88,13 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
 def _stage_share(ep: dict, pp: dict, model, units) -> None:
     """Scale ``ep``'s per-rank figures (expert weights and state, all-to-all bytes, MoE layers) to
     the pipeline rank holding the most MoE layers (each rank holds and runs its own stages' only)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    prefixes = [names[id(u)] + "." for u in units]
-    moe_blocks = {i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in ep["modules"])}
+    from .model_plans.ep import moe_blocks
+
+    blocks = moe_blocks(model, units, ep["modules"])
     per_rank: dict[int, int] = {}
     for stage in pp["stages"]:
-        per_rank[stage["rank"]] = per_rank.get(stage["rank"], 0) + len(moe_blocks.intersection(stage["blocks"]))
-    share = max(per_rank.values()) / max(1, len(moe_blocks))
+        per_rank[stage["rank"]] = per_rank.get(stage["rank"], 0) + len(blocks.intersection(stage["blocks"]))
+    share = max(per_rank.values()) / max(1, len(blocks))
     for key in ("expert_params_per_rank", "expert_train_state_bytes_per_rank", "all_to_all_bytes_forward",
                 "all_to_all_bytes_step"):
         ep[key] = int(ep[key] * share)

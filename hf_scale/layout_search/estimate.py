@@ -305,8 +305,10 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     replicated = layout.strategy in ("ddp", "zero1")
     # ddp + ep: the dense weights replicated, each rank its 1/ep of the experts (FSDP-sharded over the
     # replicas holding the same ones where ep is fewer), which DDP's buckets leave out
-    r_away, r_away_frozen, own_experts = (_replicated_experts(facts, layout, frac) if replicated and layout.ep > 1
-                                          else (0.0, 0.0, 0.0))
+    ddp_ep = moe_facts(facts) if replicated and layout.ep > 1 else None
+    # held between steps: 1/ep, FSDP-sharded over the dp_replicate / ep replicas holding the same ones
+    r_away, r_away_frozen = _experts_not_held(ddp_ep, 1 / layout.dp_replicate, frac)
+    own_experts = ddp_ep.trainable_expert_params * frac / layout.dp_replicate if ddp_ep else 0.0
     train, frozen = train - (r_away - r_away_frozen), frozen - r_away_frozen
     # trainable: an fp32 master weight, its fp32 gradient, AdamW's two fp32 moments; frozen: the weight only
     p_bytes, g_bytes = int(4 * train + fb * frozen) // n, int(4 * train) // n
@@ -347,14 +349,14 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
         if r_away and layout.dp_replicate > layout.ep:  # experts FSDP-sharded over the replicas holding
             # the same ones: one MoE layer's 1/ep gathered in fp32, and its gradient before the reduce-scatter
-            comm += int(2 * 4 * moe_facts(facts).layer_params / layout.ep * frac)
+            comm += int(2 * 4 * ddp_ep.layer_params / layout.ep * frac)
     if (replicated or layout.dp == 1) and layout.precision:
         # autocast: low-precision copies of the matmul weights saved for backward (this rank's
         # experts only under ddp + ep); a frozen weight already stored in the compute dtype is used as it is
         copied = facts.trainable_matmul_params + (facts.matmul_params - facts.trainable_matmul_params
                                                   if fb != d else 0)
         # (its 1/ep of the experts, gathered whole by FSDP where ep is fewer than the replicas)
-        c_away, c_frozen = _replicated_experts_copied(facts, layout, frac) if r_away else (0.0, 0.0)
+        c_away, c_frozen = _experts_not_held(ddp_ep, 1 / layout.ep, frac)
         compute = int(copied * frac * d - (c_away - c_frozen) * d - (c_frozen * d if fb != d else 0))
     # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
     # activations together are the largest (the one with the most parameters may hold fewer activations)
@@ -410,30 +412,17 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     whole = (layout.dp_shard == layout.ep and layout.dp_replicate == 1 and not layout.precision
              and not layout.cpu_offload)
     away = moe.layer_params * (1 if whole else 1 - 1 / layout.ep) * scale
-    frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
-    return away, away * frozen, moe.moe_layers
+    return away, away * moe.frozen_fraction, moe.moe_layers
 
 
-def _replicated_experts(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float, float]:
-    """Under ddp + ep: the expert parameters this rank does not hold between steps (the other ep
-    ranks' ``1 - 1/ep`` of every MoE layer's, and with ep < the replicas the FSDP shards of its
-    own that the other replicas holding them keep), at this rank's tp / pp share ``frac``, of
-    them the frozen ones, and the trainable experts it holds (outside DDP's buckets)."""
-    moe = moe_facts(facts)
+def _experts_not_held(moe, held: float, frac: float) -> tuple[float, float]:
+    """Under ddp + ep: the expert parameters (every MoE layer's) outside this rank's ``held``
+    share of them, at its tp / pp share ``frac``, and of them the frozen ones; zeros without
+    experts (``moe`` None)."""
     if moe is None:
-        return 0.0, 0.0, 0.0
-    held = 1 / layout.dp_replicate  # 1/ep, FSDP-sharded over the dp_replicate / ep replicas holding the same ones
+        return 0.0, 0.0
     away = moe.expert_params * (1 - held) * frac
-    frozen = (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
-    return away, away * frozen, moe.trainable_expert_params * frac * held
-
-
-def _replicated_experts_copied(facts: ModelFacts, layout: Layout, frac: float) -> tuple[float, float]:
-    """Under ddp + ep: the expert parameters this rank computes with none of (the other ep ranks'
-    ``1 - 1/ep``), at its tp / pp share ``frac``, and of them the frozen ones."""
-    moe = moe_facts(facts)
-    away = moe.expert_params * (1 - 1 / layout.ep) * frac
-    return away, away * (moe.expert_params - moe.trainable_expert_params) / moe.expert_params
+    return away, away * moe.frozen_fraction
 
 
 def _largest_holds_experts(facts: ModelFacts) -> bool:

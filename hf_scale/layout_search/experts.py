@@ -54,6 +54,11 @@ class MoeFacts:
         return self.expert_params // self.moe_layers
 
     @property
+    def frozen_fraction(self) -> float:
+        """The experts' share that does not train (an adapter run's frozen experts)."""
+        return (self.expert_params - self.trainable_expert_params) / self.expert_params
+
+    @property
     def idle_fraction(self) -> float:
         """The experts' share a token does not run: ``1 - top_k / E``."""
         return 1 - min(self.top_k, self.num_experts) / self.num_experts
@@ -67,7 +72,7 @@ def moe_facts(facts: ModelFacts) -> MoeFacts | None:
 def _moe_facts(facts: ModelFacts) -> MoeFacts | None:
     from ..layout_preview import ep_report
     from ..model_plans import wrap_units
-    from ..model_plans.ep import experts_layout
+    from ..model_plans.ep import experts_layout, moe_blocks
 
     try:
         layout = experts_layout(facts.model, facts.plan)
@@ -78,9 +83,7 @@ def _moe_facts(facts: ModelFacts) -> MoeFacts | None:
     report = ep_report(facts.model, facts.plan, 1, tokens=1, act_bytes=1)
     trainable = sum(p.numel() for name, params in layout.modules.items() for p in
                     (facts.model.get_submodule(name).get_parameter(n) for n in params) if p.requires_grad)
-    names = {id(m): n for n, m in facts.model.named_modules()}
-    prefixes = [names[id(unit)] + "." for unit in wrap_units(facts.model, facts.plan)]
-    blocks = frozenset(i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in layout.modules))
+    blocks = moe_blocks(facts.model, wrap_units(facts.model, facts.plan), layout.modules)
     return MoeFacts(num_experts=report["num_experts"], top_k=report["top_k"], moe_layers=report["moe_layers"],
                     expert_params=report["expert_params"], trainable_expert_params=trainable,
                     hidden=report["hidden"], all_to_all_per_token=report["all_to_all_bytes_step"], blocks=blocks)

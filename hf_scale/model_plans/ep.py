@@ -87,6 +87,14 @@ def experts_layout(model: nn.Module, plan: ModelPlan) -> ExpertsLayout:
     return ExpertsLayout(found, counts.pop() if counts else 0, source, unrouted)
 
 
+def moe_blocks(model: nn.Module, units: list[nn.Module], modules) -> frozenset[int]:
+    """Indices into ``units`` (the wrap units, in order) of the blocks holding one of the experts
+    ``modules`` (their names in ``model``)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    prefixes = [names[id(unit)] + "." for unit in units]
+    return frozenset(i for i, prefix in enumerate(prefixes) if any(m.startswith(prefix) for m in modules))
+
+
 def _routed(module: nn.Module) -> bool:
     """Whether ``module``'s forward takes transformers' routed experts arguments (hidden states,
     top-k expert ids, top-k weights), which expert parallel and the tp split rely on."""

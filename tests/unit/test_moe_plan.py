@@ -57,8 +57,7 @@ def test_plan_report_under_pp_counts_a_stage_s_experts():
     from tests.distributed.moe_checks import moe_config
 
     config = moe_config("qwen3_moe", False, layers=4)
-    flat, piped = (plan_report(config, ParallelConfig(pp=pp, ep=2), 4 * pp // 2 if pp > 1 else 2)["ep"]
-                   for pp in (1, 2))
+    flat, piped = (plan_report(config, ParallelConfig(pp=pp, ep=2), world)["ep"] for pp, world in ((1, 2), (2, 4)))
     assert piped["expert_params_per_rank"] == flat["expert_params_per_rank"] // 2
     assert piped["moe_layers"] == 2 and piped["all_to_all_bytes_step"] == flat["all_to_all_bytes_step"] // 2
 
