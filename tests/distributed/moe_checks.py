@@ -184,39 +184,47 @@ def parallel_run(arch: str, aux: bool, config: dict, impl: str | None = None) ->
     and final parameters whole, tokens per expert summed over ranks, all-to-alls of one forward."""
     model = hf_scale.parallelize(moe_model(arch, aux, impl=impl), config)
     state = hf_scale.get_state(model)
-    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
-    losses, norms, grads, counts, calls = [], [], None, None, None
-    for step, batch in enumerate(batches()):
-        local = slice_batch(batch, state.dp_rank, state.dp_degree)
+    seen = {}
+
+    def step(index: int, batch: dict) -> torch.Tensor:
         with count_routing(model) as routed, count_all_to_all() as a2a:
-            loss = model(**local).loss
-        if step == 0:
-            calls = dict(a2a)
-            counts = {}
+            loss = model(**batch).loss
+        if index == 0:
+            seen["calls"], seen["counts"] = dict(a2a), {}
             for name, c in routed.items():
                 if state.dims.tp > 1:  # tp ranks share a batch: count it once
                     c = c * (state.mesh["tp"].get_local_rank() == 0)
                 dist.all_reduce(c)
-                counts[name] = c
+                seen["counts"][name] = c
         loss.backward()
-        if step == 0:
-            grads = {}
-            for n, p in model.named_parameters():
-                if watched(n) and p.grad is not None:
-                    g = p.grad
-                    grads[n] = (g.full_tensor() if isinstance(g, DTensor) else g).detach().clone()
+        return loss
+
+    out = _train(model, step)[0]
+    return {**out, "params": full_params(model), "counts": seen["counts"], "calls": seen["calls"],
+            "moe_layers": len(seen["counts"]), "experts_held": experts_held(model)}
+
+
+def _train(model, step) -> tuple[dict, torch.optim.Optimizer]:
+    """AdamW (``build_optimizer``) over :func:`batches`, each rank its data-parallel slice;
+    ``step(index, batch)`` runs forward and backward and returns the loss. The losses (mean over
+    the dp ranks), the clipped gradient norms and the first step's gradients of the watched
+    parameters this rank holds (whole), and the optimizer."""
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
+    losses, norms, grads = [], [], None
+    for index, batch in enumerate(batches()):
+        loss = step(index, slice_batch(batch, state.dp_rank, state.dp_degree))
+        if grads is None:
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
+                     for n, p in model.named_parameters() if watched(n) and p.grad is not None}
         norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
         optimizer.step()
         optimizer.zero_grad()
-        value = loss.detach().float().reshape(1)
-        if state.dims.tp > 1:
-            value = value * (state.mesh["tp"].get_local_rank() == 0)
-        dist.all_reduce(value)
+        value = loss.detach().float().reshape(1).clone()
+        if state.dp_degree > 1:  # tp and pp ranks of one data-parallel rank hold the same loss
+            dist.all_reduce(value, group=state.dp_group)
         losses.append(float(value) / state.dp_degree)
-    params = full_params(model)
-    moe_layers = len(counts)
-    return {"losses": losses, "norms": norms, "grads": grads, "params": params, "counts": counts,
-            "calls": calls, "moe_layers": moe_layers, "experts_held": experts_held(model)}
+    return {"losses": losses, "norms": norms, "grads": grads}, optimizer
 
 
 def experts_held(model) -> int:
@@ -343,26 +351,13 @@ def pipeline_run(arch: str, config: dict, layers: int, root: str | None = None) 
     With ``root``: the model saved there (Hub format) and its training state (DCP), loaded into
     fsdp + ep2 without pp: the largest difference of this rank's parameters from each."""
     model = hf_scale.parallelize(moe_model(arch, layers=layers), config)
-    state = hf_scale.get_state(model)
-    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0, eps=EPS)
-    losses, norms, grads = [], [], None
-    for batch in batches():
-        loss = hf_scale.train_step(model, slice_batch(batch, state.dp_rank, state.dp_degree))
-        if grads is None:  # the first step's, of the watched parameters this rank's stages hold
-            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).detach().clone()
-                     for n, p in model.named_parameters() if watched(n) and p.grad is not None}
-        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM)))
-        optimizer.step()
-        optimizer.zero_grad()
-        value = loss.reshape(1).clone()
-        dist.all_reduce(value, group=state.dp_group)  # every pp rank holds its pipeline's loss
-        losses.append(float(value) / state.dp_degree)
+    out, optimizer = _train(model, lambda index, batch: hf_scale.train_step(model, batch))
     mine = full_params(model)
-    out = {"losses": losses, "norms": norms, "grads": grads, "params": mine, "experts_held": experts_held(model)}
+    out.update(params=mine, experts_held=experts_held(model))
     if root is not None:
         folder = f"{root}/{arch}_pp_ep"
         hf_scale.save_pretrained(model, folder)
-        hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=len(losses))
+        hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=len(out["losses"]))
         loaded = full_params(hf_scale.from_pretrained(folder, {"ep": 2}))
         fresh = hf_scale.parallelize(moe_model(arch, layers=layers, seed=7), {"ep": 2})
         hf_scale.load_state(fresh, hf_scale.build_optimizer(fresh, lr=LR, eps=EPS), path=f"{folder}_state/latest")

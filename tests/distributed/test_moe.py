@@ -2,7 +2,7 @@
 process for five families (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3 with a shared expert, GPT-OSS
 with expert biases), with the load-balancing loss on and off; transformers#48687's router
 gradient case; tokens per expert against the one-process routing; the all-to-alls of a forward;
-bad input refused on every rank.
+bad input refused on every rank; ep under pp at world 4, and with tp too at world 8.
 
 Parity (2 AdamW steps, clipping at 1.0, against tests.distributed.moe_checks.reference_run, data
 parallel done by hand in one process): losses and gradient norms within 1e-5 relative; the
@@ -65,6 +65,14 @@ PIPELINE4 = [
     {"id": "qwen3_moe_ep2_pp2_1f1b", "arch": "qwen3_moe", "layers": 4, "config": {"pp": 2, "ep": 2}},
     {"id": "mixtral_ep2_pp2_zbv", "arch": "mixtral", "layers": 4, "config": {"pp": 2, "ep": 2, "pp_schedule": "zbv"}},
 ]
+# tp x pp x ep at world 8 (pp=2 x dp_shard=2 x tp=2, ep=2 over each stage's dp_shard): each rank
+# holds a quarter of its stage's experts (half of them, each split over tp)
+PIPELINE8 = [
+    {"id": "qwen3_moe_ep2_tp2_pp2_1f1b", "arch": "qwen3_moe", "layers": 4, "config": {"pp": 2, "tp": 2, "ep": 2},
+     "experts_split": 4},
+    {"id": "mixtral_ep2_tp2_pp2_interleaved", "arch": "mixtral", "layers": 4, "experts_split": 4,
+     "config": {"pp": 2, "tp": 2, "ep": 2, "pp_schedule": "interleaved_1f1b"}},
+]
 ERRORS = [
     {"id": "ep_not_dividing_experts", "arch": "qwen3_moe", "config": {"ep": 2, "dp_shard": 2}, "error": True,
      "num_experts": 3},
@@ -101,6 +109,11 @@ def world4(tmp_path_factory):
     pipeline = [{**PIPELINE4[0], "root": root}, *PIPELINE4[1:]]  # the first also saved, loaded without pp
     return run_ranks(moe_checks.world_checks, 4, WORLD4 + pipeline + [{**c, "root": root} for c in CHECKPOINT4],
                      timeout=600)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return run_ranks(moe_checks.world_checks, 8, PIPELINE8, timeout=600)
 
 
 _REFERENCES: dict = {}
@@ -162,16 +175,19 @@ def test_world4_parity(world4, case):
     assert got["experts_held"] * case.get("experts_split", 4) == total, (got["experts_held"], total)
 
 
-@pytest.mark.parametrize("case", PIPELINE4, ids=[c["id"] for c in PIPELINE4])
-def test_pipeline_with_ep_parity(world4, case):
+@pytest.mark.parametrize("world, case", [(4, c) for c in PIPELINE4] + [(8, c) for c in PIPELINE8],
+                         ids=[c["id"] for c in PIPELINE4 + PIPELINE8])
+def test_pipeline_with_ep_parity(request, world, case):
     """Losses and gradient norms of every step, the first step's router / expert / embedding
     gradients and every parameter's 2 AdamW updates (each from the ranks holding its stage)
-    against one process; each rank holds half its stage's experts. The first case's model and
-    training state, saved from the pipeline, load into fsdp + ep2 exactly."""
-    index = PIPELINE4.index(case)
+    against one process (2 data-parallel ranks); each rank holds half its stage's experts (a
+    quarter under tp). The first case's model and training state, saved from the pipeline, load
+    into fsdp + ep2 exactly."""
+    cases = PIPELINE4 if world == 4 else PIPELINE8
+    index = cases.index(case)
     ref = moe_checks.reference_run(case["arch"], False, 2, layers=case["layers"])
     seen = set()
-    for rank in world4:
+    for rank in request.getfixturevalue(f"world{world}"):
         got = rank["pipeline"][index]
         assert "traceback" not in got, got["traceback"]
         np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
@@ -187,8 +203,8 @@ def test_pipeline_with_ep_parity(world4, case):
             assert err < UPDATE_RTOL, f"update of {name}: {err:.2e} of its norm"
         seen |= set(got["params"])
         experts = sum(np.size(p) for n, p in got["params"].items() if ".experts." in n and not n.endswith("bias"))
-        assert got["experts_held"] * 2 == experts, (got["experts_held"], experts)
-        if index == 0:  # saved by every stage (Hub format and DCP state), loaded into fsdp + ep2: exact
+        assert got["experts_held"] * case.get("experts_split", 2) == experts, (got["experts_held"], experts)
+        if world == 4 and index == 0:  # saved by every stage (Hub format and DCP state), loaded into fsdp + ep2: exact
             assert got["saved"] == {"weights": 0.0, "resumed": 0.0}, got["saved"]
     assert seen == set(ref["params"])
 
