@@ -91,14 +91,21 @@ def _stage_share(ep: dict, pp: dict, model, units) -> None:
     from .model_plans.ep import moe_blocks
 
     blocks = moe_blocks(model, units, ep["modules"])
-    per_rank: dict[int, int] = {}
-    for stage in pp["stages"]:
-        per_rank[stage["rank"]] = per_rank.get(stage["rank"], 0) + len(blocks.intersection(stage["blocks"]))
-    share = max(per_rank.values()) / max(1, len(blocks))
+    per_rank = moe_layers_per_rank(blocks, pp["stages"])
+    share = max(per_rank) / max(1, len(blocks))
     for key in ("expert_params_per_rank", "expert_train_state_bytes_per_rank", "all_to_all_bytes_forward",
                 "all_to_all_bytes_step"):
         ep[key] = int(ep[key] * share)
-    ep["moe_layers"] = max(per_rank.values())
+    ep["moe_layers"] = max(per_rank)
+
+
+def moe_layers_per_rank(blocks: frozenset[int], stages: list[dict]) -> list[int]:
+    """The MoE layers on each pp rank: ``blocks`` (indices of the blocks holding experts) that
+    fall in the rank's stages (``pp_report``'s ``stages``: each a ``rank`` and its ``blocks``)."""
+    per_rank = [0] * (1 + max(stage["rank"] for stage in stages))
+    for stage in stages:
+        per_rank[stage["rank"]] += len(blocks.intersection(stage["blocks"]))
+    return per_rank
 
 
 def ep_report(model, plan, ep: int, tp: int = 1, dp_shard: int | None = None, tokens: int = 1024,

@@ -112,15 +112,14 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
 
 
 def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int) -> bool:
-    """Where the engine accepts expert parallel (``ParallelConfig``, ``ParallelDims``) and the
-    cost model prices it: no pipeline; fsdp / zero2 / hsdp with ep dividing dp_shard (carved out of it),
-    or ddp without tp with ep = its replicas (each rank its own experts; the engine also takes
-    a smaller ep, whose experts' FSDP collectives under ddp the cost model has no term for)."""
-    if pp > 1:
-        return False
+    """Where the engine accepts expert parallel (``ParallelConfig``, ``ParallelDims``): fsdp /
+    zero2 / hsdp with ep dividing dp_shard (carved out of it; under pp, each stage's), or ddp
+    without tp or pp with ep dividing its replicas (each rank its own experts at ep = the
+    replicas, FSDP-sharded over the replicas holding the same ones below). A pipeline on a model whose loss
+    adds the load-balancing term is refused by the plan (:func:`evaluate` says why)."""
     if strategy in ("fsdp", "zero2", "hsdp"):
         return shard % ep == 0
-    return strategy == "ddp" and tp == 1 and rep == ep
+    return strategy == "ddp" and tp == pp == 1 and rep % ep == 0
 
 
 def _pipelines(pp: int, micro_batch: int, schedules, microbatches) -> list[dict]:

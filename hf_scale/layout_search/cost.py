@@ -61,7 +61,9 @@ from .estimate import (
     Workload,
     _pp_config,
     fsdp_units,
+    moe_layers_per_pp_rank,
     pipeline_shape,
+    pp_rank_params,
     pp_stages,
     rank_blocks,
     rank_params,
@@ -347,11 +349,17 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
 
 def _ep_experts(facts: ModelFacts, layout: Layout, params: int) -> tuple[float, int]:
     """Under ep: the routed experts' share of the rank's parameters (before ep and FSDP split
-    them), and the FSDP units they form (one per MoE layer); (0, 0) without ep."""
+    them), and the FSDP units they form (one per MoE layer on the rank: under pp its stages'
+    own, those of the rank whose parameters ``rank_params`` counts); (0, 0) without ep."""
     moe = moe_facts(facts) if layout.ep > 1 else None
     if moe is None or not params:
         return 0.0, 0
-    return moe.expert_params / facts.params, moe.moe_layers
+    if layout.pp == 1:
+        return moe.expert_params / facts.params, moe.moe_layers
+    counts = pp_rank_params(facts, layout)
+    rank = counts.index(max(counts))
+    layers = moe_layers_per_pp_rank(facts, layout)[rank]
+    return min(1.0, moe.layer_params * layers / counts[rank]), layers
 
 
 def _ep_seconds(facts: ModelFacts, layout: Layout, tokens: int, element_bytes: int, runs: int, device: Device,
@@ -359,13 +367,15 @@ def _ep_seconds(facts: ModelFacts, layout: Layout, tokens: int, element_bytes: i
     """Seconds of expert parallel's all-to-alls in one step of ``tokens`` tokens on this rank:
     :func:`.experts.all_to_all_bytes` of which ``(ep - 1) / ep`` leaves the rank (routing spread
     evenly), over the link the ep group spans (ep x tp neighbouring ranks: within a node when they
-    fit), plus a latency per all-to-all: per MoE layer and micro-batch, forward's three (the
-    per-expert counts, the tokens, the outputs back) and backward's two. Not overlapped: the
-    experts wait for their tokens."""
+    fit), plus a latency per all-to-all: per MoE layer and micro-batch (pipeline microbatch),
+    forward's three (the per-expert counts, the tokens, the outputs back) and backward's two.
+    Under pp a rank exchanges for its stages' MoE layers only (the pp rank with the most).
+    Not overlapped: the experts wait for their tokens."""
     moe = moe_facts(facts)
+    layers = max(moe_layers_per_pp_rank(facts, layout))
     link = device.intra if layout.ep * layout.tp <= per_node else device.inter
-    leaving = all_to_all_bytes(facts, tokens, element_bytes) * (layout.ep - 1) / layout.ep
-    return leaving / link.bandwidth + 5 * moe.moe_layers * runs * link.latency
+    leaving = all_to_all_bytes(facts, tokens, element_bytes) * layers / moe.moe_layers * (layout.ep - 1) / layout.ep
+    return leaving / link.bandwidth + 5 * layers * runs * link.latency
 
 
 def _stages_per_rank(layout: Layout) -> int:

@@ -222,6 +222,19 @@ def pp_rank_params(facts: ModelFacts, layout: Layout) -> list[int]:
     return pp_stages(facts, layout)["rank_params"]
 
 
+def moe_layers_per_pp_rank(facts: ModelFacts, layout: Layout) -> list[int]:
+    """The MoE layers (blocks holding routed experts) on each pp rank: its stages' own; one
+    entry, every MoE layer, without pp; zeros for a dense model."""
+    from ..layout_preview import moe_layers_per_rank
+
+    moe = moe_facts(facts)
+    if moe is None:
+        return [0] * layout.pp
+    if layout.pp == 1:
+        return [moe.moe_layers]
+    return moe_layers_per_rank(moe.blocks, pp_stages(facts, layout)["stages"])
+
+
 def rank_blocks(facts: ModelFacts, layout: Layout) -> int:
     """Blocks on the first pp rank (every block without pp)."""
     return pipeline_shape(facts, layout)[0][0]
@@ -405,14 +418,18 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     rank's tp / pp ``scale``: those the other ep ranks hold (``1 - 1/ep`` of them), or all of
     them when no other data-parallel rank holds this rank's experts (ep = dp_shard, no
     dp_replicate; no mixed precision, no cpu offload: ``apply_fsdp`` then leaves them out of
-    FSDP); of them the frozen ones, and the MoE layers; zeros without ep."""
+    FSDP); of them the frozen ones, and the MoE layers on the rank (its stages' under pp); zeros
+    without ep."""
     moe = moe_facts(facts) if layout.ep > 1 else None
     if moe is None:
         return 0.0, 0.0, 0
     whole = (layout.dp_shard == layout.ep and layout.dp_replicate == 1 and not layout.precision
              and not layout.cpu_offload)
     away = moe.layer_params * (1 if whole else 1 - 1 / layout.ep) * scale
-    return away, away * moe.frozen_fraction, moe.moe_layers
+    # under pp the MoE layers of the rank whose parameters ``rank_params`` counts (the most)
+    layers = moe_layers_per_pp_rank(facts, layout)
+    counts = pp_rank_params(facts, layout) if layout.pp > 1 else [facts.params]
+    return away, away * moe.frozen_fraction, layers[counts.index(max(counts))]
 
 
 def _experts_not_held(moe, held: float, frac: float) -> tuple[float, float]:

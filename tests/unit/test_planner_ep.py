@@ -59,15 +59,18 @@ def test_ep_layouts_only_for_moe_models_and_only_valid_ones(moe, dense):
     assert eps == {1, 2, 4, 8}
     for c in ranked:
         lay = c.layout
-        if lay.ep > 1:  # the engine's conditions: no pp; fsdp / zero2 / hsdp with ep | dp_shard, or ddp with
-            # ep = its replicas and no tp; ep | experts
-            assert lay.pp == 1, lay
+        if lay.ep > 1:  # the engine's conditions: fsdp / zero2 / hsdp with ep | dp_shard (each stage's under
+            # pp), or ddp with ep | its replicas and no tp; ep | experts
             assert (lay.strategy in ("fsdp", "zero2", "hsdp") and lay.dp_shard % lay.ep == 0
-                    or lay.strategy == "ddp" and lay.tp == 1 and lay.dp_replicate == lay.ep), lay
-            assert 8 % lay.ep == 0 and c.fits, (lay, c.reason)
+                    or lay.strategy == "ddp" and lay.tp == 1 and lay.dp_replicate % lay.ep == 0), lay
+            # (a pipeline may be refused for its own reasons, with or without ep: too few blocks, a
+            # micro-batch that does not split into its microbatches)
+            assert 8 % lay.ep == 0 and (c.fits or lay.pp > 1), (lay, c.reason)
             assert f"ep={lay.ep}" in lay.describe() and lay.parallel_config().ep == lay.ep
     assert any(c.layout.ep == 8 and c.layout.dp_shard == 8 for c in ranked)
     assert any(c.layout.ep > 1 and c.layout.strategy == "hsdp" for c in ranked)  # ep within each replica group
+    assert any(c.layout.ep > 1 and c.layout.pp > 1 and c.fits for c in ranked)  # ep within each stage
+    assert any(c.layout.strategy == "ddp" and 1 < c.layout.ep < c.layout.dp_replicate and c.fits for c in ranked)
     assert not any(c.layout.ep > 1 and c.layout.tp * c.layout.pp > 1 and c.layout.dp_shard < c.layout.ep for c in ranked)
 
     # a dense model never gets ep, and one forced on it is refused with the engine's message
@@ -107,8 +110,8 @@ def test_gathered_experts_shrink_to_one_over_ep_and_state_stays(moe, precision):
 def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_experts(moe):
     """ddp + ep (at ep = the replicas each rank its own experts): the dense weights, their gradients
     and AdamW state whole on every rank, the experts' 1/ep; no collective for the experts (the
-    dense gradients' all-reduce only); ranked only at ep = the data-parallel ranks. With fewer ep
-    the experts are FSDP-sharded over the replicas holding the same ones."""
+    dense gradients' all-reduce only). With fewer ep the experts are FSDP-sharded over the replicas
+    holding the same ones; both are searched."""
     from hf_scale.mesh import ParallelDims
 
     experts = moe_facts(moe).expert_params
@@ -119,7 +122,7 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     assert plain.optimizer - split.optimizer == pytest.approx(8 * away, abs=8)
     # DDP's buckets hold the dense gradients only: every expert's is out (the others' not held, its own ignored)
     assert plain.comm_buffers - split.comm_buffers == pytest.approx(4 * experts, abs=4)
-    # ep fewer than the replicas (not searched, estimated when asked): the experts FSDP-sharded over
+    # ep fewer than the replicas: the experts FSDP-sharded over
     # the 2 replicas holding the same ones, 1/4 of them held between steps, one layer's share gathered
     half = estimate_memory(moe, Layout("ddp", 4, 1, ep=2), WORK)
     assert (half.params, half.grads, half.optimizer) == (split.params, split.grads, split.optimizer)
@@ -135,13 +138,13 @@ def test_ddp_with_ep_replicates_the_dense_weights_and_holds_one_over_ep_of_the_e
     slow, fast = (step_cost(moe, Layout("ddp", 4, 1, ep=ep), WORK, GPU) for ep in (1, 4))
     dense = 1 - experts / moe.params
     assert fast.comm_dp < slow.comm_dp and fast.comm_ep > 0 and fast.optimizer < slow.optimizer
-    # ep fewer than the replicas (not searched, priced when asked): the experts' FSDP traffic over the
+    # ep fewer than the replicas: the experts' FSDP traffic over the
     # 2 replicas holding the same ones, their optimizer step over 1/4 of them as at ep = 4
     half_cost = step_cost(moe, Layout("ddp", 4, 1, ep=2), WORK, GPU)
     assert half_cost.comm_dp > fast.comm_dp and half_cost.optimizer == pytest.approx(fast.optimizer, rel=1e-6)
     assert fast.comm_dp == pytest.approx(step_cost(moe, Layout("ddp", 4, 1), WORK, GPU).comm_dp * dense, rel=0.05)
     _, ranked = choose(moe, WORK, 4, 100 * GiB, GPU, tps=(1,), strategies=("ddp",), **SMALL)
-    assert {c.layout.ep for c in ranked} == {1, 4}
+    assert {c.layout.ep for c in ranked} == {1, 2, 4}
     layout = next(c.layout for c in ranked if c.layout.ep == 4)
     config = layout.parallel_config()
     assert (config.strategy, config.ep) == ("ddp", 4)
@@ -218,8 +221,10 @@ def test_qwen3_moe_shaped_model_at_16_gpus_ranks_ep_layouts():
         plain = next(x for x in fits if x.layout == replace(c.layout, ep=1))
         ep = c.layout.ep
         gathered = moe.layer_params * (1 - 1 / ep) * 2 * (moe.moe_layers if c.layout.strategy == "zero2" else 1)
-        if c.layout.strategy == "ddp":  # ddp + ep (ep = 16, every rank its own experts): nothing gathered
-            assert ep == 16 and plain.memory.comm_buffers - c.memory.comm_buffers > 0  # DDP's buckets: dense only
+        assert c.layout.pp == 1  # a micro-batch of one sequence splits into no pipeline's microbatches
+        if c.layout.strategy == "ddp":  # ddp + ep: DDP's buckets hold the dense gradients only; at ep = 16
+            # nothing is gathered, below it one MoE layer's 1/ep of the experts (FSDP over the replicas holding them)
+            assert plain.memory.comm_buffers - c.memory.comm_buffers > 0
         elif c.layout.tp == 1:  # under tp each rank gathers its tp share of them (the block's share: estimated)
             assert plain.memory.comm_buffers - c.memory.comm_buffers == pytest.approx(gathered, abs=2)
         else:
@@ -262,3 +267,37 @@ def test_tp_splits_the_routed_experts_in_the_planners_count(moe):
     assert experts > total / 2  # the experts dominate this model
     # every expert weight sharded: the rank's count drops by (at least) half the experts
     assert report["sharded_params"] >= experts and report["params_per_rank"] <= total - experts / 2
+
+
+def test_pipeline_with_ep_counts_its_own_stages_moe_layers():
+    """pp + ep (ep carved out of each stage's dp_shard, searched): a rank exchanges tokens for, and
+    leaves ungathered the other ep ranks' experts of, its own stages' MoE layers only (before:
+    every layer's, pp times the all-to-all and too little memory under pp)."""
+    facts = model_facts(moe_config("qwen3_moe", False, layers=4))  # 4 MoE layers of 4 experts, top-2, hidden 64
+    per_layer = moe_facts(facts).layer_params
+    assert per_layer == 4 * (64 * 64 + 64 * 32)
+    work = Workload(seq=16, batch=4, device="cuda")
+    for pp in (2, 4):
+        here = 4 // pp  # every layer holds experts, the stages split them evenly
+        last = pp - 1  # the rank with the most parameters (the head)
+        for strategy in ("fsdp", "zero2"):
+            lay = {ep: Layout(strategy, 1, 4, pp=pp, micro_batch=4, ep=ep) for ep in (1, 2)}
+            cost = step_cost(facts, lay[2], work, GPU)
+            # tokens x hidden x top_k x 2 directions x fwd+bwd x the rank's MoE layers x fp32, half of it
+            # leaving the rank; five all-to-alls per MoE layer and microbatch (pp of them: one per stage)
+            leaving = 4 * 16 * 64 * 2 * 2 * 2 * here * 4 / 2
+            assert cost.comm_ep == pytest.approx(leaving / LINK.bandwidth + 5 * here * pp * LINK.latency)
+            # a stage holds every parameter of its blocks gathered at the end of the schedule, but
+            # not the half of each of its MoE layers' experts the other ep rank holds
+            plain, split = (estimate_memory(facts, lay[ep], work, pp_rank=last) for ep in (1, 2))
+            assert plain.comm_buffers - split.comm_buffers == pytest.approx(here * per_layer / 2 * 4, abs=4)
+            assert cost.comm_dp < step_cost(facts, lay[1], work, GPU).comm_dp  # the experts' over 2 ranks, not 4
+    _, ranked = choose(facts, work, 4, 100 * GiB, GPU, tps=(1,), **SMALL)
+    assert any(c.fits and c.layout.pp > 1 and c.layout.ep > 1 for c in ranked)
+    # with the load-balancing loss on the plan refuses any pipeline (no stage holds every layer's
+    # router logits): never chosen, with the engine's reason
+    aux = model_facts(moe_config("qwen3_moe", True, layers=4))
+    _, ranked = choose(aux, work, 4, 100 * GiB, GPU, tps=(1,), **SMALL)
+    assert not any(c.fits and c.layout.pp > 1 for c in ranked)
+    assert any(c.layout.pp > 1 and c.layout.ep > 1 and "load-balancing loss" in c.reason for c in ranked)
+    assert any(c.fits and c.layout.ep > 1 for c in ranked)
