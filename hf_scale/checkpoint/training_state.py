@@ -7,7 +7,9 @@ A checkpoint folder ``ckpt/step_00001200/`` holds:
 * ``optimizer/``: the optimizer state through ``torch.distributed.checkpoint`` (DCP), keyed by
   parameter name, so it reshards on load (fsdp 4 -> 2, hsdp -> fsdp, zero1 -> fsdp, any -> 1);
 * ``rank_<r>.pt``: each rank's RNG states and data-loader position (``weights_only`` loadable);
-* ``trainer_state.json``: step, layout, world size, scheduler state.
+* ``trainer_state.json``: step, layout, world size, scheduler state (its per-group lists per
+  group of distinct settings, so it resumes where the layout groups the parameters otherwise:
+  :mod:`.scheduler_state`).
 
 Folders are written as ``<name>.partial`` and renamed when every rank is done; the file
 ``ckpt/latest`` then names the newest complete one (replaced atomically), and older folders
@@ -40,6 +42,7 @@ from .dcp_boxes import checkpointable
 from .files import atomic_write_text, staged_folder
 from .load import load_adapter, load_owned_slices, weight_map_of
 from .safetensors_io import plan_save, write_model_folder
+from .scheduler_state import load_scheduler_state, scheduler_state
 from .stages import borrow_tied_state, pipelined, tie_aliases, union_param_groups
 
 LATEST = "latest"
@@ -85,7 +88,7 @@ def save_state(
             "step": step,
             "world_size": world,
             "strategy": layout.config.strategy if layout else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "scheduler": scheduler_state(scheduler, optimizer) if scheduler is not None else None,
         }
         run_together((partial / TRAINER_STATE).write_text, json.dumps(info, indent=2), only_rank0=True)
     run_together(_point_latest, root, final.name, keep_last, only_rank0=True)
@@ -181,7 +184,7 @@ def load_state(
         ) from None
     set_optimizer_state(model, optimizer, target["optimizer"])
     if scheduler is not None and info.get("scheduler") is not None:
-        scheduler.load_state_dict(info["scheduler"])
+        load_scheduler_state(scheduler, optimizer, info["scheduler"])
     rank_file = folder / f"rank_{rank}.pt"
     saved_here = None
     if info["world_size"] == world:  # the same on every rank: all of them enter run_together

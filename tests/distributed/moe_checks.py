@@ -271,20 +271,24 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
     arch = "qwen3_moe"
     model = hf_scale.parallelize(moe_model(arch), save_config)
     state = hf_scale.get_state(model)
-    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+    # weight decay: two groups of distinct settings, which each layout splits by kind otherwise
+    optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.1)
+    schedule = _schedule(optimizer)
     b1, b2 = batches(2)
     model(**slice_batch(b1, state.dp_rank, state.dp_degree)).loss.backward()
     optimizer.step()
+    schedule.step()
     optimizer.zero_grad()
     saved = full_params(model)
     saved_optim = _full_optimizer_state(model, optimizer)
     folder = f"{root}/hub_{'_'.join(f'{k}{v}' for k, v in save_config.items())}"
     hf_scale.save_pretrained(model, folder)
-    hf_scale.save_state(model, optimizer, root=f"{folder}_state", step=1)
+    hf_scale.save_state(model, optimizer, scheduler=schedule, root=f"{folder}_state", step=1)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=b2["input_ids"][:2]).logits  # every rank: the all-to-alls need them all
-    out = {"folder": folder, "config": save_config, "loads": []}
+    out = {"folder": folder, "config": save_config, "loads": [], "groups": len(optimizer.param_groups),
+           "rates": _rates(optimizer)}
     next_loss = _next_loss(model, optimizer, b2, state)
     saved_grads = _full_grads(model, b2, state)
     for config in load_configs:
@@ -296,8 +300,13 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
         grads = _full_grads(loaded, b2, hf_scale.get_state(loaded))
         grad_diff = max(float((grads[n] - g).abs().max() / g.abs().max()) for n, g in saved_grads.items())
         fresh = hf_scale.parallelize(moe_model(arch, seed=7), config)
-        fresh_opt = hf_scale.build_optimizer(fresh, lr=LR, weight_decay=0.0)
-        hf_scale.load_state(fresh, fresh_opt, path=f"{folder}_state/latest")
+        fresh_opt = hf_scale.build_optimizer(fresh, lr=LR, weight_decay=0.1)
+        fresh_schedule = _schedule(fresh_opt)
+        hf_scale.load_state(fresh, fresh_opt, scheduler=fresh_schedule, path=f"{folder}_state/latest")
+        # every group's rate resumes on its schedule (the next step's too), whatever the groups here
+        rates = _rates(fresh_opt)
+        fresh_schedule.step()
+        rates_next = _rates(fresh_opt)
         resumed = full_params(fresh)
         resumed_optim = _full_optimizer_state(fresh, fresh_opt)
         optim = max(float((resumed_optim[k] - v).abs().max()) for k, v in saved_optim.items())
@@ -306,10 +315,22 @@ def checkpoint_checks(root: str, save_config: dict, load_configs: list[dict]) ->
         out["loads"].append({"config": config, "weights": weights, "resumed_weights": weights_resumed,
                              "optimizer": optim, "optimizer_keys": len(resumed_optim) == len(saved_optim),
                              "next_loss": loss, "saved_next_loss": next_loss, "grads": grad_diff,
+                             "rates": rates, "rates_next": rates_next, "groups": len(fresh_opt.param_groups),
                              "grad_keys": sorted(grads) == sorted(saved_grads)})
     if rank == 0:
         out["saved"], out["logits"] = saved, logits
     return out
+
+
+def _schedule(optimizer):
+    """A schedule whose rate differs per group: the no-decay group decays faster."""
+    rules = [(lambda s: 1 / (1 + s)) if g["weight_decay"] else (lambda s: 1 / (1 + 3 * s)) for g in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, rules)
+
+
+def _rates(optimizer) -> list[tuple[float, float]]:
+    """The distinct (weight decay, learning rate / LR) pairs of the optimizer's groups."""
+    return sorted({(g["weight_decay"], round(g["lr"] / LR, 9)) for g in optimizer.param_groups})
 
 
 def _full_optimizer_state(model, optimizer) -> dict:

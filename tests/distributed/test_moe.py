@@ -259,8 +259,9 @@ def test_bad_input_refused_on_every_rank(world2):
 def test_checkpoint_across_ep_degrees(request, world, index):
     """Saved at ep=2 by every rank: plain transformers loads it with the weights and logits of the
     ep run; hf_scale loads it exactly into other ep degrees, tp and fsdp, and resumes the
-    training state there (optimizer state exact, the next loss the same); the loaded model's
-    gradients on the next batch are the saved model's."""
+    training state there (optimizer state exact, the next loss the same, the scheduler's rate of
+    every param group, however the layout groups them); the loaded model's gradients on the next
+    batch are the saved model's."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -276,6 +277,12 @@ def test_checkpoint_across_ep_degrees(request, world, index):
             assert load["optimizer"] == 0.0 and load["optimizer_keys"], load
             assert load["next_loss"] == pytest.approx(load["saved_next_loss"], rel=1e-6), load
             assert load["grad_keys"] and load["grads"] <= 1e-5, load  # rounding only (other layouts)
+            # the scheduler resumes each group's rate (the no-decay group's decays faster), over the
+            # groups this layout makes (split by kind otherwise than when saved)
+            assert load["rates"] == rank["checkpoints"][index]["rates"] == [(0.0, 0.25), (0.1, 0.5)], load
+            assert load["rates_next"] == [(0.0, round(1 / 7, 9)), (0.1, round(1 / 3, 9))], load
+        if index == 0:  # loads into layouts that group the parameters otherwise (fsdp, tp, ...)
+            assert any(load["groups"] != rank["checkpoints"][index]["groups"] for load in loads)
     saved = ranks[0]["checkpoints"][index]
     folder = saved["folder"]
     import json
