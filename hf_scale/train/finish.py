@@ -88,7 +88,7 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_deg
     on_hub = not (job.data.path.startswith("builtin:") or Path(job.data.path).exists())
     return {
         "model_name": (job.hub.repo_id or Path(job.train.output_dir).resolve().name).split("/")[-1],
-        "base_model": HUB_IDS.get(job.model.name_or_path, job.model.name_or_path),
+        "base_model": hub_id(HUB_IDS.get(job.model.name_or_path, job.model.name_or_path)),
         "datasets": [job.data.path] if on_hub else [],
         "license": job.hub.license,
         "description": f"Fine-tuned with hf_scale ({job.model.task}) on `{job.data.path}`.",
@@ -114,14 +114,29 @@ def card_info(job: JobConfig, summary: dict, model_dir: Path, world: int, dp_deg
 
 
 def mesh_sizes(job: JobConfig, world: int) -> dict:
-    """Mesh degrees of this run (``{"dp_shard": 2, ...}``), size-1 dimensions left out."""
+    """Mesh degrees of this run (``{"dp_shard": 2, ...}``), size-1 dimensions left out, and the
+    expert-parallel degree (``"ep"``, carved out of the data-parallel ones) where it is on."""
     from ..distributed import read_env
     from ..mesh import MESH_DIMS, ParallelDims
 
     if world == 1:
         return {}
     dims = ParallelDims.resolve(job.parallel, world, read_env().num_nodes)
-    return {name: getattr(dims, name) for name in MESH_DIMS if getattr(dims, name) > 1}
+    return {name: getattr(dims, name) for name in (*MESH_DIMS, "ep") if getattr(dims, name) > 1}
+
+
+def hub_id(name_or_path: str) -> str | None:
+    """``name_or_path`` when it names a Hub repository, None for a local folder: the card's
+    ``base_model`` links to the Hub, whose metadata check rejects a path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(name_or_path).exists():
+        return None
+    try:
+        validate_repo_id(name_or_path)
+    except HFValidationError:
+        return None
+    return name_or_path
 
 
 def _print_summary(summary: dict, model_dir: Path | None) -> None:

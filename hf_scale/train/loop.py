@@ -72,6 +72,7 @@ def run(job: JobConfig) -> dict:
         f"{len(train_ds)} training examples, {len(eval_ds) if eval_ds is not None else 0} eval; "
         f"global batch {batches.global_batch * job.train.grad_accum} ({job.train.batch_size} x {dp.degree} "
         f"data-parallel ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
+        + (f", ep {job.parallel.ep}" if job.parallel.ep > 1 else "")
     )
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
                       start_step=start)
