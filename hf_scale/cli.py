@@ -116,7 +116,9 @@ def split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 def finetune(args: list[str], task: str | None = None) -> int:
     """Load the recipe, then train here (torchrun worker, one process) or launch torchrun."""
+    from .config import AUTO
     from .launch import check_launch, resolve_launch, torchrun_argv, under_torchrun
+    from .mesh import ParallelDims
     from .train.config import load_job
 
     if any(a in ("-h", "--help") for a in args):
@@ -137,6 +139,8 @@ def finetune(args: list[str], task: str | None = None) -> int:
             check_launch(job.launch)
         _train(job)
         return 0
+    if job.parallel.strategy != AUTO:  # the degrees against the processes, before any starts
+        ParallelDims.resolve(job.parallel, job.launch.nproc_per_node * job.launch.nnodes, job.launch.nnodes)
     argv = torchrun_argv(job.launch, ["-m", "hf_scale.cli", "finetune", *args])
     print(f"[hf_scale] launching: torchrun {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     try:

@@ -53,6 +53,10 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     plan = resolve_plan(model)
     units = wrap_units(model, plan)
     params = sum(p.numel() for p in model.parameters())
+    if parallel.ep > 1:  # the model's experts before the degrees, whose advice then names a valid ep
+        from .model_plans.ep import check_ep, experts_layout
+
+        check_ep(experts_layout(model, plan), model, plan, parallel.ep)
     dims = ParallelDims.resolve(parallel, world_size, num_nodes) if world_size > 1 or parallel.tp * parallel.pp > 1 else None
     tp = tp_report(model, plan, parallel.tp) if parallel.tp > 1 else None
     pp = pp_report(model, plan, parallel) if parallel.pp > 1 else None

@@ -134,14 +134,14 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
                 f"--nproc_per_node {need} (found one process, no torchrun environment)."
             )
         return Topology()
+    experts = experts_layout(model, plan) if config.ep > 1 or config.tp > 1 else None
+    if config.ep > 1:  # the model's experts first: an ep they refuse is not worth fitting to the ranks
+        check_ep(experts, model, plan, config.ep)
     dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
     pp = None
     if dims.pp_enabled:
         pp = pp_layout(model, plan, dims.pp, config.stages_per_rank, config.pp_schedule == "zbv",
                        config.pp_split_points)
-    experts = experts_layout(model, plan) if dims.ep_enabled or dims.tp_enabled else None
-    if dims.ep_enabled:
-        check_ep(experts, model, plan, dims.ep)
     tp = tp_layout(model, plan, dims.tp, experts) if dims.tp_enabled else None
     if experts is not None and not experts.is_moe:
         experts = None

@@ -24,7 +24,7 @@ from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
 from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, rank_blocks
-from .experts import ep_degrees
+from .experts import check_layout_ep, ep_degrees
 from .profile import ModelFacts
 
 MARGIN = 0.10
@@ -148,6 +148,7 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
     """One layout's memory and step time, or why it cannot run or does not fit."""
     try:
         config = layout.parallel_config()
+        check_layout_ep(facts, layout.ep)  # the model's experts first, as the engine checks them
         ParallelDims.resolve(config, layout.world_size, nodes)
         if layout.cpu_offload and work.device == "cpu":
             return Candidate(layout, reason="cpu_offload on a CPU device moves nothing: state already lives in RAM")

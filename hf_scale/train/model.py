@@ -22,6 +22,9 @@ from ..errors import HfScaleConfigError
 from ..zoo import HUB_IDS, check_zoo_task, is_zoo, zoo_source
 from .config import AdapterConfig, ModelConfig
 
+# what transformers' tokenizers are read from (any one of them)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model", "merges.txt", "tekken.json")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,10 +41,25 @@ def load_tokenizer(cfg: ModelConfig):
     from transformers import AutoTokenizer
 
     path, extra = source(cfg)
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        _no_tokenizer(cfg, "the folder has no tokenizer files")
     tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    if not tokenizer("Hello world", add_special_tokens=False)["input_ids"]:
+        # transformers may make an empty tokenizer where the files are missing: every example
+        # would tokenize to nothing, and the run fail later as "the dataset is empty"
+        _no_tokenizer(cfg, f"its tokenizer turns text into no tokens ({len(tokenizer)} in its vocabulary)")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _no_tokenizer(cfg: ModelConfig, why: str) -> None:
+    raise HfScaleConfigError(
+        f"model.name_or_path={cfg.name_or_path!r}: {why}; training needs the model's tokenizer "
+        f"({', '.join(TOKENIZER_FILES[:3])}, ...). Save it beside the model "
+        "(tokenizer.save_pretrained(folder)), e.g. the tokenizer of the model it was built from."
+    )
 
 
 def load_config(cfg: ModelConfig):

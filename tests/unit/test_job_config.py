@@ -109,6 +109,24 @@ def test_unknown_zoo_model():
         load_tokenizer(ModelConfig(name_or_path="zoo:nope"))
 
 
+def test_a_model_folder_without_tokenizer_files_is_refused_as_such(tmp_path):
+    """transformers makes an empty tokenizer for such a folder: the run failed later, saying the
+    dataset was empty after filtering."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.train.config import ModelConfig
+    from hf_scale.train.model import load_tokenizer
+    from tests.distributed.moe_checks import moe_config
+    from tests.tiny_models import save_tiny_checkpoint, tiny_config
+
+    # Llama's tokenizer class refuses to build without files, Qwen2's builds an empty one
+    for name, config in (("llama", tiny_config("llama")), ("qwen3_moe", moe_config("qwen3_moe", False))):
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
+        with pytest.raises(HfScaleConfigError, match="the folder has no tokenizer files; training needs"):
+            load_tokenizer(ModelConfig(name_or_path=str(tmp_path / name)))
+    assert len(load_tokenizer(ModelConfig(name_or_path=save_tiny_checkpoint(tmp_path / "full")))) > 1
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -163,8 +181,15 @@ def test_recipe_names_its_own_card_template(tmp_path):
         load_job(CONFIGS / "quickstart.yaml", ["--hub.card_template", str(template)])
 
 
-def test_every_command_refuses_unknown_flags_in_one_line(tmp_path, capsys):
+def test_every_command_refuses_unknown_flags_in_one_line(tmp_path, capsys, monkeypatch):
+    import subprocess
+
     from hf_scale.cli import main
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError(f"launched {args}")
+
+    monkeypatch.setattr(subprocess, "call", no_launch)
 
     quickstart = str(CONFIGS / "quickstart.yaml")
     recipe = tmp_path / "broken.yaml"
@@ -176,6 +201,8 @@ def test_every_command_refuses_unknown_flags_in_one_line(tmp_path, capsys):
          "unknown flag --nproc-per-nod: did you mean --nproc-per-node?"),
         (["finetune", quickstart, "-x"], "unknown flag -x: hf-scale finetune takes --config, --nproc-per-node"),
         (["finetune", quickstart, "other.yaml"], "unexpected argument 'other.yaml'"),
+        # degrees the processes cannot take: refused before torchrun starts any
+        (["finetune", quickstart, "--parallel.ep", "3", "--nproc-per-node", "2"], "ep=3 does not divide dp_shard=2"),
         (["export", "ckpt", "out", "--tokeniser", "gpt2"], "unknown flag --tokeniser: did you mean --tokenizer?"),
         (["export", "ckpt"], "the following arguments are required: out. See hf-scale export --help."),
         (["push", str(tmp_path), "org/x", "--privat"], "unknown flag --privat: did you mean --private?"),
