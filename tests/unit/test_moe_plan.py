@@ -123,6 +123,12 @@ def test_bad_ep_input():
         ParallelDims.resolve(ParallelConfig(strategy="fsdp", dp_replicate=2, ep=2), world_size=2)
     with pytest.raises(HfScaleConfigError, match="ep=2 with strategy='zero1'"):
         ParallelConfig(strategy="zero1", ep=2)
+    # an ep that neither the experts nor the ranks take: the experts' reason first (the degrees'
+    # advice, a multiple of 3 processes, would lead to the experts' refusal next)
+    from hf_scale.layout_preview import plan_report
+
+    with pytest.raises(HfScalePlanError, match="ep=3 does not divide the 8 experts"):
+        plan_report(_meta_moe(num_experts=8).config, ParallelConfig(ep=3), world_size=8)
 
 
 def test_experts_not_called_with_the_routing_are_left_whole_by_tp_and_refused_by_ep():
