@@ -37,6 +37,15 @@ ROUTING_KEYS = dict.fromkeys(("capacity_factor", "eval_capacity_factor", "min_ca
 ROUTING_KEYS.update(dict.fromkeys(("top_k", "moe_top_k", "num_experts_per_tok", "router_topk", "router_jitter",
                                    "noisy_gate_policy", "aux_loss_coef", "router_aux_loss_coef",
                                    "moe_router_topk", "moe_aux_loss_coeff"), _ROUTER))
+# other stacks' names of the parallel degrees (transformers' DistributedConfig, DeepSpeed,
+# Megatron, torchtitan), for the unknown-key error: difflib finds none of them close to ours
+SYNONYMS = {**dict.fromkeys(("expert_parallel", "expert_parallel_size", "ep_size", "moe_expert_parallel_size",
+                             "expert_model_parallel_size", "enable_expert_parallel"), "ep"),
+            **dict.fromkeys(("tensor_parallel", "tensor_parallel_size", "tp_size", "tensor_model_parallel_size"), "tp"),
+            **dict.fromkeys(("pipeline_parallel", "pipeline_parallel_size", "pp_size", "pipeline_model_parallel_size"),
+                            "pp"),
+            **dict.fromkeys(("fsdp_size", "data_parallel_shard_degree"), "dp_shard"),
+            **dict.fromkeys(("data_parallel_replicate_degree", "replicate_size"), "dp_replicate")}
 AUTO = "auto"  # strategy: let hf_scale.layout_search choose the layout (fields given beside it stay fixed)
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
@@ -347,6 +356,8 @@ def from_dict(cls: type[T], data: dict[str, Any], path: str = "") -> T:
         where = f"{path}.{key}" if path else key
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)
+            if SYNONYMS.get(key) in fields:
+                close = [SYNONYMS[key]]
             hint = f" Did you mean '{close[0]}'?" if close else ""
             if cls.__name__ == "ParallelConfig" and key in ROUTING_KEYS:
                 hint = f" {ROUTING_KEYS[key]}"

@@ -36,6 +36,9 @@ def test_every_recipe_loads(recipe):
     [
         (["--train.lrr", "1"], "unknown config key 'train.lrr'. Did you mean 'lr'?"),
         (["--trian.lr", "1"], "unknown config key 'trian'. Did you mean 'train'?"),
+        # other stacks' names of the degrees, which no spelling distance finds
+        (["--parallel.expert_parallel", "2"], "unknown config key 'parallel.expert_parallel'. Did you mean 'ep'?"),
+        (["--parallel.tp_size", "2"], "unknown config key 'parallel.tp_size'. Did you mean 'tp'?"),
         (["--train.batch_size", "eight"], "train.batch_size: expected int, got str 'eight'"),
         (["--train.batch_size", "0"], "train.batch_size=0: must be >= 1"),
         (["--parallel.strategy", "zero4"], "strategy='zero4' is not one of"),
