@@ -115,8 +115,9 @@ def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int)
     """Where the engine accepts expert parallel (``ParallelConfig``, ``ParallelDims``): fsdp /
     zero2 / hsdp with ep dividing dp_shard (carved out of it; under pp, each stage's), or ddp
     without tp or pp with ep dividing its replicas (each rank its own experts at ep = the
-    replicas, FSDP-sharded over the replicas holding the same ones below). A pipeline on a model whose loss
-    adds the load-balancing term is refused by the plan (:func:`evaluate` says why)."""
+    replicas, FSDP-sharded over the replicas holding the same ones below). A pipeline on a
+    model whose loss adds the load-balancing term is refused by the plan (:func:`evaluate`
+    says why)."""
     if strategy in ("fsdp", "zero2", "hsdp"):
         return shard % ep == 0
     return strategy == "ddp" and tp == pp == 1 and rep % ep == 0

@@ -66,6 +66,7 @@ from .estimate import (
     pp_rank_params,
     pp_stages,
     rank_blocks,
+    rank_moe_layers,
     rank_params,
 )
 from .experts import all_to_all_bytes, inactive_params, moe_facts
@@ -356,10 +357,8 @@ def _ep_experts(facts: ModelFacts, layout: Layout, params: int) -> tuple[float, 
         return 0.0, 0
     if layout.pp == 1:
         return moe.expert_params / facts.params, moe.moe_layers
-    counts = pp_rank_params(facts, layout)
-    rank = counts.index(max(counts))
-    layers = moe_layers_per_pp_rank(facts, layout)[rank]
-    return min(1.0, moe.layer_params * layers / counts[rank]), layers
+    layers = rank_moe_layers(facts, layout)
+    return min(1.0, moe.layer_params * layers / max(pp_rank_params(facts, layout))), layers
 
 
 def _ep_seconds(facts: ModelFacts, layout: Layout, tokens: int, element_bytes: int, runs: int, device: Device,

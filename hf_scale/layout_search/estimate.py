@@ -235,6 +235,16 @@ def moe_layers_per_pp_rank(facts: ModelFacts, layout: Layout) -> list[int]:
     return moe_layers_per_rank(moe.blocks, pp_stages(facts, layout)["stages"])
 
 
+def rank_moe_layers(facts: ModelFacts, layout: Layout) -> int:
+    """MoE layers on the rank :func:`rank_params` describes (under pp the one with the most
+    parameters; every MoE layer without pp)."""
+    layers = moe_layers_per_pp_rank(facts, layout)
+    if layout.pp == 1:
+        return layers[0]
+    counts = pp_rank_params(facts, layout)
+    return layers[counts.index(max(counts))]
+
+
 def rank_blocks(facts: ModelFacts, layout: Layout) -> int:
     """Blocks on the first pp rank (every block without pp)."""
     return pipeline_shape(facts, layout)[0][0]
@@ -426,10 +436,7 @@ def _experts_elsewhere(facts: ModelFacts, layout: Layout, scale: float) -> tuple
     whole = (layout.dp_shard == layout.ep and layout.dp_replicate == 1 and not layout.precision
              and not layout.cpu_offload)
     away = moe.layer_params * (1 if whole else 1 - 1 / layout.ep) * scale
-    # under pp the MoE layers of the rank whose parameters ``rank_params`` counts (the most)
-    layers = moe_layers_per_pp_rank(facts, layout)
-    counts = pp_rank_params(facts, layout) if layout.pp > 1 else [facts.params]
-    return away, away * moe.frozen_fraction, layers[counts.index(max(counts))]
+    return away, away * moe.frozen_fraction, rank_moe_layers(facts, layout)
 
 
 def _experts_not_held(moe, held: float, frac: float) -> tuple[float, float]:
