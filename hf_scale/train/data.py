@@ -119,6 +119,23 @@ def check_seq_len(max_seq_len: int, model_config) -> None:
         )
 
 
+def check_vocab(tokenizer, model_config, *datasets) -> None:
+    """Every token id of the tokenized ``datasets`` must have a row in the model's embedding: a
+    tokenizer larger than the model's vocabulary failed inside the embedding (an ``IndexError``
+    on the first batch holding such a token). The data are scanned only then (rare)."""
+    vocab = getattr(model_config, "vocab_size", None)
+    if not vocab or len(tokenizer) <= vocab:
+        return
+    largest = max((max(ids, default=-1) for ds in datasets if ds is not None for ids in ds["input_ids"]), default=-1)
+    if largest >= vocab:
+        raise HfScaleConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens and the data hold token id {largest}, but the "
+            f"model's vocabulary has {vocab} (config.vocab_size): the model cannot embed them. Use the "
+            "model's own tokenizer, or resize the model's embeddings to the tokenizer "
+            "(model.resize_token_embeddings(len(tokenizer))) and save it before fine-tuning."
+        )
+
+
 # ------------------------------------------------------------------ causal LM
 
 

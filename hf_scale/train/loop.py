@@ -36,7 +36,14 @@ from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
 from ..parallel.step import train_step
 from ..ranks import rank_world
 from .config import JobConfig
-from .data import check_seq_len, label_ids, load_splits, tokenize_causal_lm, tokenize_classification
+from .data import (
+    check_seq_len,
+    check_vocab,
+    label_ids,
+    load_splits,
+    tokenize_causal_lm,
+    tokenize_classification,
+)
 from .dp import DataParallel, pipeline_degree
 from .evaluate import evaluate
 from .finish import finish_run
@@ -55,8 +62,10 @@ def run(job: JobConfig) -> dict:
         _quiet_progress_bars()
     _seed(job.train.seed)
     tokenizer = load_tokenizer(job.model)
-    check_seq_len(job.data.max_seq_len, load_config(job.model))
+    model_config = load_config(job.model)
+    check_seq_len(job.data.max_seq_len, model_config)
     train_ds, eval_ds, labels = _datasets(job, tokenizer)
+    check_vocab(tokenizer, model_config, train_ds, eval_ds)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,
                        seed=job.train.seed)
     device = get_state(model).env.device

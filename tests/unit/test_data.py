@@ -112,6 +112,24 @@ def test_sequence_length_above_the_model_limit():
         check_seq_len(65, config)
 
 
+def test_token_ids_beyond_the_model_vocabulary(tmp_path):
+    """A tokenizer larger than the model's vocabulary: refused once the data hold an id the
+    embedding has no row for (it failed inside the embedding), accepted while they do not."""
+    from hf_scale.train.data import check_vocab
+
+    cfg = DataConfig(path=str(_write(tmp_path, "jsonl")), eval_split=None)
+    tokenizer = tiny_tokenizer()
+    train = tokenize_causal_lm(load_splits(cfg)["train"], tokenizer, cfg, max_len=64)
+    largest = max(max(ids) for ids in train["input_ids"])
+    config = tiny_config("llama")
+    for vocab in (len(tokenizer), largest + 1):  # no id beyond the embedding
+        config.vocab_size = vocab
+        check_vocab(tokenizer, config, train, None)
+    config.vocab_size = largest
+    with pytest.raises(HfScaleConfigError, match=f"data hold token id {largest}, but the model's vocabulary has {largest}"):
+        check_vocab(tokenizer, config, train, None)
+
+
 def test_no_data_files_and_mixed_types(tmp_path):
     with pytest.raises(HfScaleConfigError, match="matches no data file"):
         load_splits(DataConfig(path=str(tmp_path / "*.jsonl")))
