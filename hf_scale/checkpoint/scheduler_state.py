@@ -6,7 +6,7 @@ layout: it splits each group by kind (sharded DTensors per mesh, plain tensors),
 where ep gives 3 and tp 4. Saved as is, a scheduler resumed at another layout failed inside
 torch (``IndexError`` / ``zip() argument 2 is shorter``). Saved here, each list keeps one entry
 per *merged* group (groups of equal settings, as the optimizer state is saved:
-:func:`~.training_state.merge_equal_groups`) and is spread back over the loading optimizer's
+:func:`~.param_groups.merge_equal_groups`) and is spread back over the loading optimizer's
 groups by the same merge. Merged groups are matched by position (``build_optimizer`` keeps its
 groups' order at every layout, splitting each in place); a group whose loaded ``initial_lr``
 is not the saved base rate of its position is refused rather than given another's schedule::
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import HfScaleCheckpointError
+from .param_groups import merge_equal_groups
 
 # torch's per-group scheduler fields (LambdaLR, MultiplicativeLR, CyclicLR, ReduceLROnPlateau,
 # every LRScheduler's base and last rates); chained and sequential schedulers nest theirs
@@ -90,8 +91,6 @@ def _check_base_rates(optimizer, base_lrs: list | None) -> None:
 
 def _merged_index(optimizer) -> list[int]:
     """For each of the optimizer's param groups, the index of its merged group."""
-    from .training_state import merge_equal_groups
-
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [i]}
               for i, g in enumerate(optimizer.param_groups)]
     merged = merge_equal_groups({"param_groups": groups})["param_groups"]

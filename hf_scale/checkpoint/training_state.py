@@ -41,6 +41,7 @@ from .adapters import adapter_save_plan, is_adapter_model, write_adapter_folder
 from .dcp_boxes import checkpointable
 from .files import atomic_write_text, staged_folder
 from .load import load_adapter, load_owned_slices, weight_map_of
+from .param_groups import merge_equal_groups, regroup
 from .safetensors_io import plan_save, write_model_folder
 from .scheduler_state import load_scheduler_state, scheduler_state
 from .stages import borrow_tied_state, pipelined, tie_aliases, union_param_groups
@@ -264,22 +265,6 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     return merge_equal_groups({"state": state, "param_groups": groups})
 
 
-def merge_equal_groups(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with param groups of equal settings merged into one (their parameter names
-    joined, in order). How many groups an optimizer has depends on the layout (tensor parallel
-    keeps sharded and whole parameters in groups apart); the merged list does not, so a
-    checkpoint resumes at any layout. Loading maps each group back by its parameters' names."""
-    merged: list[dict] = []
-    for group in state["param_groups"]:
-        settings = {k: v for k, v in group.items() if k != "params"}
-        same = next((g for g in merged if {k: v for k, v in g.items() if k != "params"} == settings), None)
-        if same is None:
-            merged.append({**settings, "params": list(group["params"])})
-        else:
-            same["params"] = same["params"] + [p for p in group["params"] if p not in same["params"]]
-    return {**state, "param_groups": merged}
-
-
 def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -290,7 +275,7 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
         current = get_optimizer_state_dict(model, optimizer)["param_groups"]
         if pipelined(model):
             current = union_param_groups({"param_groups": current, "state": {}}, set(tie_aliases(model)))["param_groups"]
-        set_optimizer_state_dict(model, optimizer, {**state, "param_groups": _regroup(state["param_groups"], current)})
+        set_optimizer_state_dict(model, optimizer, {**state, "param_groups": regroup(state["param_groups"], current)})
         return
     params = dict(model.named_parameters())
     for name, values in state["state"].items():
@@ -301,21 +286,6 @@ def set_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, stat
         saved = next((by_name[names[id(p)]] for p in group["params"] if names.get(id(p)) in by_name), None)
         if saved is not None:
             group.update({k: v for k, v in saved.items() if k != "params"})
-
-
-def _regroup(loaded: list[dict], current: list[dict]) -> list[dict]:
-    """The optimizer's own groups (``current``, parameter names), each with the settings loaded
-    into the merged group it belongs to (``loaded`` has the shape of
-    ``merge_equal_groups(current)``: the load target). A checkpoint written before groups were
-    merged (two groups of equal settings saved apart) fills the merged group from its first
-    such group, whose settings the others shared."""
-    merged = merge_equal_groups({"param_groups": current})["param_groups"]
-    out = []
-    for group in current:
-        index = next((i for i, m in enumerate(merged) if group["params"] and group["params"][0] in m["params"]), None)
-        source = loaded[index] if index is not None and index < len(loaded) else group
-        out.append({**{k: v for k, v in source.items() if k != "params"}, "params": group["params"]})
-    return out
 
 
 def _zero_local(optimizer):
