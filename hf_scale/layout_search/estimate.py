@@ -22,10 +22,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   holding the same ones when ep is fewer than the replicas),
   FSDP-sharded over the dp_shard / ep ranks holding the same ones: per rank the same weight,
   gradient and optimizer bytes as FSDP over dp_shard, but a gathered layer holds only 1/ep of its
-  experts (zero2: of every layer's). The all-to-all's token buffers (``tokens x top_k`` rows of
-  ``hidden``, out and back, in the compute dtype) count as activations, one MoE layer's at a
-  time: the experts' inputs and outputs that backward keeps are the model's own, already
-  measured by the meta forward (its experts gather the same ``tokens x top_k`` rows).
+  experts (zero2: of every layer's), and the unsharded fp32 gradients that no_sync (gradient
+  accumulation) and a pipeline stage keep are those of its 1/ep only. The all-to-all's token
+  buffers (``tokens x top_k`` rows of ``hidden``, out and back, in the compute dtype) count as
+  activations, one MoE layer's at a time: the experts'
+  inputs and outputs that backward keeps are the model's own, already measured by the meta
+  forward (its experts gather the same ``tokens x top_k`` rows).
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
   CPU device that is the device's own memory, where they stay counted.
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
@@ -345,18 +347,21 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
         unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
         everything = gathered(params, frozen) - moe_layers * gathered(away, away_frozen)  # zero2: every block
+        # unsharded fp32 gradients of every trainable parameter the rank's FSDP units hold (not the
+        # experts other ep ranks hold: no gradient here; nor its own whole experts, kept out of FSDP)
+        unsharded = 4 * (train - moe_layers * (away - away_frozen))
         comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
-            comm += int(4 * train)
+            comm += int(unsharded)
         if layout.pp > 1:
             # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
             # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
             # once after the last (perform_reduce_grad): by then the stage holds every parameter
             # gathered in the compute dtype and every gradient unsharded in fp32 (the simulation
             # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated)
-            comm = staged = int(everything + 4 * train)
+            comm = staged = int(everything + unsharded)
             prefetched = 0
     elif replicated and layout.dp > 1:
         comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
