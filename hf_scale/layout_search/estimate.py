@@ -25,7 +25,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   experts (zero2: of every layer's), and the unsharded fp32 gradients that no_sync (gradient
   accumulation) and a pipeline stage keep are those of its 1/ep only. The all-to-all's token
   buffers (``tokens x top_k`` rows of ``hidden``, out and back, in the compute dtype) count as
-  activations, one MoE layer's at a time: the experts'
+  activations, one MoE layer's at a time (of one pipeline microbatch under pp): the experts'
   inputs and outputs that backward keeps are the model's own, already measured by the meta
   forward (its experts gather the same ``tokens x top_k`` rows).
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
@@ -401,8 +401,10 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # (under ddp + ep of its own experts only)
     made = block - block_frozen - ((in_unit - in_unit_frozen) if r_away else 0)
     first_block = max(0, acts.first_block - (4 * int(made) // n if g_bytes else 0))
-    # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved activations
-    exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq, d) if layout.ep > 1 else 0
+    # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved
+    # activations, of one pipeline microbatch under pp (none on a rank whose stages hold no MoE layer)
+    moe_here = layout.ep > 1 and moe_layers_per_pp_rank(facts, layout)[acts.rank] > 0
+    exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq // microbatches, d) if moe_here else 0
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,

@@ -308,3 +308,21 @@ def test_pipeline_with_ep_counts_its_own_stages_moe_layers():
     assert not any(c.fits and c.layout.pp > 1 for c in ranked)
     assert any(c.layout.pp > 1 and c.layout.ep > 1 and "load-balancing loss" in c.reason for c in ranked)
     assert any(c.fits and c.layout.ep > 1 for c in ranked)
+
+
+def test_pipeline_all_to_all_buffers_are_one_microbatch_s_on_a_stage_with_moe_layers():
+    """Under pp the all-to-all's token buffers are those of one pipeline microbatch (the micro-batch
+    split m ways), and a rank whose stages hold no MoE layer has none (before: the whole
+    micro-batch's on every rank, m times too many)."""
+    work = Workload(seq=16, batch=4, device="cuda")
+    facts = model_facts(moe_config("qwen3_moe", False, layers=4))  # top-2, hidden 64
+    for pp, m in ((2, 2), (2, 4), (4, 4)):
+        plain, split = (estimate_memory(facts, Layout("fsdp", 1, 2, pp=pp, micro_batch=4, pp_microbatches=m, ep=ep),
+                                        work, pp_rank=0) for ep in (1, 2))
+        # rows of the micro-batch's 4 / m sequences x 16 tokens x top-2, of hidden 64 in fp32, out and back
+        assert split.activations - plain.activations == 2 * (4 // m * 16) * 2 * 64 * 4
+    # DeepSeek-V3's first layer is dense: at pp=2 the first stage holds no experts, no buffers
+    ds = model_facts(moe_config("deepseek_v3", False))
+    lay = {ep: Layout("fsdp", 1, 2, pp=2, micro_batch=2, ep=ep) for ep in (1, 2)}
+    first, last = ({ep: estimate_memory(ds, lay[ep], work, pp_rank=r).activations for ep in (1, 2)} for r in (0, 1))
+    assert first[2] == first[1] and last[2] - last[1] == 2 * 16 * 2 * 64 * 4
