@@ -326,3 +326,30 @@ def test_pipeline_all_to_all_buffers_are_one_microbatch_s_on_a_stage_with_moe_la
     lay = {ep: Layout("fsdp", 1, 2, pp=2, micro_batch=2, ep=ep) for ep in (1, 2)}
     first, last = ({ep: estimate_memory(ds, lay[ep], work, pp_rank=r).activations for ep in (1, 2)} for r in (0, 1))
     assert first[2] == first[1] and last[2] - last[1] == 2 * 16 * 2 * 64 * 4
+
+
+def test_ddp_with_ep_fewer_than_the_replicas_prices_the_experts_fsdp_as_the_engine_runs_it(moe):
+    """ddp (4 replicas) + ep=2, bf16 autocast, 4 micro-batches: the experts' FSDP over the 2 replicas
+    holding the same ones gathers them in fp32 (``shard_experts`` gives them no mixed-precision
+    policy under ddp) and reduce-scatters their gradients every micro-batch (``no_sync`` switches
+    DDP's reducer off, not theirs); each of their units costs FSDP's per-unit work. Before: the
+    gathers in bf16, one reduce-scatter per step, no unit overhead."""
+    per_layer = 8 * (64 * 64 + 64 * 32)  # 8 experts: gate_up [E, 2I, H] + down [E, H, I]
+    experts = 2 * per_layer  # 2 MoE layers
+    dense = moe.params - experts
+    assert moe_facts(moe).expert_params == experts
+    lay = Layout("ddp", 4, 1, precision="bf16", ep=2)  # micro-batch 1 of WORK's batch 4: 4 micro-batches
+    cost = step_cost(moe, lay, WORK, GPU)
+    # the dense gradients all-reduced once over 4 ranks (one bucket), fp32
+    dense_s = dense * 4 * 2 * 3 / 4 / LINK.bandwidth + LINK.latency
+    # the rank's half of the experts over 2 ranks: all-gathered in fp32 forward and backward per
+    # micro-batch, their fp32 gradients reduce-scattered per micro-batch; a latency per collective and unit
+    held = experts / 2
+    gathers = 2 * 4 * held * 4 / 2
+    scatters = 4 * held * 4 / 2
+    experts_s = (gathers + scatters) / LINK.bandwidth + (2 * 4 + 4) * 2 * LINK.latency
+    assert cost.comm_dp == pytest.approx((dense_s + experts_s) * (1 - LINK.overlap), rel=1e-9)
+    # FSDP's per-unit work: one unit per MoE layer and micro-batch (none at ep = the replicas: no FSDP)
+    busy = replace(GPU, fsdp_unit_overhead=1e-3)
+    half, whole = (step_cost(moe, replace(lay, ep=ep), WORK, busy).compute for ep in (2, 4))
+    assert half - whole == pytest.approx(4 * 2 * 1e-3)
