@@ -353,3 +353,20 @@ def test_ddp_with_ep_fewer_than_the_replicas_prices_the_experts_fsdp_as_the_engi
     busy = replace(GPU, fsdp_unit_overhead=1e-3)
     half, whole = (step_cost(moe, replace(lay, ep=ep), WORK, busy).compute for ep in (2, 4))
     assert half - whole == pytest.approx(4 * 2 * 1e-3)
+
+
+def test_pipeline_stage_leaves_out_only_its_own_moe_layers_experts():
+    """A pipeline stage holds its parameters gathered and their gradients unsharded; under ep, less
+    the other ep ranks' experts of its own MoE layers, counted per pp rank (before: the largest
+    rank's MoE layers scaled by each rank's parameters, so a stage with no MoE layer was counted
+    with a share of another's experts away)."""
+    ds = model_facts(moe_config("deepseek_v3", False))  # block 0 dense, block 1 MoE: 4 experts, hidden 64
+    per_layer = 4 * (64 * 64 + 64 * 32)
+    assert moe_facts(ds).layer_params == per_layer
+    work = Workload(seq=16, batch=4, device="cuda")
+    # (dp_shard 4: at ep = dp_shard in fp32 the experts stay out of FSDP, none gathered)
+    lay = {ep: Layout("fsdp", 1, 4, pp=2, micro_batch=2, ep=ep) for ep in (1, 2)}
+    first, last = ({ep: estimate_memory(ds, lay[ep], work, pp_rank=r).comm_buffers for ep in (1, 2)} for r in (0, 1))
+    assert first[2] == first[1]  # the dense first stage: nothing of it on another ep rank
+    # the MoE stage: half its layer's experts neither gathered (fp32) nor given a gradient (fp32)
+    assert last[1] - last[2] == pytest.approx(per_layer / 2 * (4 + 4), abs=4)
