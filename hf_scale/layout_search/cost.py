@@ -21,8 +21,10 @@
   input's gradient in backward: q, k and v each their own), and pays DTensor's dispatch per module
   (measured on CPU); pp sends each microbatch's activations and receives their gradients, once
   per stage on the rank; ep (MoE) runs each layer's experts as FSDP units of their own over
-  ``dp_shard / ep`` ranks, each rank gathering 1/ep of them (ddp + ep: each rank its own
-  experts, no collective for them, the dense gradients all-reduced), and exchanges the tokens by
+  ``dp_shard / ep`` ranks, each rank gathering 1/ep of them (ddp + ep: the dense gradients
+  all-reduced; at ep = the replicas each rank its own experts, no collective for them, below it
+  FSDP units over the replicas holding the same ones, gathered in fp32 and reduced every
+  micro-batch), and exchanges the tokens by
   all-to-all (:func:`.experts.all_to_all_bytes`, ``(ep-1)/ep`` of it off the rank, on the
   critical path; five all-to-alls per MoE layer and micro-batch, each paying a latency). The fixed costs (per block, per tp module, per message) are paid once
   per microbatch: more pipeline microbatches shrink the bubble but repeat them, the trade the
@@ -291,11 +293,16 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     moved, expert_units = _ep_experts(facts, layout, params)
     comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), micro, units, dp_link, device)
     replicated_ep = layout.ep > 1 and layout.strategy == "ddp"  # the experts out of DDP's all-reduce
-    if expert_units and replicated_ep and layout.dp_replicate > layout.ep:
-        # ep fewer than the replicas: the experts FSDP-sharded over the replicas holding the same ones
+    ddp_fsdp_experts = expert_units if replicated_ep and layout.dp_replicate > layout.ep else 0
+    if ddp_fsdp_experts:
+        # ep fewer than the replicas: the experts FSDP-sharded over the replicas holding the same ones,
+        # gathered as stored (``shard_experts`` gives them no MixedPrecisionPolicy under ddp: fp32, a
+        # frozen one in its own dtype) and reduce-scattered every micro-batch (``no_sync`` switches
+        # DDP's reducer off, not their FSDP units' gradient sync)
         erep = replace(layout, strategy="fsdp", dp_replicate=1, dp_shard=layout.dp_replicate // layout.ep)
-        comm_dp += _dp_seconds(erep, gather_bytes * moved / layout.ep, train * moved / layout.ep, micro, expert_units,
-                               dp_link, device)
+        stored = (4 * train + facts.frozen_bytes * frozen) * moved / layout.ep
+        comm_dp += _dp_seconds(erep, stored, train * moved / layout.ep, micro, expert_units, dp_link, device,
+                               syncs=micro)
     elif expert_units and not replicated_ep:
         # (the replicas' all-reduce on the link the dense weights' takes, even where ep = dp_shard)
         replicas = device.inter if layout.strategy == "hsdp" and layout.dp_shard > 1 else None
@@ -307,8 +314,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     if layout.dp > 1:  # the wrappers' own work per step, on the compute stream (measured on CPU)
         if layout.strategy in ("fsdp", "zero2", "hsdp"):
             compute += micro * (units + expert_units) * device.fsdp_unit_overhead
-        else:
-            compute += micro * device.ddp_overhead
+        else:  # (and under ddp + ep the experts' FSDP units, where ep is fewer than the replicas)
+            compute += micro * (device.ddp_overhead + ddp_fsdp_experts * device.fsdp_unit_overhead)
     comm_tp = 0.0
     if layout.tp > 1:
         size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
@@ -413,13 +420,15 @@ def _host_bound_gathers(layout: Layout, gather_bytes: float, micro: int, link: L
 
 
 def _dp_seconds(layout: Layout, gather_bytes: float, train: float, micro: int, units: int, link: Link,
-                device: Device, replica_link: Link | None = None) -> float:
+                device: Device, replica_link: Link | None = None, syncs: int = 1) -> float:
     """Seconds of data-parallel traffic per step (before overlap): the rank's parameters as
     all-gathered (``gather_bytes``, before sharding) and its ``train`` trainable parameters'
     fp32 gradients reduced (and, under zero1, broadcast once updated). FSDP issues its
     collectives per unit (``units``, the root included), each paying the link's latency.
     ``replica_link``: the link of HSDP's all-reduce over the replicas, when not the one the
-    layout implies (ep's experts: their shard group may be one rank, the replicas still span nodes)."""
+    layout implies (ep's experts: their shard group may be one rank, the replicas still span nodes).
+    ``syncs``: FSDP's gradient reductions per step (1: gradient accumulation defers them to the
+    last micro-batch, ``no_sync``; ddp + ep's experts reduce every micro-batch)."""
     n, r = layout.dp_shard, layout.dp_replicate
     if layout.dp == 1:
         return 0.0
@@ -428,8 +437,8 @@ def _dp_seconds(layout: Layout, gather_bytes: float, train: float, micro: int, u
         seconds = 0.0
         if n > 1:
             ag = gathers * micro * gather_bytes * (n - 1) / n
-            rs = train * 4 * (n - 1) / n
-            seconds = ag / link.gather + rs / link.scatter + (gathers * micro + 1) * units * link.latency
+            rs = syncs * train * 4 * (n - 1) / n
+            seconds = ag / link.gather + rs / link.scatter + (gathers * micro + syncs) * units * link.latency
         if r > 1:
             inter = replica_link or (device.inter if layout.strategy == "hsdp" and n > 1 else link)
             seconds += train / n * 4 * 2 * (r - 1) / r / inter.bandwidth + units * inter.latency

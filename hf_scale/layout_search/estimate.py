@@ -22,10 +22,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   holding the same ones when ep is fewer than the replicas),
   FSDP-sharded over the dp_shard / ep ranks holding the same ones: per rank the same weight,
   gradient and optimizer bytes as FSDP over dp_shard, but a gathered layer holds only 1/ep of its
-  experts (zero2: of every layer's). The all-to-all's token buffers (``tokens x top_k`` rows of
-  ``hidden``, out and back, in the compute dtype) count as activations, one MoE layer's at a
-  time: the experts' inputs and outputs that backward keeps are the model's own, already
-  measured by the meta forward (its experts gather the same ``tokens x top_k`` rows).
+  experts (zero2: of every layer's), and the unsharded fp32 gradients that no_sync (gradient
+  accumulation) and a pipeline stage keep are those of its 1/ep only. The all-to-all's token
+  buffers (``tokens x top_k`` rows of ``hidden``, out and back, in the compute dtype) count as
+  activations, one MoE layer's at a time (of one pipeline microbatch under pp): the experts'
+  inputs and outputs that backward keeps are the model's own, already measured by the meta
+  forward (its experts gather the same ``tokens x top_k`` rows).
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
   CPU device that is the device's own memory, where they stay counted.
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
@@ -350,23 +352,32 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
-    comm = compute = prefetched = staged = 0
+    comm = compute = prefetched = 0
+    # under pp each rank holds its own stages' state: ``shares`` of the largest pp rank's parameters
+    shares = _pp_rank_shares(facts, layout)
+    staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
         unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
         everything = gathered(params, frozen) - moe_layers * gathered(away, away_frozen)  # zero2: every block
+        # unsharded fp32 gradients of every trainable parameter the rank's FSDP units hold (not the
+        # experts other ep ranks hold: no gradient here; nor its own whole experts, kept out of FSDP)
+        unsharded = 4 * (train - moe_layers * (away - away_frozen))
         comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
-            comm += int(4 * train)
+            comm += int(unsharded)
         if layout.pp > 1:
             # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
             # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
             # once after the last (perform_reduce_grad): by then the stage holds every parameter
             # gathered in the compute dtype and every gradient unsharded in fp32 (the simulation
-            # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated)
-            comm = staged = int(everything + 4 * train)
+            # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated);
+            # of each rank's own parameters, less the experts of its own MoE layers other ep ranks hold
+            staged = [int(gathered(params * s, frozen * s) + 4 * train * s
+                          - layers * (gathered(away, away_frozen) + 4 * (away - away_frozen)))
+                      for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
             prefetched = 0
     elif replicated and layout.dp > 1:
         comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
@@ -381,14 +392,12 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         # (its 1/ep of the experts, gathered whole by FSDP where ep is fewer than the replicas)
         c_away, c_frozen = _experts_not_held(ddp_ep, 1 / layout.ep, frac)
         compute = int(copied * frac * d - (c_away - c_frozen) * d - (c_frozen * d if fb != d else 0))
-    # under pp each rank holds its own stages' state: the busiest rank is the one whose state and
-    # activations together are the largest (the one with the most parameters may hold fewer activations)
-    shares = _pp_rank_shares(facts, layout)
-    # the busiest pp rank by its state: a pipeline stage's gathered parameters and unsharded gradients included
-    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes + staged) * s for s in shares],
-                            pp_rank)
+    # the busiest pp rank is the one whose state and activations together are the largest (the one
+    # with the most parameters may hold fewer activations), a pipeline stage's ``staged`` included
+    acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s + st
+                                                  for s, st in zip(shares, staged)], pp_rank)
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
-    comm -= staged - int(staged * shares[acts.rank])
+    comm = staged[acts.rank] or comm
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.) Frozen weights make none.
@@ -406,12 +415,14 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # (under ddp + ep of its own experts only)
     made = block - block_frozen - ((in_unit - in_unit_frozen) if r_away else 0)
     first_block = max(0, acts.first_block - (4 * int(made) // n if g_bytes else 0))
-    # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved activations
-    exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq, d) if layout.ep > 1 else 0
+    # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved
+    # activations, of one pipeline microbatch under pp (none on a rank whose stages hold no MoE layer)
+    moe_here = layout.ep > 1 and moe_layers_per_pp_rank(facts, layout)[acts.rank] > 0
+    exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq // microbatches, d) if moe_here else 0
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
-                          accumulating=work.batch > layout.micro_batch or piped or staged > 0, grad_buffers=buffers,
+                          accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block)
 
 

@@ -100,7 +100,12 @@ def test_gathered_experts_shrink_to_one_over_ep_and_state_stays(moe, precision):
             ref = base[strategy]
             # at ep = dp_shard in fp32 no other rank holds this rank's experts: FSDP leaves them out, none gathered
             share = 1 if ep == 8 and not precision else 1 - 1 / ep
-            assert ref.comm_buffers - mem.comm_buffers == pytest.approx(layers * per_layer * share * d, abs=2)
+            # gradient accumulation (batch 4 of micro-batches of 1): no_sync's unsharded fp32 gradients
+            # are those of the FSDP units, so none of the experts the rank does not gather (its own whole
+            # ones, out of FSDP, have their gradients counted in grads): both MoE layers' in fp32
+            accumulated = 2 * per_layer * share * 4
+            assert ref.comm_buffers - mem.comm_buffers == pytest.approx(
+                layers * per_layer * share * d + accumulated, abs=4)
             # the same weight, gradient and optimizer bytes per rank as fsdp over dp_shard
             assert (mem.params, mem.grads, mem.optimizer) == (ref.params, ref.grads, ref.optimizer)
             # one MoE layer's all-to-all buffers: tokens x top_k x hidden, out and back
@@ -287,10 +292,12 @@ def test_pipeline_with_ep_counts_its_own_stages_moe_layers():
             # leaving the rank; five all-to-alls per MoE layer and microbatch (pp of them: one per stage)
             leaving = 4 * 16 * 64 * 2 * 2 * 2 * here * 4 / 2
             assert cost.comm_ep == pytest.approx(leaving / LINK.bandwidth + 5 * here * pp * LINK.latency)
-            # a stage holds every parameter of its blocks gathered at the end of the schedule, but
-            # not the half of each of its MoE layers' experts the other ep rank holds
+            # a stage holds every parameter of its blocks gathered at the end of the schedule, and
+            # their gradients unsharded in fp32, but neither for the half of each of its MoE layers'
+            # experts the other ep rank holds (their gradients were counted before: the estimate was
+            # 1.37x the simulated peak at pp=2 x dp_shard=4, ep=2, 1.09x now)
             plain, split = (estimate_memory(facts, lay[ep], work, pp_rank=last) for ep in (1, 2))
-            assert plain.comm_buffers - split.comm_buffers == pytest.approx(here * per_layer / 2 * 4, abs=4)
+            assert plain.comm_buffers - split.comm_buffers == pytest.approx(here * per_layer / 2 * (4 + 4), abs=4)
             assert cost.comm_dp < step_cost(facts, lay[1], work, GPU).comm_dp  # the experts' over 2 ranks, not 4
     _, ranked = choose(facts, work, 4, 100 * GiB, GPU, tps=(1,), **SMALL)
     assert any(c.fits and c.layout.pp > 1 and c.layout.ep > 1 for c in ranked)
@@ -301,3 +308,65 @@ def test_pipeline_with_ep_counts_its_own_stages_moe_layers():
     assert not any(c.fits and c.layout.pp > 1 for c in ranked)
     assert any(c.layout.pp > 1 and c.layout.ep > 1 and "load-balancing loss" in c.reason for c in ranked)
     assert any(c.fits and c.layout.ep > 1 for c in ranked)
+
+
+def test_pipeline_all_to_all_buffers_are_one_microbatch_s_on_a_stage_with_moe_layers():
+    """Under pp the all-to-all's token buffers are those of one pipeline microbatch (the micro-batch
+    split m ways), and a rank whose stages hold no MoE layer has none (before: the whole
+    micro-batch's on every rank, m times too many)."""
+    work = Workload(seq=16, batch=4, device="cuda")
+    facts = model_facts(moe_config("qwen3_moe", False, layers=4))  # top-2, hidden 64
+    for pp, m in ((2, 2), (2, 4), (4, 4)):
+        plain, split = (estimate_memory(facts, Layout("fsdp", 1, 2, pp=pp, micro_batch=4, pp_microbatches=m, ep=ep),
+                                        work, pp_rank=0) for ep in (1, 2))
+        # rows of the micro-batch's 4 / m sequences x 16 tokens x top-2, of hidden 64 in fp32, out and back
+        assert split.activations - plain.activations == 2 * (4 // m * 16) * 2 * 64 * 4
+    # DeepSeek-V3's first layer is dense: at pp=2 the first stage holds no experts, no buffers
+    ds = model_facts(moe_config("deepseek_v3", False))
+    lay = {ep: Layout("fsdp", 1, 2, pp=2, micro_batch=2, ep=ep) for ep in (1, 2)}
+    first, last = ({ep: estimate_memory(ds, lay[ep], work, pp_rank=r).activations for ep in (1, 2)} for r in (0, 1))
+    assert first[2] == first[1] and last[2] - last[1] == 2 * 16 * 2 * 64 * 4
+
+
+def test_ddp_with_ep_fewer_than_the_replicas_prices_the_experts_fsdp_as_the_engine_runs_it(moe):
+    """ddp (4 replicas) + ep=2, bf16 autocast, 4 micro-batches: the experts' FSDP over the 2 replicas
+    holding the same ones gathers them in fp32 (``shard_experts`` gives them no mixed-precision
+    policy under ddp) and reduce-scatters their gradients every micro-batch (``no_sync`` switches
+    DDP's reducer off, not theirs); each of their units costs FSDP's per-unit work. Before: the
+    gathers in bf16, one reduce-scatter per step, no unit overhead."""
+    per_layer = 8 * (64 * 64 + 64 * 32)  # 8 experts: gate_up [E, 2I, H] + down [E, H, I]
+    experts = 2 * per_layer  # 2 MoE layers
+    dense = moe.params - experts
+    assert moe_facts(moe).expert_params == experts
+    lay = Layout("ddp", 4, 1, precision="bf16", ep=2)  # micro-batch 1 of WORK's batch 4: 4 micro-batches
+    cost = step_cost(moe, lay, WORK, GPU)
+    # the dense gradients all-reduced once over 4 ranks (one bucket), fp32
+    dense_s = dense * 4 * 2 * 3 / 4 / LINK.bandwidth + LINK.latency
+    # the rank's half of the experts over 2 ranks: all-gathered in fp32 forward and backward per
+    # micro-batch, their fp32 gradients reduce-scattered per micro-batch; a latency per collective and unit
+    held = experts / 2
+    gathers = 2 * 4 * held * 4 / 2
+    scatters = 4 * held * 4 / 2
+    experts_s = (gathers + scatters) / LINK.bandwidth + (2 * 4 + 4) * 2 * LINK.latency
+    assert cost.comm_dp == pytest.approx((dense_s + experts_s) * (1 - LINK.overlap), rel=1e-9)
+    # FSDP's per-unit work: one unit per MoE layer and micro-batch (none at ep = the replicas: no FSDP)
+    busy = replace(GPU, fsdp_unit_overhead=1e-3)
+    half, whole = (step_cost(moe, replace(lay, ep=ep), WORK, busy).compute for ep in (2, 4))
+    assert half - whole == pytest.approx(4 * 2 * 1e-3)
+
+
+def test_pipeline_stage_leaves_out_only_its_own_moe_layers_experts():
+    """A pipeline stage holds its parameters gathered and their gradients unsharded; under ep, less
+    the other ep ranks' experts of its own MoE layers, counted per pp rank (before: the largest
+    rank's MoE layers scaled by each rank's parameters, so a stage with no MoE layer was counted
+    with a share of another's experts away)."""
+    ds = model_facts(moe_config("deepseek_v3", False))  # block 0 dense, block 1 MoE: 4 experts, hidden 64
+    per_layer = 4 * (64 * 64 + 64 * 32)
+    assert moe_facts(ds).layer_params == per_layer
+    work = Workload(seq=16, batch=4, device="cuda")
+    # (dp_shard 4: at ep = dp_shard in fp32 the experts stay out of FSDP, none gathered)
+    lay = {ep: Layout("fsdp", 1, 4, pp=2, micro_batch=2, ep=ep) for ep in (1, 2)}
+    first, last = ({ep: estimate_memory(ds, lay[ep], work, pp_rank=r).comm_buffers for ep in (1, 2)} for r in (0, 1))
+    assert first[2] == first[1]  # the dense first stage: nothing of it on another ep rank
+    # the MoE stage: half its layer's experts neither gathered (fp32) nor given a gradient (fp32)
+    assert last[1] - last[2] == pytest.approx(per_layer / 2 * (4 + 4), abs=4)
