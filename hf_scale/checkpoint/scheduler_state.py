@@ -18,7 +18,7 @@ is not the saved base rate of its position is refused rather than given another'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from ..errors import HfScaleCheckpointError
 from .param_groups import merge_equal_groups
@@ -66,7 +66,7 @@ def load_scheduler_state(scheduler, optimizer, saved: dict[str, Any]) -> None:
         _misfit(scheduler, optimizer, f"{type(e).__name__}: {e}")
 
 
-def _misfit(scheduler, optimizer, why: str) -> None:
+def _misfit(scheduler, optimizer, why: str) -> NoReturn:
     raise HfScaleCheckpointError(
         f"the saved scheduler state does not fit {type(scheduler).__name__} over "
         f"{len(optimizer.param_groups)} parameter group(s) ({why}): resume with the optimizer "

@@ -182,8 +182,7 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
     dims = ParallelDims.resolve(config, world_size, num_nodes)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
-                  micro_batch=micro_batch,
-                  pp=dims.pp, ac=config.activation_checkpointing, precision=config.mixed_precision,
+                  pp=dims.pp, micro_batch=micro_batch, ac=config.activation_checkpointing, precision=config.mixed_precision,
                   cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
                   blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep)
