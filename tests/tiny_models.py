@@ -78,6 +78,24 @@ def tiny_batch(head: str, batch: int, seq: int = 16, seed: int = 1) -> dict[str,
     return out
 
 
+def packed_batch(batch: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
+    """``batch`` (causal) as packed rows: each row holds documents of random lengths, kept apart by
+    ``position_ids`` that restart at 0, the label of each document's first token ignored (no
+    prediction across a boundary), and no attention mask (transformers finds the documents from
+    the positions only then)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, seq = batch["input_ids"].shape
+    positions = torch.empty(rows, seq, dtype=torch.long)
+    labels = batch["labels"].clone()
+    for r in range(rows):
+        cuts = sorted(torch.randperm(seq - 2, generator=g)[:2].add(1).tolist())  # 3 documents
+        starts = [0, *cuts]
+        for a, b in zip(starts, [*cuts, seq]):
+            positions[r, a:b] = torch.arange(b - a)
+            labels[r, a] = -100
+    return {"input_ids": batch["input_ids"], "position_ids": positions, "labels": labels}
+
+
 def slice_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s contiguous part of a global batch."""
     n = next(iter(batch.values())).shape[0] // world

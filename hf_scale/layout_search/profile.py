@@ -202,6 +202,12 @@ class _KeptOutputs(TorchDispatchMode):
         self.where, self.tp, self.width = where, tp, width
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _aten._local_scalar_dense.default and args and args[0].is_meta:
+            raise HfScalePlanError(
+                "the model's forward reads a value of its inputs (Tensor.item(), or a tensor used as a "
+                "bool) that the planner's meta-device profile does not have: strategy 'auto' cannot "
+                "profile this model. Give the layout (e.g. strategy: fsdp) instead, or file an issue."
+            )
         out = func(*args, **(kwargs or {}))
         outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
         if func.__name__.split(".")[0] in _KEPT_OPS:
@@ -266,6 +272,41 @@ def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
         torch.nn.functional.scaled_dot_product_attention = original
         for c, b in zip(configs, before):
             c._attn_implementation = b
+
+
+@contextlib.contextmanager
+def _one_sequence():
+    """The checks transformers makes on a forward's input values, answered for the profile's
+    input (one unpacked, unpadded sequence) when the tensors are meta, whose values do not exist
+    (``Tensor.item() cannot be called on meta tensors``):
+
+    - the packed-sequence detection (``masking_utils.find_packed_sequence_indices``, run when a
+      forward gets no attention mask and no cache, as a cache-off model's does): one sequence;
+    - the padding warning (``PreTrainedModel.warn_if_padding_and_no_attention_mask``, GPT-2 and
+      others with a ``pad_token_id``): no padding, no warning.
+
+    Real tensors still take the originals. Any other read of a meta value is refused clearly by
+    :class:`_KeptOutputs`."""
+    from transformers import PreTrainedModel, masking_utils
+
+    find, warn = masking_utils.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask
+
+    @functools.wraps(find)
+    def one_sequence(position_ids):
+        return None if position_ids.is_meta else find(position_ids)
+
+    @functools.wraps(warn)
+    def no_padding(self, input_ids, attention_mask):
+        if input_ids is None or not input_ids.is_meta:
+            warn(self, input_ids, attention_mask)
+
+    masking_utils.find_packed_sequence_indices = one_sequence
+    PreTrainedModel.warn_if_padding_and_no_attention_mask = no_padding
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = find
+        PreTrainedModel.warn_if_padding_and_no_attention_mask = warn
 
 
 @contextlib.contextmanager
@@ -377,7 +418,7 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
 
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
-        with _attention(model, attn, mode), _experts_kernel(), \
+        with _attention(model, attn, mode), _experts_kernel(), _one_sequence(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             model(input_ids=ids, labels=ids)
     finally:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import hf_scale
 from hf_scale.parallel.optim import parameter_groups
-from tests.tiny_models import slice_batch, tiny_batch, tiny_model
+from tests.tiny_models import packed_batch, slice_batch, tiny_batch, tiny_model
 
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -22,18 +22,29 @@ WEIGHT_DECAY = 0.1
 MAX_NORM = 1.0
 
 
-def _batches(head: str, steps: int):
-    return [tiny_batch(head, GLOBAL_BATCH, seed=100 + s) for s in range(steps)]
+def _batches(head: str, steps: int, packed: bool = False):
+    batches = [tiny_batch(head, GLOBAL_BATCH, seed=100 + s) for s in range(steps)]
+    return [packed_batch(b, seed=200 + s) for s, b in enumerate(batches)] if packed else batches
 
 
-def reference_run(arch: str, head: str, steps: int = STEPS) -> dict:
-    """The ground truth: plain transformers model, plain AdamW, one process, whole batch."""
+def _model(arch: str, head: str, use_cache: bool | None = None):
     model = tiny_model(arch, head)
+    if use_cache is not None:
+        model.config.use_cache = use_cache
+    return model
+
+
+def reference_run(arch: str, head: str, steps: int = STEPS, *, packed: bool = False,
+                  use_cache: bool | None = None) -> dict:
+    """The ground truth: plain transformers model, plain AdamW, one process, whole batch.
+    ``packed``: the batches as packed rows (:func:`tests.tiny_models.packed_batch`);
+    ``use_cache``: the model config's (most training scripts set it False)."""
+    model = _model(arch, head, use_cache)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR)
     losses, norms = [], []
     grad_max = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
-    for batch in _batches(head, steps):
+    for batch in _batches(head, steps, packed):
         loss = model(**batch).loss
         loss.backward()
         for n, p in model.named_parameters():
@@ -66,13 +77,13 @@ def parallel_run(case: dict) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     steps = case.get("steps", STEPS)
     accum = case.get("accum", 1)
-    model = tiny_model(case["arch"], case["head"])
-    model = hf_scale.parallelize(model, case["config"])
+    model = _model(case["arch"], case["head"], case.get("use_cache"))
+    model = _parallelize(model, case["config"])
     state = hf_scale.get_state(model)  # data goes by the data-parallel coordinate (tp ranks share it)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     prefetches = _count_prefetches()
-    for batch in _batches(case["head"], steps):
+    for batch in _batches(case["head"], steps, case.get("packed", False)):
         local = slice_batch(batch, state.dp_rank, state.dp_degree)
         micro = [slice_batch(local, i, accum) for i in range(accum)]
         step_loss = 0.0
@@ -89,7 +100,23 @@ def parallel_run(case: dict) -> dict:
     params = full_params(model)
     prefetches.stop()
     return {"losses": losses, "norms": norms, "params": params if rank == 0 else None,
-            "fsdp_units": fsdp_unit_count(model), "prefetches": prefetches.counts}
+            "fsdp_units": fsdp_unit_count(model), "prefetches": prefetches.counts,
+            "strategy": hf_scale.get_state(model).config.strategy}
+
+
+def _parallelize(model, config: dict):
+    """``hf_scale.parallelize``; for ``strategy: auto`` with fixed device figures (the H100's: the
+    ranking is what matters), not a two-minute calibration of this machine."""
+    if config.get("strategy") != "auto":
+        return hf_scale.parallelize(model, config)
+    from hf_scale.layout_search import auto
+    from hf_scale.layout_search.cost import H100
+
+    original, auto.cpu_device = auto.cpu_device, lambda: H100
+    try:
+        return hf_scale.parallelize(model, config)
+    finally:
+        auto.cpu_device = original
 
 
 class _count_prefetches:

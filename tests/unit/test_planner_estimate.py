@@ -294,3 +294,42 @@ def test_interleaved_schedules_hold_torchs_warmup_plus_one():
     assert _interleaved_inflight(pl, 0, 4, 2, 1) == pytest.approx((2 * 3 + 2 * 2) / 5)
     # never more than every microbatch of every stage
     assert _interleaved_inflight(pl, 0, 1, 2, 2) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt2", "gpt_neox"])
+def test_profile_of_a_cache_off_model(arch):
+    """``use_cache: False`` (what training scripts set) made transformers look for packed
+    documents in the meta ``position_ids`` (no cache, no attention mask) and fail on
+    ``Tensor.item()``; GPT-2's padding warning read the meta ``input_ids`` the same way. The
+    profile has the cache-on model's block inputs and logits (inside a block the two differ by
+    which copies of k and v attention saves: the cache's, or views of a fused projection), and
+    the patched checks are the originals again afterwards."""
+    from transformers import PreTrainedModel, masking_utils
+
+    before = masking_utils.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask
+    cached, uncached = tiny_config(arch), tiny_config(arch)
+    uncached.use_cache = False
+    profiles = [measure_activations(model_facts(c), 32, torch.float32, "sdpa") for c in (cached, uncached)]
+    assert profiles[1].block_bytes > 0
+    for field in ("block_input", "logits", "outside"):
+        assert getattr(profiles[0], field) == getattr(profiles[1], field), field
+    assert (masking_utils.find_packed_sequence_indices, PreTrainedModel.warn_if_padding_and_no_attention_mask) == before
+    packed = torch.tensor([[0, 1, 2, 0, 1]])  # real tensors keep transformers' detection
+    assert masking_utils.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1]]
+
+
+def test_profile_refuses_a_forward_that_reads_its_inputs_clearly(monkeypatch):
+    """Any other read of a meta value is one clear planner error, not torch's RuntimeError."""
+    from hf_scale.errors import HfScalePlanError
+
+    facts = model_facts(tiny_config("llama"))
+    forward = type(facts.model.model.layers[0]).forward
+
+    def reads_a_value(self, hidden_states, *args, **kwargs):
+        if hidden_states.sum() > 0:  # data-dependent control flow
+            pass
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(type(facts.model.model.layers[0]), "forward", reads_a_value)
+    with pytest.raises(HfScalePlanError, match="reads a value of its inputs.*strategy: fsdp"):
+        measure_activations(facts, 32, torch.float32, "sdpa")
