@@ -96,6 +96,40 @@ def packed_batch(batch: dict[str, torch.Tensor], seed: int = 1) -> dict[str, tor
     return {"input_ids": batch["input_ids"], "position_ids": positions, "labels": labels}
 
 
+# ------------------------------------------------------------------ packing
+
+SLIDING = 4  # Gemma3's sliding window, shorter than the documents: the window works inside each
+
+
+def packing_model(arch: str) -> tf.PreTrainedModel:
+    """A tiny cache-off causal LM of ``arch`` (llama, qwen3, gemma3_text) for the packing tests:
+    weights drawn 10x wider than the default so that attention is sharp (a leak shows)."""
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, use_cache=False,
+                  initializer_range=0.2)  # sharper attention than the default 0.02: a leak shows
+    config = {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=8),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**common, head_dim=8, sliding_window=SLIDING,
+                                                   layer_types=["sliding_attention", "full_attention"]),
+    }[arch]()
+    torch.manual_seed(0)
+    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def packing_examples(n: int = 7, seed: int = 0) -> list[dict]:
+    """Examples of 5-14 tokens whose first 0-4 (a prompt, or none: plain text) are not trained."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(5, 15, (1,), generator=g))
+        ids = torch.randint(2, 128, (length,), generator=g).tolist()
+        prompt = int(torch.randint(0, 5, (1,), generator=g))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+
 def slice_batch(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s contiguous part of a global batch."""
     n = next(iter(batch.values())).shape[0] // world

@@ -25,6 +25,7 @@ from ..errors import HfScaleConfigError
 TASKS = ("causal_lm", "sequence_classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16")
+PACKING = ("bfd", "bfd_split", "wrapped")  # hf_scale.data.packing.STRATEGIES
 
 
 @dataclass
@@ -69,8 +70,20 @@ class DataConfig:
         label_column: classification label (int or string; strings are mapped to ids).
         chat_template: format pairs with the tokenizer's chat template when it has one.
         system_prompt: system message for the chat template (``null``: the template's default).
-        max_seq_len: examples are truncated to this many tokens (at most the model's limit).
-        packing: concatenate examples into ``max_seq_len`` rows (no padding).
+        max_seq_len: examples are truncated to this many tokens (at most the model's limit);
+            the length of a packed row.
+        packing: ``bfd`` (or ``true``): whole examples placed into rows of ``max_seq_len``
+            tokens best-fit-decreasing, documents kept apart by ``position_ids`` restarting at 0
+            (no attention mask, no cache), each document's first label ignored; the model must
+            keep them apart (checked; refused with the reason where it cannot). ``bfd_split``:
+            examples longer than a row are cut into row-sized documents instead of truncated.
+            ``wrapped``: concatenated and cut into full rows, documents attending across each
+            other (plain pre-training text only). ``false`` (default): one example per row,
+            padded. Evaluation is packed the same way (its per-token loss is unpacked's).
+        padding_free: each micro-batch's rows concatenated into one row (no padding at all),
+            documents kept apart as in packing; not under pipeline parallel (its microbatches
+            split the rows).
+        pack_group: examples packed together (one ``Dataset.map`` batch), as TRL does.
         max_train_samples / max_eval_samples: keep only the first N examples.
         num_proc: processes for ``datasets.map`` tokenisation (cached on disk).
         seed: shuffle seed.
@@ -91,7 +104,9 @@ class DataConfig:
     system_prompt: Optional[str] = None
     loss_on_prompt: bool = False
     max_seq_len: int = 512
-    packing: bool = False
+    packing: Union[bool, str] = False
+    padding_free: bool = False
+    pack_group: int = 1000
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     num_proc: Optional[int] = None
@@ -104,6 +119,16 @@ class DataConfig:
             )
         if self.max_seq_len < 2:
             raise HfScaleConfigError(f"data.max_seq_len={self.max_seq_len}: must be >= 2.")
+        self.packing = {True: "bfd", False: None, "false": None, "none": None}.get(self.packing, self.packing)
+        if self.packing is not None:
+            _check_choice("data.packing", self.packing, PACKING)
+        if self.pack_group < 1:
+            raise HfScaleConfigError(f"data.pack_group={self.pack_group}: must be >= 1 (e.g. 1000).")
+
+    @property
+    def keeps_documents_apart(self) -> bool:
+        """Batches carry ``position_ids`` restarting per document and no attention mask."""
+        return self.packing in ("bfd", "bfd_split") or self.padding_free
 
 
 @dataclass
@@ -353,7 +378,22 @@ class JobConfig:
                 "saved module is a full trained copy that tensor parallel would have to split. Use tp=1 (fsdp "
                 "shards the copies), or add those modules to peft.target_modules instead."
             )
+        self._check_packing()
         # fp16 under pp is refused by ParallelConfig itself (each stage would scale its own loss)
+
+    def _check_packing(self) -> None:
+        data = self.data
+        if (data.packing or data.padding_free) and self.model.task != "causal_lm":
+            raise HfScaleConfigError(
+                f"data.packing / data.padding_free pack causal-LM documents; model.task={self.model.task!r} "
+                "classifies one example per row: set data.packing: false and data.padding_free: false."
+            )
+        if data.padding_free and self.parallel.pp > 1:
+            raise HfScaleConfigError(
+                f"data.padding_free with parallel.pp={self.parallel.pp}: the pipeline cuts each batch's rows "
+                "into microbatches, and padding-free batches are one row. Use data.packing: bfd (full rows of "
+                "whole documents, no padding to speak of) under pp."
+            )
 
     def _check_microbatches(self) -> None:
         """Under pp each batch is cut into ``pp_microbatches`` equal microbatches: say so

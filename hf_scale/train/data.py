@@ -7,8 +7,9 @@ the other ranks read its cache.
 
 Causal LM examples are either prompt/response pairs (chat template when the tokenizer has one;
 the loss covers the response and its end-of-turn token only) or plain text (loss on every
-token, optionally packed into full rows). Classification examples are text (or text pairs) with
-a label.
+token). Either can be packed (``data.packing``, :mod:`hf_scale.data.packing`): whole examples
+in rows best-fit-decreasing, documents kept apart by ``position_ids``; plain text may also be
+``wrapped`` into full rows. Classification examples are text (or text pairs) with a label.
 
 Usage::
 
@@ -139,22 +140,38 @@ def check_vocab(tokenizer, model_config, *datasets) -> None:
 # ------------------------------------------------------------------ causal LM
 
 
-def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: bool = False):
-    """``input_ids`` / ``labels`` rows; prompt tokens get label -100 unless ``loss_on_prompt``."""
+def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: str | None = None):
+    """``input_ids`` / ``labels`` rows; prompt tokens get label -100 unless ``loss_on_prompt``.
+
+    ``pack``: ``bfd`` / ``bfd_split`` (rows of whole examples with ``position_ids``), ``wrapped``
+    (plain text concatenated into full rows) or None (one example per row)."""
+    from ..data.packing import pack_examples, wrap_examples
+
+    limit = None if pack == "bfd_split" else max_len  # bfd_split cuts long examples into documents
     if cfg.text_column:
         require_columns(ds, {"data.text_column": cfg.text_column})
-        fn, kwargs = _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=max_len)
+        fn, kwargs = _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=limit)
     else:
+        if pack == "wrapped":
+            raise HfScaleConfigError(
+                "data.packing: wrapped concatenates examples into rows that cut them apart and let each "
+                "attend to the ones before it: for plain pre-training text only (data.text_column). For "
+                "prompt / response data use data.packing: bfd (whole examples, kept apart)."
+            )
         require_columns(ds, {"data.prompt_column": cfg.prompt_column, "data.response_column": cfg.response_column})
-        fn, kwargs = _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=max_len)
+        fn, kwargs = _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=limit)
     with rank0_first():
         out = ds.map(fn, fn_kwargs=kwargs, remove_columns=ds.column_names, num_proc=cfg.num_proc,
                      desc="tokenizing")
         out = out.filter(lambda e: any(x != -100 for x in e["labels"][1:]), num_proc=cfg.num_proc)
         _require_rows(out, len(ds))
-        if pack:
-            out = out.map(_pack, fn_kwargs=dict(max_len=max_len), batched=True, num_proc=cfg.num_proc,
-                          desc="packing")
+        if pack == "wrapped":
+            out = out.map(wrap_examples, fn_kwargs=dict(max_len=max_len), batched=True, num_proc=cfg.num_proc,
+                          desc="packing (wrapped)")
+        elif pack is not None:
+            out = out.map(pack_examples, fn_kwargs=dict(max_len=max_len, split=pack == "bfd_split"), batched=True,
+                          batch_size=cfg.pack_group, remove_columns=out.column_names, num_proc=cfg.num_proc,
+                          desc=f"packing ({pack})")
     return out
 
 
@@ -212,13 +229,6 @@ def render_pair(tokenizer, cfg: DataConfig, prompt: str, response: str) -> tuple
             "the answer, so the answer tokens cannot be told apart: set data.chat_template: false."
         )
     return prompt_text, full_text
-
-
-def _pack(batch, max_len):
-    ids = [t for row in batch["input_ids"] for t in row]
-    labels = [t for row in batch["labels"] for t in row]
-    cut = range(0, len(ids) - max_len + 1, max_len)
-    return {"input_ids": [ids[i : i + max_len] for i in cut], "labels": [labels[i : i + max_len] for i in cut]}
 
 
 # ------------------------------------------------------------------ classification

@@ -51,8 +51,11 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
             continue
         labels = batch.pop("labels")
         logits = model(**batch).logits.float()
-        score = _causal_scores if task == "causal_lm" else _classification_scores
-        totals += score(logits, labels, weight.to(device)).cpu().double()
+        if task == "causal_lm":
+            scores = _causal_scores(logits, labels, weight.to(device), batch.get("position_ids"))
+        else:
+            scores = _classification_scores(logits, labels, weight.to(device))
+        totals += scores.cpu().double()
     if world > 1:
         dist.all_reduce(totals, group=group)
     model.train(was_training)
@@ -72,19 +75,41 @@ def _pipeline_scores(model: nn.Module, batch: dict, weight: torch.Tensor) -> tor
     labels = batch["labels"].masked_fill(weight[:, None] == 0, -100)
     tokens = float((labels[:, 1:] != -100).sum())
     loss = float(eval_step(model, {**batch, "labels": labels}))
-    return torch.tensor([loss * tokens if tokens else 0.0, tokens, 0.0, float(weight.sum())], dtype=torch.float64)
+    examples = float(_documents(labels, batch.get("position_ids"))[1].sum())
+    return torch.tensor([loss * tokens if tokens else 0.0, tokens, 0.0, examples], dtype=torch.float64)
 
 
-def _causal_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    logits, labels = logits[:, :-1], labels[:, 1:]
+def _documents(labels: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each position's document as a flat index, which documents hold a label) of a batch.
+
+    Without ``position_ids`` a row is one example; in packed rows a document starts wherever
+    the positions restart at 0, and one with no label (the padding at a row's end) is none."""
+    rows, width = labels.shape
+    if position_ids is None:
+        doc = torch.zeros_like(labels)
+    else:
+        doc = (position_ids == 0).long().cumsum(-1) - 1
+    flat = doc.clamp(min=0) + torch.arange(rows, device=labels.device)[:, None] * width
+    labelled = torch.zeros(rows * width, dtype=torch.bool, device=labels.device)
+    labelled[flat[labels != -100]] = True
+    return flat, labelled
+
+
+def _causal_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(loss sum, label tokens, exact matches, examples); an example is a row, or a document of a
+    packed row (``position_ids``), matched when greedy decoding reproduces its every label."""
+    labels = labels.masked_fill(weight[:, None] == 0, -100)
+    flat, labelled = _documents(labels, position_ids)
+    logits, labels, flat = logits[:, :-1], labels[:, 1:], flat[:, 1:]  # position t predicts label t + 1
     mask = labels != -100
     tokens = F.cross_entropy(
         logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
     )  # (batch, seq)
-    w = weight[:, None] * mask
-    hit = ((logits.argmax(-1) == labels) | ~mask).all(dim=1) & mask.any(dim=1)
+    missed = torch.zeros_like(labelled)
+    missed[flat[mask & (logits.argmax(-1) != labels)]] = True
     return torch.stack([
-        (tokens * w).sum(), w.sum(), (hit.float() * weight).sum(), weight.sum(),
+        (tokens * mask).sum(), mask.sum(), (labelled & ~missed).sum(), labelled.sum(),
     ]).float()
 
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..api import get_state
 from ..checkpoint import load_state, save_pretrained, save_state
+from ..data.packing import PackedCollator, check_packing, real_tokens
 from ..distributed import init_distributed
 from ..log import log_rank0
 from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
@@ -64,13 +65,15 @@ def run(job: JobConfig) -> dict:
     tokenizer = load_tokenizer(job.model)
     model_config = load_config(job.model)
     check_seq_len(job.data.max_seq_len, model_config)
+    if job.data.keeps_documents_apart:  # before any data or weights are read
+        check_packing(model_config)
     train_ds, eval_ds, labels = _datasets(job, tokenizer)
     check_vocab(tokenizer, model_config, train_ds, eval_ds)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,
                        seed=job.train.seed)
     device = get_state(model).env.device
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
-    collate = PadCollator(tokenizer.pad_token_id)
+    collate, eval_collate = _collators(job, tokenizer.pad_token_id)
     batches = ShardedBatches(train_ds, job.train.batch_size, dp.rank, dp.degree, collate, seed=job.data.seed)
     total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
     optimizer = build_optimizer(model, lr=job.train.lr, weight_decay=job.train.weight_decay,
@@ -85,7 +88,7 @@ def run(job: JobConfig) -> dict:
     )
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
                       start_step=start)
-    evaluate_at = _evaluator(job, model, eval_ds, collate, dp, device, metrics)
+    evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics)
     before = evaluate_at(start) if start == 0 else None
     began, tokens_seen = time.perf_counter(), 0
     stream = iter(batches)
@@ -134,12 +137,23 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     return dataclasses.replace(job, parallel=parallel)
 
 
+def _collators(job: JobConfig, pad_id: int):
+    """(training, evaluation) collators: padded rows with an attention mask, or rows of documents
+    kept apart by ``position_ids`` (packing, padding-free: one flattened row per micro-batch in
+    training; evaluation keeps rows, whose examples it weighs one by one)."""
+    if not job.data.keeps_documents_apart:
+        return PadCollator(pad_id), PadCollator(pad_id)
+    return PackedCollator(pad_id, flatten=job.data.padding_free), PackedCollator(pad_id)
+
+
 def _datasets(job: JobConfig, tokenizer):
     splits = load_splits(job.data)
     max_len = job.data.max_seq_len
     if job.model.task == "causal_lm":
         train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len, pack=job.data.packing)
-        ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len)
+        # evaluation packed as training is (the same per-token loss), never wrapped across examples
+        pack_eval = job.data.packing if job.data.packing != "wrapped" else None
+        ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len, pack=pack_eval)
         return train, ev, None
     labels = label_ids(splits["train"], job.data)
     train = tokenize_classification(splits["train"], tokenizer, job.data, max_len, labels)
@@ -167,7 +181,7 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
         waited += time.perf_counter() - t
         micro.append(batch)
     counts = torch.tensor([_loss_items(b, job.model.task) for b in micro] + [0.0], dtype=torch.float64)
-    counts[-1] = sum(float(b["attention_mask"].sum()) for b in micro)
+    counts[-1] = sum(real_tokens(b) for b in micro)
     dp.all_reduce(counts)
     label_total, tokens = float(counts[:-1].sum()), int(counts[-1])
     # fp16's current loss scale (1.0 when the scaler is off); scaling a one also starts the scaler

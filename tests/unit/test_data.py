@@ -147,9 +147,9 @@ def test_classification_labels(tmp_path):
     assert rows[0]["labels"] == 0 and rows[1]["labels"] == 1
 
 
-def test_packing_fills_rows(tmp_path):
+def test_wrapped_packing_fills_rows(tmp_path):
     cfg = DataConfig(path=str(_write(tmp_path, "txt")), text_column="text", eval_split=None)
-    rows = tokenize_causal_lm(load_splits(cfg)["train"], tiny_tokenizer(), cfg, max_len=16, pack=True)
+    rows = tokenize_causal_lm(load_splits(cfg)["train"], tiny_tokenizer(), cfg, max_len=16, pack="wrapped")
     assert all(len(r["input_ids"]) == 16 for r in rows) and len(rows) == (10 * 7 + 2 * 8) // 16  # 'line 0'..'line 11' + eos, remainder dropped
 
 

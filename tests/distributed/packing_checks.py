@@ -1,0 +1,74 @@
+"""Packing under the layouts (world 2): the loss and every gradient of packed rows, split over
+the ranks as the fine-tuning loop splits them, against one process running the same examples
+padded one per row (plain transformers). See tests/distributed/test_packing.py."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import hf_scale
+from hf_scale.data.packing import PackedCollator, pack_examples
+from hf_scale.train.dp import DataParallel
+from hf_scale.train.loader import PadCollator
+from tests.tiny_models import packing_examples, packing_model, slice_batch
+
+MAX_LEN = 28
+EXAMPLES = 10  # 4 packed rows of MAX_LEN: 2 per data-parallel rank, 2 pipeline microbatches
+
+
+def packed_rows(examples: list[dict]) -> list[dict]:
+    rows = pack_examples({k: [e[k] for e in examples] for k in ("input_ids", "labels")}, max_len=MAX_LEN)
+    return [dict(zip(rows, values)) for values in zip(*rows.values())]
+
+
+def reference(arch: str) -> tuple[float, dict]:
+    """One process, plain transformers: the examples padded, one per row, with a mask."""
+    model = packing_model(arch)
+    loss = model(**PadCollator(0)(packing_examples(EXAMPLES))).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def packed_run(case: dict) -> dict:
+    """This rank's share of the packed rows through ``hf_scale.train_step``, weighted by its label
+    tokens as the loop weighs them; returns the global loss and the largest relative gradient
+    difference from :func:`reference`, per parameter."""
+    arch, layout = case["arch"], case["config"]
+    ref_loss, ref_grads = reference(arch)
+    model = hf_scale.parallelize(packing_model(arch), copy.deepcopy(layout))
+    rows = packed_rows(packing_examples(EXAMPLES))
+    assert len(rows) == 4, len(rows)
+    dp = DataParallel.of(model)
+    batch = slice_batch(PackedCollator(0, flatten=False)(rows), dp.rank, dp.degree)
+    if case.get("flatten"):  # padding-free: this rank's rows as one row
+        per_rank = len(rows) // dp.degree
+        batch = PackedCollator(0, flatten=True)(rows[dp.rank * per_rank : (dp.rank + 1) * per_rank])
+    mine = (batch["labels"][:, 1:] != -100).sum().double()
+    total = dp.all_reduce(mine.clone())
+    share = float(mine / total)
+    loss = hf_scale.train_step(model, batch, loss_scale=share * dp.degree)
+    global_loss = dp.all_reduce(torch.tensor(float(loss) * share, dtype=torch.float64))
+    errors = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        want = ref_grads[name]
+        errors[name] = float((grad - want).norm() / want.norm().clamp_min(1e-12))
+    return {"loss": float(global_loss), "ref_loss": ref_loss, "grad_errors": errors, "rows": len(rows)}
+
+
+def run_packed_cases(cases: list[dict]) -> list[dict]:
+    """Every case in one process group; a case's error is its result."""
+    import traceback
+
+    out = []
+    for case in cases:
+        try:
+            out.append(packed_run(case))
+        except Exception:  # noqa: BLE001 - reported per case, the group goes on
+            out.append({"error": traceback.format_exc()})
+    return out
