@@ -23,7 +23,7 @@ import torch
 
 import hf_scale
 from hf_scale.parallel.optim import parameter_groups
-from tests.distributed.pp_checks import LR, WEIGHT_DECAY, _dp_mean, label_tokens, pp_model, stage_facts
+from tests.distributed.pp_checks import LR, WEIGHT_DECAY, label_tokens, pp_model, stage_facts
 from tests.distributed.training import full_params
 from tests.tiny_models import slice_batch, tiny_batch
 
@@ -33,9 +33,10 @@ PROMPTS = (9, 7, 11, 8, 0, 3, 2, 4)  # masked prompt prefix of each row: rank 0'
 PADS = (0, 3, 1, 2, 5, 0, 4, 1)  # right padding of each row
 
 
-def masked_batch(seed: int) -> dict[str, torch.Tensor]:
+def masked_batch(seed: int, unlabeled_rows: int = 0) -> dict[str, torch.Tensor]:
     """A causal-LM batch with row ``i``'s first ``PROMPTS[i]`` labels and its last ``PADS[i]``
-    positions (padding: id 0, attention mask 0) masked with -100."""
+    positions (padding: id 0, attention mask 0) masked with -100; the first ``unlabeled_rows``
+    rows masked whole (prompts whose answers were cut off)."""
     out = tiny_batch("causal", GLOBAL_BATCH, SEQ, seed=seed)
     ids, mask = out["input_ids"], out["attention_mask"]
     labels = ids.clone()
@@ -43,11 +44,12 @@ def masked_batch(seed: int) -> dict[str, torch.Tensor]:
         if pad:
             ids[row, SEQ - pad:], mask[row, SEQ - pad:], labels[row, SEQ - pad:] = 0, 0, -100
         labels[row, :prompt] = -100
+    labels[:unlabeled_rows] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def batches(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
-    return [masked_batch(200 + s) for s in range(steps)]
+def batches(steps: int = STEPS, unlabeled_rows: int = 0) -> list[dict[str, torch.Tensor]]:
+    return [masked_batch(200 + s, unlabeled_rows) for s in range(steps)]
 
 
 def named_grads(model) -> dict[str, torch.Tensor]:
@@ -63,7 +65,7 @@ def named_grads(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def reference_run(steps: int = STEPS) -> dict:
+def reference_run(steps: int = STEPS, unlabeled_rows: int = 0) -> dict:
     """The ground truth: plain transformers (its own loss, full logits), plain AdamW (HF
     Trainer's groups), one process, the whole batch. Tensors by every name, tied ones included
     (a pipeline's last stage holds the tied head as ``lm_head.weight``)."""
@@ -73,7 +75,7 @@ def reference_run(steps: int = STEPS) -> dict:
     grad_max = {n: torch.zeros_like(p) for n, p in names.items()}
     optimizer = torch.optim.AdamW(parameter_groups(model, WEIGHT_DECAY), lr=LR)
     losses, grads, norms = [], None, []
-    for batch in batches(steps):
+    for batch in batches(steps, unlabeled_rows):
         loss = model(**batch).loss
         loss.backward()
         grads = grads or {n: p.grad.detach().clone() for n, p in names.items()}
@@ -86,6 +88,15 @@ def reference_run(steps: int = STEPS) -> dict:
     params = {n: p.detach().clone() for n, p in names.items()}
     return {"losses": losses, "grads": grads, "norms": norms, "params": params, "initial": initial,
             "grad_max": grad_max, "tie_targets": sorted(set(names) - dict(model.named_parameters()).keys())}
+
+
+def _global_mean(loss: torch.Tensor, mine: int, total: int, state) -> float:
+    """The batch's mean over its label tokens from this data-parallel slice's mean (a slice
+    with no label token adds nothing: its own mean is 0 / 0)."""
+    part = torch.tensor(float(loss) * mine if mine else 0.0, dtype=torch.float64)
+    if state.dp_degree > 1:
+        torch.distributed.all_reduce(part, group=state.dp_group)
+    return float(part) / total
 
 
 def labeled_only_run(case: dict) -> dict:
@@ -106,7 +117,7 @@ def labeled_only_run(case: dict) -> dict:
         state = hf_scale.get_state(model)
         optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
         losses, raw, rows, labels, grads = [], [], [], [], None
-        for batch in batches():
+        for batch in batches(unlabeled_rows=case.get("unlabeled_rows", 0)):
             local = slice_batch(batch, state.dp_rank, state.dp_degree)
             mine, total = label_tokens(local), label_tokens(batch)
             head_rows.clear()
@@ -117,7 +128,7 @@ def labeled_only_run(case: dict) -> dict:
             optimizer.step()
             optimizer.zero_grad()
             raw.append(float(loss))
-            losses.append(_dp_mean(loss, mine, state))
+            losses.append(_global_mean(loss, mine, total, state))
     finally:
         loss_module._chunk_loss = chunk_loss
     return {"losses": losses, "raw_losses": raw, "head_rows": rows, "label_tokens": labels, "grads": grads,
