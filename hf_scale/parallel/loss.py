@@ -66,7 +66,10 @@ def chunked_cross_entropy(
             once=True,
         )
     total = flat_hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+    # one chunk at least: with no labeled position (``labeled_only`` on a batch whose labels are
+    # all masked: one data-parallel rank's rows, one microbatch) the loss still comes from the
+    # head (0 / 0, as transformers' mean over no label), so its backward runs like every rank's
+    for start in range(0, max(flat_hidden.shape[0], 1), chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(
             _chunk_loss,

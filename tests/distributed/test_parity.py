@@ -63,7 +63,7 @@ FSDP_ONLY = {"no_reshard": {"reshard_after_forward": False}, "blocks_per_unit2":
 CAUSAL_ONLY = {  # chunked loss applies to causal LMs (T5 is refused, see the unit tests)
     "chunked_loss": {"loss_chunk_tokens": 24},
     "bf16_full_ac_chunked_loss": {"mixed_precision": "bf16", "activation_checkpointing": "full", "loss_chunk_tokens": 24},
-    "labeled_only": {"loss_labeled_only": True},  # every position labeled here: the path (the mask: unit tests)
+    "labeled_only": {"loss_labeled_only": True},  # every position labeled here: the path (masked prompts: test_labeled_only.py)
 }
 
 

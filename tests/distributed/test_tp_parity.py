@@ -45,7 +45,7 @@ def _cases(layout: dict, name: str) -> list[dict]:
 # tp composed with the other options (README's claims): chunked vocabulary-parallel loss, mixed
 # precision, zero2 and CPU offload. (hsdp x tp needs 8 ranks for a real 3-D mesh: not run here.)
 COMPOSE2 = {"chunked_loss": {"loss_chunk_tokens": 8}, "bf16": {"mixed_precision": "bf16"},
-            "labeled_only": {"loss_labeled_only": True}}  # the batches label every position: the path, not the mask
+            "labeled_only": {"loss_labeled_only": True}}  # every position labeled: the path (the mask: test_labeled_only.py)
 COMPOSE4 = {"zero2": {"strategy": "zero2"}, "cpu_offload": {"cpu_offload": True},
             "chunked_loss": {"loss_chunk_tokens": 8}}
 

@@ -130,6 +130,27 @@ def bad_input_error(arch: str, config: dict, plan: dict | None = None, **config_
     return "no error"
 
 
+def probe_outcome(arch: str, source: str, changes: dict[str, str]) -> dict:
+    """``parallelize`` at tp=2 of the tiny ``arch`` with the tp plan inferred from its modules
+    (transformers' own plan set aside), ``changes`` made to it, passed as a whole plan whose
+    tp plan is marked ``source``: ``"inferred"`` (a refused plan gives way to the next guess
+    inferred from the modules) or ``"declared"`` (transformers' plan with entries dropped:
+    checked the same way, refused with no other guess). The error, or the plan it runs with."""
+    from hf_scale.model_plans import resolve_plan
+    from hf_scale.model_plans.from_hf import PRUNED, with_inferred_tp
+
+    model = tiny_model(arch, "causal")
+    plan = with_inferred_tp(model, resolve_plan(model), 0)
+    plan = plan.replace(tp_plan={**plan.tp_plan, **changes},
+                        source={**plan.source, "tp_plan": PRUNED if source == "declared" else source})
+    try:
+        model = hf_scale.parallelize(model, {"tp": 2}, plan=plan)
+    except hf_scale.HfScaleError as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+    used = hf_scale.get_state(model).plan
+    return {"source": dict(used.source), "tp_plan": dict(used.tp_plan)}
+
+
 class _InPlaceOutputs(torch.nn.Module):
     """Changes each sharded layer's output in place, as CTRL (``inputs_embeds *= sqrt(d)``) and
     Llama 4 (``out.add_(...)`` after a row-parallel ``down_proj``) do."""

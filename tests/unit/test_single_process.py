@@ -123,6 +123,22 @@ def test_loss_labeled_only_gives_the_loss_and_gradients_of_the_full_logits(chunk
         assert model(**batch).logits.shape == (3, 16, 128)
 
 
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_loss_labeled_only_backward_runs_on_a_batch_with_no_label(chunk):
+    """A batch whose every label is masked (a data-parallel rank's rows, a microbatch): the loss
+    is plain transformers' (0 / 0) and its backward runs, every gradient zero, so the rank
+    joins its gradient collectives (with chunks it raised: no chunk, a loss with no graph)."""
+    ref = tiny_model("llama", "causal")
+    model = hf_scale.parallelize(tiny_model("llama", "causal"), {"loss_labeled_only": True, "loss_chunk_tokens": chunk})
+    batch = tiny_batch("causal", 2)
+    batch["labels"][:] = -100
+    out, want = model(**batch), ref(**batch)
+    torch.testing.assert_close(out.loss, want.loss, equal_nan=True)
+    (out.loss * 0.0).backward()  # the fine-tuning loop's weight for a slice without labels
+    for name, p in model.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+
+
 def test_loss_labeled_only_runs_the_head_on_the_labeled_positions_only(monkeypatch):
     from hf_scale.parallel import loss
 
