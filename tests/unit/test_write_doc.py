@@ -140,7 +140,7 @@ def test_a_write_into_any_docs_page_refreshes_the_readme_summary(tmp_path, monke
 
 def test_the_repository_summaries_are_what_the_pages_say(tmp_path):
     """The committed README and docs/benchmarks.md summaries equal a fresh refresh from the
-    generated sections where they live."""
+    generated sections where they live now (the CI timing in docs/tests.md)."""
     import shutil
 
     from write_doc import DOCS, README, refresh_summaries
@@ -150,6 +150,8 @@ def test_the_repository_summaries_are_what_the_pages_say(tmp_path):
     refresh_summaries(tmp_path / "docs", tmp_path / "README.md")
     assert (tmp_path / "README.md").read_bytes() == README.read_bytes(), "run python scripts/write_doc.py --summaries"
     assert (tmp_path / "docs" / "benchmarks.md").read_bytes() == (DOCS / "benchmarks.md").read_bytes()
+    assert "<!-- bench:ci:start -->" in (DOCS / "tests.md").read_text()  # time_ci.py's section moved
+    assert "<!-- bench:ci:start -->" not in README.read_text()
 
 
 def test_time_ci_reads_pytest_and_judges_the_limits():
