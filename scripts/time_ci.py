@@ -1,8 +1,9 @@
-"""Time `.ci/run` as CI runs it, on a fresh clone of the committed HEAD, and write the README's
-``ci`` section: how long `.ci/run` and `make test` took, the test counts, the slowest 15 tests,
-and the targets (`make test` <= 25 min, `.ci/run` <= 50 min on this 2-core machine).
+"""Time `.ci/run` as CI runs it, on a fresh clone of the committed HEAD, and write the ``ci``
+section of docs/tests.md: how long `.ci/run` and `make test` took, the test counts, the slowest
+15 tests, and the targets (`make test` <= 25 min, `.ci/run` <= 50 min on this 2-core machine).
+The README's "At a glance" table takes its verdicts from there (``scripts/write_doc.py``).
 
-    python scripts/time_ci.py --write README.md            # about 45 minutes
+    python scripts/time_ci.py --write docs/tests.md        # about 45 minutes
     python scripts/time_ci.py --clone /tmp/ci --keep       # keep the clone (its .venv) afterwards
 
 The clone builds its own `.venv` (`make` installs it), as CI's does; a calibration cached in

@@ -42,7 +42,7 @@ def _cases(layout: dict, name: str) -> list[dict]:
     return cases
 
 
-# tp composed with the other options (README's claims): chunked vocabulary-parallel loss, mixed
+# tp composed with the other options (docs/tensor-parallel.md's claims): chunked vocabulary-parallel loss, mixed
 # precision, zero2 and CPU offload. (hsdp x tp needs 8 ranks for a real 3-D mesh: not run here.)
 COMPOSE2 = {"chunked_loss": {"loss_chunk_tokens": 8}, "bf16": {"mixed_precision": "bf16"},
             "labeled_only": {"loss_labeled_only": True}}  # every position labeled: the path (the mask: test_labeled_only.py)

@@ -64,7 +64,7 @@ def test_recipes_that_cannot_run_under_pp_fail_when_loaded(overrides, message):
 def test_the_quickstarts_run_under_pp():
     job = load_job(CONFIGS / "quickstart-pp2.yaml")
     assert (job.parallel.pp, job.parallel.pp_microbatches, job.launch.nproc_per_node) == (2, 4, 2)
-    job = load_job(CONFIGS / "quickstart.yaml", ["--parallel.pp", "2"])  # the README's command line
+    job = load_job(CONFIGS / "quickstart.yaml", ["--parallel.pp", "2"])  # the command line in docs/cli.md
     assert job.parallel.pp == 2 and job.train.batch_size % 2 == job.train.eval_batch_size % 2 == 0
 
 

@@ -82,8 +82,21 @@ PAGE = (
     "| a | b |\n(a) FAIL: tok/s 0.95x (need >= 1.0x)\nPASS: rss 0.9x (need <= 1.0x)\n"
     "<!-- bench:speed:end -->\nFAIL: prose outside a section is not a verdict\n"
 )
-FRONT = ("# README\n<!-- bench:summary:start -->\n<!-- bench:summary:end -->\n## Tests\n"
-         "<!-- bench:ci:start -->\n```\nPASS: make test 24.0 min (need <= 25 min)\n```\n<!-- bench:ci:end -->\n")
+TESTS_PAGE = ("# Tests\n\nprose\n\n## How long CI takes\n"
+              "<!-- bench:ci:start -->\n```\nPASS: make test 24.0 min (need <= 25 min)\n```\n<!-- bench:ci:end -->\n")
+FRONT = "# README\n## At a glance\n<!-- bench:summary:start -->\n<!-- bench:summary:end -->\n## Examples\n"
+
+
+def _site(root: Path) -> tuple[Path, Path]:
+    """A README and a docs/ folder like the repository's: the benchmarks page, the tests page
+    (the CI timing) and a page without generated sections."""
+    docs = root / "docs"
+    docs.mkdir(parents=True)
+    (docs / "benchmarks.md").write_text(PAGE)
+    (docs / "tests.md").write_text(TESTS_PAGE)
+    (docs / "layouts.md").write_text("# Layouts\n\nFAIL: prose, no section\n")
+    (root / "README.md").write_text(FRONT)
+    return docs, root / "README.md"
 
 
 def test_summaries_collect_the_verdicts_of_every_generated_section(tmp_path):
@@ -91,19 +104,54 @@ def test_summaries_collect_the_verdicts_of_every_generated_section(tmp_path):
 
     assert [(r["section"], r["verdict"], r["date"]) for r in verdicts(PAGE)] == [
         ("speed", "FAIL", "2026-11-25"), ("speed", "PASS", "2026-11-25")]
-    page, front = tmp_path / "benchmarks.md", tmp_path / "README.md"
-    page.write_text(PAGE)
-    front.write_text(FRONT)
-    refresh_summaries(page, front)
+    docs, front = _site(tmp_path)
+    page = docs / "benchmarks.md"
+    refresh_summaries(docs, front)
     summary = page.read_text().split("<!-- bench:summary:end -->")[0]
     assert "| speed | **no** | tok/s 0.95x (need >= 1.0x) | 2026-11-25 |" in summary
     assert "| speed | yes | rss 0.9x (need <= 1.0x) | 2026-11-25 |" in summary
     assert "stale" not in summary and "prose" not in summary
+    assert "make test" not in summary  # the benchmarks page lists its own targets only
     table = front.read_text().split("<!-- bench:summary:end -->")[0]
     assert "| Speed | speed | 1 of 2 | tok/s 0.95x (need >= 1.0x) | 2026-11-25 |" in table
-    assert "| Tests | ci | 1 of 1 | - | not dated |" in table
-    refresh_summaries(page, front)
+    assert "| How long CI takes | ci | 1 of 1 | - | not dated |" in table  # from docs/tests.md
+    assert "prose" not in table
+    assert "sections of [docs/benchmarks.md](docs/benchmarks.md) and [docs/tests.md](docs/tests.md)," in table
+    refresh_summaries(docs, front)
     assert front.read_text().split("<!-- bench:summary:end -->")[0] == table  # stable
+    assert front.read_text().endswith("<!-- bench:summary:end -->\n## Examples\n")  # the rest kept
+
+
+def test_a_write_into_any_docs_page_refreshes_the_readme_summary(tmp_path, monkeypatch):
+    """time_ci.py writes docs/tests.md: the README's At a glance table follows."""
+    import write_doc
+
+    docs, front = _site(tmp_path)
+    monkeypatch.setattr(write_doc, "DOCS", docs)
+    monkeypatch.setattr(write_doc, "README", front)
+    write_section(docs / "tests.md", "ci", "```\nFAIL: make test 26.0 min (need <= 25 min)\n```\n")
+    assert "| How long CI takes | ci | 0 of 1 | make test 26.0 min (need <= 25 min) |" in front.read_text()
+    elsewhere = tmp_path / "other.md"  # not the README, not under docs/: no refresh
+    elsewhere.write_text(TESTS_PAGE)
+    before = front.read_text()
+    write_section(elsewhere, "ci", "```\nPASS: make test 1.0 min (need <= 25 min)\n```\n")
+    assert front.read_text() == before
+
+
+def test_the_repository_summaries_are_what_the_pages_say(tmp_path):
+    """The committed README and docs/benchmarks.md summaries equal a fresh refresh from the
+    generated sections where they live now (the CI timing in docs/tests.md)."""
+    import shutil
+
+    from write_doc import DOCS, README, refresh_summaries
+
+    shutil.copytree(DOCS, tmp_path / "docs")
+    shutil.copy(README, tmp_path / "README.md")
+    refresh_summaries(tmp_path / "docs", tmp_path / "README.md")
+    assert (tmp_path / "README.md").read_bytes() == README.read_bytes(), "run python scripts/write_doc.py --summaries"
+    assert (tmp_path / "docs" / "benchmarks.md").read_bytes() == (DOCS / "benchmarks.md").read_bytes()
+    assert "<!-- bench:ci:start -->" in (DOCS / "tests.md").read_text()  # time_ci.py's section moved
+    assert "<!-- bench:ci:start -->" not in README.read_text()
 
 
 def test_time_ci_reads_pytest_and_judges_the_limits():
