@@ -6,8 +6,8 @@ ranks of a tensor-parallel group share their tokens), ``data_wait`` (share of th
 step spent waiting for the next batch, the slowest rank's), ``peak_mem_gb`` (CUDA max allocated,
 or peak RSS on CPU; the largest over ranks) and ``elapsed_s``; evaluation lines carry ``eval_*``
 keys. Only rank 0 writes. Each record also goes to the experiment trackers of ``train.report_to``
-(:mod:`hf_scale.train.trackers`) under HF Trainer's names: ``train/loss``, ``train/lr``, ...,
-``eval/loss`` for ``eval_loss``.
+(:mod:`hf_scale.train.trackers`) as ``train/loss``, ``train/lr``, ..., and ``eval/loss`` for
+``eval_loss`` (the prefixes HF Trainer gives W&B).
 
 Usage::
 
@@ -161,8 +161,8 @@ class Metrics:
 
 
 def tracked_names(values: dict) -> dict[str, float]:
-    """The numbers of a record under HF Trainer's tracker names: ``eval_loss`` -> ``eval/loss``,
-    any other key ``k`` -> ``train/k``."""
+    """The numbers of a record under their tracker names (HF Trainer's prefixes): ``eval_loss`` ->
+    ``eval/loss``, any other key ``k`` -> ``train/k``."""
     return {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in values.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 

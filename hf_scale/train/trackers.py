@@ -3,7 +3,8 @@ Weights & Biases, MLflow and trackio, through each library's own API, on rank 0 
 
 One small adapter per library, all with the same three calls: ``start(config)`` (the JobConfig
 as a flat dict), ``log(metrics, step)`` and ``finish()``. :class:`~hf_scale.train.metrics.Metrics`
-fans each logged step out to them, with HF Trainer's names (``train/loss``, ``eval/loss``).
+fans each logged record out to them with the prefixes HF Trainer gives W&B (``train/loss``,
+``eval/loss``), the same in all four.
 Each library is imported only when its tracker starts; whether it is installed is checked when
 the recipe is loaded (:func:`report_to_names`), on every rank, before anything trains.
 

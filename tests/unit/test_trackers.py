@@ -16,13 +16,14 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from hf_scale.errors import HfScaleConfigError
 from hf_scale.train.config import DataConfig, JobConfig, TrainConfig
 from hf_scale.train.metrics import Metrics
-from hf_scale.train.trackers import TRACKERS, run_config, start_trackers
+from hf_scale.train.trackers import ADAPTERS, TRACKERS, Tracker, run_config, start_trackers
 from tests.harness import ROOT, cli_env, run_ranks
 
 SECRET = "hf_fakeTokenThatMustNotLeak0123456789"
@@ -192,6 +193,9 @@ def test_run_config_is_flat_and_drops_secret_keys(monkeypatch):
     assert config["train.lr"] == 2e-5 and config["parallel.loss_chunk_tokens"] is None  # "tokens" is no secret
     assert config["data.path"] == "s3://bucket/<redacted>/x.jsonl"
     assert len(config) == len(list(_leaves(job.to_dict())))
+    # a section with keys named like secrets (none of hf_scale's is today) loses them
+    job = SimpleNamespace(to_dict=lambda: {"hub": {"token": "x", "hf_token": "y", "api_key": "z", "repo_id": "o/r"}})
+    assert run_config(job) == {"hub.repo_id": "o/r"}
 
 
 def _leaves(tree):
@@ -247,6 +251,30 @@ def test_a_tracker_that_fails_mid_run_is_dropped_not_fatal(tmp_path):
     metrics.close()
     assert flaky.logged == [1] and not flaky.finished
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_and_finishes_the_others(tmp_path, monkeypatch):
+    finished = []
+
+    class Up(Tracker):
+        def __init__(self, train, start_step):
+            pass
+
+        def start(self, config):
+            pass
+
+        def finish(self):
+            finished.append("up")
+
+    class Down(Up):
+        def start(self, config):
+            raise ConnectionError("tracking server unreachable")
+
+    monkeypatch.setitem(ADAPTERS, "tensorboard", Up)
+    monkeypatch.setitem(ADAPTERS, "wandb", Down)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        start_trackers(tracked_job(tmp_path, ["tensorboard", "wandb"]))
+    assert finished == ["up"]
 
 
 def _two_ranks(out: str) -> list[str]:
