@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 from ..config import ParallelConfig, _check_choice, load_yaml
 from ..errors import HfScaleConfigError
+from .trackers import report_to_names
 
 TASKS = ("causal_lm", "sequence_classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -153,6 +154,14 @@ class TrainConfig:
         sample_generations: at the end, the trained model (all ranks together, tensor parallel
             included) and the saved folder reloaded with plain transformers print greedy
             answers to this many held-out prompts (causal LM prompt/response data).
+        report_to: experiment trackers that get the config and every logged step (rank 0):
+            ``tensorboard``, ``wandb``, ``mlflow``, ``trackio``, a list of them, ``all`` (those
+            installed) or ``none``, as HF's ``TrainingArguments.report_to``; a tracker whose
+            library is missing is an error naming its pip extra (docs/tracking.md).
+        run_name: the run's name in the trackers (default: the output folder's name).
+        project: the wandb / trackio project and MLflow experiment (default: ``WANDB_PROJECT`` /
+            ``MLFLOW_EXPERIMENT_NAME`` where set, else ``hf_scale``).
+        logging_dir: TensorBoard's event folder (default ``<output_dir>/runs``).
     """
 
     output_dir: str = "out/run"
@@ -173,9 +182,14 @@ class TrainConfig:
     seed: int = 0
     progress: bool = True
     sample_generations: int = 0
+    report_to: Union[str, list[str], None] = "none"
+    run_name: Optional[str] = None
+    project: Optional[str] = None
+    logging_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("train.scheduler", self.scheduler, SCHEDULERS)
+        self.report_to = report_to_names(self.report_to)  # a list; missing libraries fail here
         for name in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise HfScaleConfigError(f"train.{name}={getattr(self, name)}: must be >= 1.")

@@ -1,8 +1,9 @@
 """One fine-tuning run, from a :class:`JobConfig` to a saved (and optionally pushed) model.
 
 Order: process group -> tokenizer and data (rank 0 tokenises first) -> pretrained model in its
-parallel layout -> optimizer and schedule -> resume -> evaluate -> train (periodic eval and
-checkpoints) -> evaluate -> save the Hub-format model, loss curve and model card -> push.
+parallel layout -> optimizer and schedule -> resume -> trackers (``train.report_to``) -> evaluate
+-> train (periodic eval and checkpoints) -> evaluate -> save the Hub-format model, loss curve and
+model card -> push.
 
 The loss of a step is the mean over every label token of the global batch (all data-parallel
 ranks, all accumulated micro-batches), as one process would compute it on the whole batch: each
@@ -51,6 +52,7 @@ from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .model import load_config, load_model, load_tokenizer, meta_model
+from .trackers import start_trackers
 
 
 def run(job: JobConfig) -> dict:
@@ -86,8 +88,9 @@ def run(job: JobConfig) -> dict:
         f"data-parallel ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
         + (f", ep {job.parallel.ep}" if job.parallel.ep > 1 else "")
     )
+    trackers = start_trackers(job, start_step=start)  # train.report_to's runs, on rank 0 ([] elsewhere)
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
-                      start_step=start)
+                      start_step=start, trackers=trackers)
     evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics)
     before = evaluate_at(start) if start == 0 else None
     began, tokens_seen = time.perf_counter(), 0

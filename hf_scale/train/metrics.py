@@ -5,11 +5,13 @@ Each JSONL line is one logged step: ``step``, ``loss``, ``lr`` (the rate the ste
 ranks of a tensor-parallel group share their tokens), ``data_wait`` (share of the
 step spent waiting for the next batch, the slowest rank's), ``peak_mem_gb`` (CUDA max allocated,
 or peak RSS on CPU; the largest over ranks) and ``elapsed_s``; evaluation lines carry ``eval_*``
-keys. Only rank 0 writes.
+keys. Only rank 0 writes. Each record also goes to the experiment trackers of ``train.report_to``
+(:mod:`hf_scale.train.trackers`) as ``train/loss``, ``train/lr``, ..., and ``eval/loss`` for
+``eval_loss`` (the prefixes HF Trainer gives W&B).
 
 Usage::
 
-    metrics = Metrics(out_dir, total_steps, enabled=rank == 0)
+    metrics = Metrics(out_dir, total_steps, enabled=rank == 0, trackers=start_trackers(job))
     metrics.step(step, {"loss": 2.1, "lr": 1e-4, ...})
     metrics.close(); metrics.plot_loss(out_dir / "loss_curve.png")
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..log import log_rank0
+from .trackers import Tracker
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE = "loss_curve.png"
@@ -39,18 +42,20 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class Metrics:
-    """Rank 0's progress bar and metrics file; a no-op on the other ranks.
+    """Rank 0's progress bar, metrics file and trackers; a no-op on the other ranks.
 
     A new run starts a new file; a resumed one (``start_step`` > 0) keeps the records up to
-    that step, so the file and the loss curve cover the whole run.
+    that step, so the file and the loss curve cover the whole run. ``trackers`` (started ones)
+    get every record from now on and are finished by :meth:`close`.
     """
 
     def __init__(self, out_dir: str | Path, total_steps: int, *, enabled: bool, progress: bool = True,
-                 start_step: int = 0):
+                 start_step: int = 0, trackers: list[Tracker] | tuple = ()):
         self.enabled = enabled
         self.start = time.perf_counter()
         self.history: list[dict] = []
         self.bar = None
+        self.trackers = list(trackers) if enabled else []
         if not enabled:
             return
         out = Path(out_dir)
@@ -72,8 +77,9 @@ class Metrics:
         """Record one optimizer step's values and advance the bar."""
         if not self.enabled:
             return
-        record = {"step": step, **_rounded(values), "elapsed_s": round(time.perf_counter() - self.start, 2)}
-        self._write(record)
+        elapsed = round(time.perf_counter() - self.start, 2)
+        self._write({"step": step, **_rounded(values), "elapsed_s": elapsed})
+        self._report(step, {**values, "elapsed_s": elapsed})
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values.get('tokens_per_s', 0):,.0f}",
@@ -86,6 +92,7 @@ class Metrics:
         if not self.enabled:
             return
         self._write({"step": step, **_rounded(values)})
+        self._report(step, values)
         shown = "  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
         message = f"step {step}: {shown}"
         if self.bar is not None:
@@ -98,11 +105,31 @@ class Metrics:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
 
+    def _report(self, step: int, values: dict) -> None:
+        """Send the numbers to every tracker. A tracker that fails (a lost connection) is dropped
+        with a warning instead of stopping rank 0 alone, which would leave the other ranks waiting
+        at their next collective; metrics.jsonl keeps every value."""
+        named = tracked_names(values)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(named, step)
+            except Exception as e:  # noqa: BLE001 - any library's failure
+                self.trackers.remove(tracker)
+                log_rank0(f"{tracker.name} failed at step {step} ({type(e).__name__}: {e}); the run goes on "
+                          f"without it (every value is still in {METRICS_FILE}).")
+
     def close(self) -> None:
+        """Close the bar and the file, and finish the trackers' runs."""
         if self.enabled:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
+            for tracker in self.trackers:
+                try:
+                    tracker.finish()
+                except Exception as e:  # noqa: BLE001 - the run's results are saved anyway
+                    log_rank0(f"{tracker.name} failed to finish its run ({type(e).__name__}: {e}).")
+            self.trackers = []
 
     def plot_loss(self, path: str | Path) -> Path | None:
         """Draw training (and eval) loss against step as a PNG; None without matplotlib."""
@@ -131,6 +158,13 @@ class Metrics:
         fig.savefig(path)
         plt.close(fig)
         return Path(path)
+
+
+def tracked_names(values: dict) -> dict[str, float]:
+    """The numbers of a record under their tracker names (HF Trainer's prefixes): ``eval_loss`` ->
+    ``eval/loss``, any other key ``k`` -> ``train/k``."""
+    return {f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}": float(v) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def _rounded(values: dict) -> dict:

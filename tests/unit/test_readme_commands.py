@@ -38,6 +38,8 @@ NOT_RUN = {
     "make test": "the whole suite, this test included: .ci/run runs it",
     "hf-scale finetune configs/quickstart.yaml --parallel.strategy zero2 --train.lr 1e-4":
         f"{TRAINS}; tests/integration/test_cli.py trains every strategy on tiny recipes",
+    "hf-scale finetune configs/quickstart.yaml --data.packing bfd --train.report_to tensorboard":
+        f"{TRAINS}; tests/distributed/test_packing.py and tests/unit/test_trackers.py test both options",
     "hf-scale finetune configs/quickstart.yaml --resume latest":
         "needs a run's checkpoint, then trains: minutes; tests/integration/test_cli.py resumes mid-epoch",
     "hf-scale finetune configs/quickstart-lora.yaml":
