@@ -50,8 +50,27 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
             return finetune(rest, task=task)
         return {"plan": plan, "generate": generate, "export": export, "push": push}[command](rest)
     except HfScaleError as e:
-        print(f"hf-scale {command}: error: {e}", file=sys.stderr)
+        say_error(command, e)
         return 2
+    except Exception:
+        from .torchrun import peer_filed_error
+
+        if peer_filed_error():  # a worker failing because another rank stopped on bad input: said there
+            return 2
+        raise
+
+
+def error_line(command: str, error: HfScaleError) -> str:
+    return f"hf-scale {command}: error: {error}"
+
+
+def say_error(command: str, error: HfScaleError) -> None:
+    """The one line of a clear error: printed, or in a torchrun worker given to the launcher,
+    which prints it once for all ranks (:mod:`hf_scale.torchrun`)."""
+    from .torchrun import file_error
+
+    if not file_error(error_line(command, error)):
+        print(error_line(command, error), file=sys.stderr)
 
 
 def usage() -> str:
@@ -155,6 +174,11 @@ def _train(job) -> None:
 
     try:
         run(job)
+    except HfScaleError as e:  # filed before the process group closes and the other ranks fail on it
+        from .torchrun import file_error
+
+        file_error(error_line("finetune", e))
+        raise
     finally:
         shutdown_distributed()
 
