@@ -60,14 +60,10 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
         raise
 
 
-def error_line(command: str, error: HfScaleError) -> str:
-    return f"hf-scale {command}: error: {error}"
-
-
 def say_error(command: str, error: HfScaleError) -> None:
     """The one line of a clear error: printed, or in a torchrun worker given to the launcher,
     which prints it once for all ranks (:mod:`hf_scale.torchrun`)."""
-    from .torchrun import file_error
+    from .torchrun import error_line, file_error
 
     if not file_error(error_line(command, error)):
         print(error_line(command, error), file=sys.stderr)
@@ -170,15 +166,12 @@ def finetune(args: list[str], task: str | None = None) -> int:
 
 def _train(job) -> None:
     from .distributed import shutdown_distributed
+    from .torchrun import filing_errors
     from .train.loop import run
 
     try:
-        run(job)
-    except HfScaleError as e:  # filed before the process group closes and the other ranks fail on it
-        from .torchrun import file_error
-
-        file_error(error_line("finetune", e))
-        raise
+        with filing_errors("finetune"):
+            run(job)
     finally:
         shutdown_distributed()
 

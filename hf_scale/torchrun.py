@@ -14,6 +14,8 @@ closing signal" lines, the ``ChildFailedError`` traceback) and exits with status
 Any other failure (an exception's traceback, a segfault, a signal from elsewhere) is reported
 as torchrun reports it, with its exit status, after the lines of any rank that filed one.
 The workers' output streams to this process's stdout / stderr as under plain torchrun.
+Workers that plain ``torchrun`` started (no ``HF_SCALE_ERROR_DIR``) print their line each, as
+before; across nodes each node's launcher says the lines of its own workers.
 
 Usage::
 
@@ -23,12 +25,14 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 ERROR_DIR_VAR = "HF_SCALE_ERROR_DIR"
@@ -44,6 +48,11 @@ _FILE = re.compile(r"rank(\d+)\.attempt(\d+)$")
 
 
 # ------------------------------------------------------------------ in a worker
+
+
+def error_line(command: str, error: BaseException) -> str:
+    """What ``hf-scale <command>`` prints for a clear error."""
+    return f"hf-scale {command}: error: {error}"
 
 
 def _error_dir() -> Path | None:
@@ -66,9 +75,23 @@ def file_error(line: str) -> bool:
         return False
     path = folder / f"rank{os.environ['RANK']}.attempt{_attempt()}"
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(" ".join(line.split()) + "\n")
+    tmp.write_text(line + "\n")
     os.replace(tmp, path)
     return True
+
+
+@contextlib.contextmanager
+def filing_errors(command: str) -> Iterator[None]:
+    """File an :class:`~hf_scale.errors.HfScaleError` raised in the body (:func:`file_error`),
+    then let it go on: wrap the part of a worker that runs before its process group closes, so
+    the line is filed before the other ranks fail on the closed group and look for it."""
+    from .errors import HfScaleError
+
+    try:
+        yield
+    except HfScaleError as e:
+        file_error(error_line(command, e))
+        raise
 
 
 def peer_filed_error() -> bool:
