@@ -125,13 +125,14 @@ def _json_problem(path: str) -> str | None:
             return f"line {e.lineno}, column {e.colno}: {_said(e)}" + (" (the file ends early: cut short?)"
                                                                    if e.pos >= len(text.rstrip()) else "")
         return None
-    for number, line in enumerate(text.splitlines(), 1):  # JSON Lines
+    rows = text.splitlines()
+    for number, line in enumerate(rows, 1):  # JSON Lines
         if not line.strip():
             continue
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            cut = " (the line ends early: the file was cut short?)" if e.pos >= len(line.rstrip()) else ""
+            cut = " (the file ends inside this line: cut short?)" if number == len(rows) and not text.endswith("\n") else ""
             return f"line {number}, column {e.colno}: {_said(e)}{cut}"
         if not isinstance(value, dict):
             return f"line {number}: a JSON {type(value).__name__}, not an object of named columns"
