@@ -27,7 +27,7 @@ from ..errors import HfScaleConfigError
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 GLOB_CHARS = "*?["
 FIXES = {
-    ".jsonl": "each line of a .jsonl file must be one whole JSON object, e.g. {\"prompt\": \"...\", \"response\": \"...\"}",
+    ".jsonl": 'each line of a .jsonl file must be one whole JSON object, e.g. {"prompt": "...", "response": "..."}',
     ".json": "a .json file holds one JSON list of objects, or one JSON object per line",
     ".csv": "a .csv file needs a header row, as many fields in every row, and quotes around fields holding commas",
 }
@@ -52,7 +52,8 @@ def data_files(path: str, key: str) -> list[str]:
     if not files:
         raise HfScaleConfigError(f"{key}={path!r} matches no data file; give a file, folder or glob of {kinds}.")
     if len({BUILDERS[Path(f).suffix] for f in files}) > 1:
-        raise HfScaleConfigError(f"{key}={path!r} mixes file types ({', '.join(sorted({Path(f).suffix for f in files}))}): use one.")
+        suffixes = ", ".join(sorted({Path(f).suffix for f in files}))
+        raise HfScaleConfigError(f"{key}={path!r} mixes file types ({suffixes}): use one.")
     for f in files:
         if _blank(f):
             raise HfScaleConfigError(f"{key}: the data file {f!r} is empty: write the examples into it, or point {key} "
@@ -132,7 +133,8 @@ def _json_problem(path: str) -> str | None:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as e:
-            cut = " (the file ends inside this line: cut short?)" if number == len(rows) and not text.endswith("\n") else ""
+            cut_short = number == len(rows) and not text.endswith("\n")
+            cut = " (the file ends inside this line: cut short?)" if cut_short else ""
             return f"line {number}, column {e.colno}: {_said(e)}{cut}"
         if not isinstance(value, dict):
             return f"line {number}: a JSON {type(value).__name__}, not an object of named columns"

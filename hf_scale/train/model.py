@@ -115,8 +115,10 @@ def _check_hub_id(name: str, sources: str) -> None:
     from huggingface_hub.utils import validate_repo_id
 
     if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:
-        raise HfScaleConfigError(f"cannot find model {name!r}: it is not a local folder or config.json (there is no such path), "
-                                 f"nor a Hub id. Give {sources}.")
+        raise HfScaleConfigError(
+            f"cannot find model {name!r}: it is not a local folder or config.json (there is no such path), "
+            f"nor a Hub id. Give {sources}."
+        )
     try:
         validate_repo_id(name)
     except HFValidationError:
