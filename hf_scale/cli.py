@@ -50,8 +50,23 @@ def main(argv: list[str] | None = None, *, task: str | None = None) -> int:
             return finetune(rest, task=task)
         return {"plan": plan, "generate": generate, "export": export, "push": push}[command](rest)
     except HfScaleError as e:
-        print(f"hf-scale {command}: error: {e}", file=sys.stderr)
+        say_error(command, e)
         return 2
+    except Exception:
+        from .torchrun import peer_filed_error
+
+        if peer_filed_error():  # a worker failing because another rank stopped on bad input: said there
+            return 2
+        raise
+
+
+def say_error(command: str, error: HfScaleError) -> None:
+    """The one line of a clear error: printed, or in a torchrun worker given to the launcher,
+    which prints it once for all ranks (:mod:`hf_scale.torchrun`)."""
+    from .torchrun import error_line, file_error
+
+    if not file_error(error_line(command, error)):
+        print(error_line(command, error), file=sys.stderr)
 
 
 def usage() -> str:
@@ -151,10 +166,12 @@ def finetune(args: list[str], task: str | None = None) -> int:
 
 def _train(job) -> None:
     from .distributed import shutdown_distributed
+    from .torchrun import filing_errors
     from .train.loop import run
 
     try:
-        run(job)
+        with filing_errors("finetune"):
+            run(job)
     finally:
         shutdown_distributed()
 

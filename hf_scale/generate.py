@@ -142,6 +142,7 @@ def run(opts: GenerateArgs) -> int:
     from .config import ParallelConfig
     from .distributed import shutdown_distributed
     from .ranks import rank
+    from .torchrun import filing_errors
     from .train.model import load_model, load_tokenizer
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -151,18 +152,19 @@ def run(opts: GenerateArgs) -> int:
             f"start it with --nproc-per-node {opts.tp}, or pass --tp {world}."
         )
     try:
-        cfg = model_config(opts)
-        tokenizer = load_tokenizer(cfg)
-        chat = uses_chat_template(tokenizer, opts.chat)  # before loading: --chat without a template fails fast
-        model = load_model(cfg, ParallelConfig(tp=opts.tp))
-        model.eval()
-        started = time.perf_counter()
-        texts, rows = generate_texts(model, tokenizer, opts.prompts, opts)
-        seconds = time.perf_counter() - started
-        if rank() == 0:
-            notes = [empty_completion_note(tokenizer, row, eos_ids(model), chat, opts) if not text.strip() else None
-                     for text, row in zip(texts, rows)]
-            print_completions(opts, texts, notes, sum(map(len, rows)), seconds, chat)
+        with filing_errors("generate"):  # filed before the group closes under the other ranks
+            cfg = model_config(opts)
+            tokenizer = load_tokenizer(cfg)
+            chat = uses_chat_template(tokenizer, opts.chat)  # before loading: --chat without a template fails fast
+            model = load_model(cfg, ParallelConfig(tp=opts.tp))
+            model.eval()
+            started = time.perf_counter()
+            texts, rows = generate_texts(model, tokenizer, opts.prompts, opts)
+            seconds = time.perf_counter() - started
+            if rank() == 0:
+                notes = [empty_completion_note(tokenizer, row, eos_ids(model), chat, opts) if not text.strip() else None
+                         for text, row in zip(texts, rows)]
+                print_completions(opts, texts, notes, sum(map(len, rows)), seconds, chat)
     finally:
         shutdown_distributed()
     return 0

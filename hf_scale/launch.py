@@ -2,7 +2,8 @@
 
 ``torchrun`` (``python -m torch.distributed.run``) is the launcher on one machine and many; this
 module only turns a :class:`LaunchConfig` into its arguments and checks them first, so a
-mistake fails here with one message instead of in every worker. Under SLURM (``srun``, one
+mistake fails here with one message instead of in every worker. It runs as
+``python -m hf_scale.torchrun``, which says a clear error found in the workers once. Under SLURM (``srun``, one
 task per node) the node count, node rank and rendezvous host come from the srun step's
 variables (:func:`resolve_launch`; an salloc shell or a batch script is no step, see
 :func:`srun_step`); see ``scripts/slurm_finetune.sbatch``.
@@ -193,9 +194,11 @@ def check_launch(launch: LaunchConfig) -> None:
 
 
 def torchrun_argv(launch: LaunchConfig, worker: list[str]) -> list[str]:
-    """``python -m torch.distributed.run <options> <worker...>`` for this launch config."""
+    """``python -m hf_scale.torchrun <options> <worker...>`` for this launch config: torchrun,
+    whose report of workers that stopped on a clear error is their one line (:mod:`hf_scale.torchrun`);
+    ``argv[3:]`` are torchrun's arguments."""
     check_launch(launch)
-    argv = [sys.executable, "-m", "torch.distributed.run",
+    argv = [sys.executable, "-m", "hf_scale.torchrun",
             f"--nproc-per-node={launch.nproc_per_node}", f"--nnodes={launch.nnodes}",
             f"--max-restarts={launch.max_restarts}"]
     if launch.nnodes == 1 and not launch.rdzv_endpoint:

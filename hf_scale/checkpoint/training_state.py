@@ -234,9 +234,15 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         elif complete:
             path = complete[-1]
         else:
-            raise HfScaleCheckpointError(f"no complete checkpoint in {root} to resume from.")
+            raise HfScaleCheckpointError(
+                f"no complete checkpoint in {root} to resume from (no step_* folder with {TRAINER_STATE}): "
+                "give the folder a run saved its checkpoints in, or start without resuming."
+            )
     if not (path / TRAINER_STATE).exists():
-        raise HfScaleCheckpointError(f"{path} is not a complete training checkpoint (no {TRAINER_STATE}).")
+        raise HfScaleCheckpointError(
+            f"{path} is not a complete training checkpoint (no {TRAINER_STATE}): give a step_* folder that a "
+            "run saved, or its checkpoint root's latest."
+        )
     return path
 
 

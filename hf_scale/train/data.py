@@ -19,25 +19,20 @@ Usage::
 
 from __future__ import annotations
 
-import glob
-import os
-from pathlib import Path
-
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
 from ..ranks import rank0_first  # tokenise on rank 0 first; the others read its cache
 from .config import DataConfig
+from .data_files import is_local, load_data_files
 from .tasks import PREFIX, builtin_dataset
-
-BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
 
 def load_splits(cfg: DataConfig) -> dict:
     """``{"train": Dataset, "eval": Dataset or None}`` from the configured source."""
     if cfg.path.startswith(PREFIX):
         splits = builtin_dataset(cfg.path, seed=cfg.seed + 1234)
-    elif _is_local(cfg.path):
-        splits = _load_files(cfg.path)
+    elif is_local(cfg.path):
+        splits = load_data_files(cfg.path, "data.path")
     else:
         splits = _load_hub(cfg)
     if cfg.train_split not in splits:
@@ -47,7 +42,7 @@ def load_splits(cfg: DataConfig) -> dict:
         )
     train = splits[cfg.train_split]
     if cfg.eval_path:
-        evaluation = _load_files(cfg.eval_path)["train"]
+        evaluation = load_data_files(cfg.eval_path, "data.eval_path")["train"]
     elif cfg.eval_split and cfg.eval_split in splits:
         evaluation = splits[cfg.eval_split]
     elif cfg.eval_fraction > 0:
@@ -63,26 +58,6 @@ def load_splits(cfg: DataConfig) -> dict:
 
 def _first(ds, n):
     return ds if ds is None or n is None else ds.select(range(min(n, len(ds))))
-
-
-def _is_local(path: str) -> bool:
-    return Path(path).exists() or any(ch in path for ch in "*?[") or path.startswith((".", "/"))
-
-
-def _load_files(path: str):
-    from datasets import load_dataset
-
-    files = sorted(glob.glob(os.path.join(path, "*")) if Path(path).is_dir() else glob.glob(path))
-    files = [f for f in files if Path(f).suffix in BUILDERS]
-    if not files:
-        raise HfScaleConfigError(
-            f"data path {path!r} matches no data file; give a file, folder or glob of "
-            f"{', '.join(sorted(BUILDERS))} files."
-        )
-    kinds = {BUILDERS[Path(f).suffix] for f in files}
-    if len(kinds) > 1:
-        raise HfScaleConfigError(f"data path {path!r} mixes file types ({', '.join(sorted(kinds))}): use one.")
-    return load_dataset(kinds.pop(), data_files={"train": files})
 
 
 def _load_hub(cfg: DataConfig):

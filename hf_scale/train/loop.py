@@ -51,7 +51,7 @@ from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
-from .model import load_config, load_model, load_tokenizer, meta_model
+from .model import MODEL_SOURCES, load_config, load_model, load_tokenizer, meta_model, read_model_config
 from .trackers import start_trackers
 
 
@@ -64,8 +64,8 @@ def run(job: JobConfig) -> dict:
     if rank != 0:
         _quiet_progress_bars()
     _seed(job.train.seed)
+    model_config = read_model_config(job.model, MODEL_SOURCES)  # one clear error for a model that is not there
     tokenizer = load_tokenizer(job.model)
-    model_config = load_config(job.model)
     check_seq_len(job.data.max_seq_len, model_config)
     if job.data.keeps_documents_apart:  # before any data or weights are read
         check_packing(model_config)

@@ -25,6 +25,8 @@ from .config import AdapterConfig, ModelConfig
 # what transformers' tokenizers are read from (any one of them)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model", "merges.txt", "tekken.json")
+# what model.name_or_path takes, for the errors that refuse it
+MODEL_SOURCES = "a model folder (written by save_pretrained), a Hub id (org/name), or a zoo name (zoo:smollm2)"
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,7 +46,10 @@ def load_tokenizer(cfg: ModelConfig):
     folder = Path(path)
     if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
         _no_tokenizer(cfg, "the folder has no tokenizer files")
-    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    except OSError as e:  # a Hub id whose config is in the cache but not its tokenizer, a broken file
+        _no_tokenizer(cfg, f"its tokenizer cannot be loaded ({' '.join(str(e).split())[:300]})")
     if not tokenizer("Hello world", add_special_tokens=False)["input_ids"]:
         # transformers may make an empty tokenizer where the files are missing: every example
         # would tokenize to nothing, and the run fail later as "the dataset is empty"
@@ -84,8 +89,12 @@ def read_model_config(model_cfg, sources: str = "a model folder, its config.json
             f"model folder {name!r} has no config.json: give a folder written by save_pretrained, "
             f"or {sources.removeprefix('a model folder, ')}."
         )
+    if not local.exists() and not is_zoo(name):
+        _check_hub_id(name, sources)
     try:
         return load_config(model_cfg)
+    except HfScaleConfigError:
+        raise
     except (OSError, ValueError) as e:
         said = " ".join(str(e).split())
         if local.exists() or isinstance(e, ValueError):
@@ -97,6 +106,25 @@ def read_model_config(model_cfg, sources: str = "a model folder, its config.json
         raise HfScaleConfigError(
             f"cannot find model {name!r}: it is not a local folder or config.json, and {where}. "
             f"Give {sources} (a Hub id with network access, or downloaded before with `hf download`)."
+        ) from None
+
+
+def _check_hub_id(name: str, sources: str) -> None:
+    """Refuse a model name that is neither an existing path nor a valid Hub id, before asking the Hub."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:
+        raise HfScaleConfigError(
+            f"cannot find model {name!r}: it is not a local folder or config.json (there is no such path), "
+            f"nor a Hub id. Give {sources}."
+        )
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise HfScaleConfigError(
+            f"model {name!r} is neither a folder nor a Hub id (org/name, of letters, digits, '-', '_' and '.'). "
+            f"Give {sources}."
         ) from None
 
 

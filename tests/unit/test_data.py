@@ -138,6 +138,40 @@ def test_no_data_files_and_mixed_types(tmp_path):
         load_splits(DataConfig(path=str(tmp_path)))
 
 
+@pytest.mark.parametrize("name, text, message", [
+    ("cut.jsonl", '{"prompt": "a", "response": "b"}\n{"prompt": "c", "resp',
+     "cut.jsonl': line 2, column 17: Unterminated string (the file ends inside this line: cut short?)"),
+    ("list.jsonl", '{"prompt": "a", "response": "b"}\n[1, 2]\n', "list.jsonl': line 2: a JSON list, not an object"),
+    ("cut.json", '[{"prompt": "a", "response": "b"}, {"prompt": "c"',
+     "cut.json': line 1, column 50: Expecting ',' delimiter (the file ends early: cut short?)"),
+    ("broken.csv", 'prompt,response\na,b\nc,d,e,f\n', "broken.csv': line 3: 4 fields, but the header names 2"),
+    ("quote.csv", 'prompt,response\n"a,b\nc,d\n', "quote.csv': line 3: unexpected end of data (a quote opened"),
+    ("empty.jsonl", "", "empty.jsonl' is empty"),
+    ("blank.csv", "\n \n", "blank.csv' is empty"),
+])
+def test_unreadable_data_files_name_the_file_and_line(tmp_path, name, text, message):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(HfScaleConfigError, match="^data.path: .*" + _escape(message)):
+        load_splits(DataConfig(path=str(tmp_path / name)))
+
+
+def test_data_paths_that_name_no_file(tmp_path):
+    with pytest.raises(HfScaleConfigError, match=_escape(f"data.path='{tmp_path}/nope.jsonl': no such file or folder")):
+        load_splits(DataConfig(path=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(HfScaleConfigError, match="data.path='data/nope.csv': no such file"):  # a file, not a Hub name
+        load_splits(DataConfig(path="data/nope.csv"))
+    _write(tmp_path, "jsonl")
+    (tmp_path / "eval.jsonl").write_text("")
+    with pytest.raises(HfScaleConfigError, match="^data.eval_path: the data file .*eval.jsonl' is empty"):
+        load_splits(DataConfig(path=str(tmp_path / "data.jsonl"), eval_path=str(tmp_path / "eval.jsonl")))
+
+
+def _escape(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
 def test_classification_labels(tmp_path):
     cfg = DataConfig(path=str(_write(tmp_path, "csv")), text_column="text", eval_split=None)
     train = load_splits(cfg)["train"]

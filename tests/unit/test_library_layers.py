@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_scale"
 # The application layer: it sits on top of the library and the library never imports it.
-APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.generate", "hf_scale.launch", "hf_scale.layout_preview", "hf_scale.zoo",
+APP = ("hf_scale.train", "hf_scale.cli", "hf_scale.generate", "hf_scale.launch", "hf_scale.torchrun", "hf_scale.layout_preview", "hf_scale.zoo",
        "hf_scale.layout_search")
 # The one way in from the library to the application: parallelize(model, "auto") asks the planner.
 ENTRY_POINTS = {("hf_scale.api", "hf_scale.layout_search.auto")}
