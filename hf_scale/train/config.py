@@ -84,7 +84,13 @@ class DataConfig:
         padding_free: each micro-batch's rows concatenated into one row (no padding at all),
             documents kept apart as in packing; not under pipeline parallel (its microbatches
             split the rows).
-        pack_group: examples packed together (one ``Dataset.map`` batch), as TRL does.
+        pack_group: examples packed together (one ``Dataset.map`` batch, or one group of a stream),
+            as TRL does.
+        streaming: read the training split as training goes (``datasets`` streaming: local files,
+            a Hub dataset or a generated task), split over the data-parallel ranks without overlap,
+            tokenised and packed on the fly; checkpoints save each rank's position, so ``--resume``
+            continues at the next example. Needs ``train.max_steps`` (a stream has no length).
+        shuffle_buffer: examples in the seeded shuffle buffer of a stream (1: the source's order).
         max_train_samples / max_eval_samples: keep only the first N examples.
         num_proc: processes for ``datasets.map`` tokenisation (cached on disk).
         seed: shuffle seed.
@@ -108,6 +114,8 @@ class DataConfig:
     packing: Union[bool, str] = False
     padding_free: bool = False
     pack_group: int = 1000
+    streaming: bool = False
+    shuffle_buffer: int = 1000
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
     num_proc: Optional[int] = None
@@ -123,6 +131,8 @@ class DataConfig:
         self.packing = {True: "bfd", False: None, "false": None, "none": None}.get(self.packing, self.packing)
         if self.packing is not None:
             _check_choice("data.packing", self.packing, PACKING)
+        if self.shuffle_buffer < 1:
+            raise HfScaleConfigError(f"data.shuffle_buffer={self.shuffle_buffer}: must be >= 1 (1: no shuffling).")
         if self.pack_group < 1:
             raise HfScaleConfigError(f"data.pack_group={self.pack_group}: must be >= 1 (e.g. 1000).")
 
@@ -401,6 +411,16 @@ class JobConfig:
             raise HfScaleConfigError(
                 f"data.packing / data.padding_free pack causal-LM documents; model.task={self.model.task!r} "
                 "classifies one example per row: set data.packing: false and data.padding_free: false."
+            )
+        if data.streaming and self.model.task != "causal_lm":
+            raise HfScaleConfigError(
+                f"data.streaming reads causal-LM text as it trains; model.task={self.model.task!r} needs every "
+                "label before training (the classifier's classes): set data.streaming: false."
+            )
+        if data.streaming and self.train.max_steps is None:
+            raise HfScaleConfigError(
+                "data.streaming: a stream has no length to count epochs in: set train.max_steps (e.g. "
+                "--train.max_steps 1000)."
             )
         if data.padding_free and self.parallel.pp > 1:
             raise HfScaleConfigError(

@@ -77,11 +77,15 @@ def require_columns(ds, columns: dict[str, str | None]) -> None:
 
     ``columns`` maps config keys to column names: ``{"data.label_column": "label"}``.
     """
+    _require(ds.column_names, columns)
+
+
+def _require(names, columns: dict[str, str | None]) -> None:
     for key, col in columns.items():
-        if col is not None and col not in ds.column_names:
+        if col is not None and col not in names:
             raise HfScaleConfigError(
                 f"{key}={col!r}: the dataset has no column {col!r}; its columns are "
-                f"{', '.join(ds.column_names)}. Set {key} to one of them."
+                f"{', '.join(names)}. Set {key} to one of them."
             )
 
 
@@ -122,23 +126,11 @@ def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: st
     (plain text concatenated into full rows) or None (one example per row)."""
     from ..data.packing import pack_examples, wrap_examples
 
-    limit = None if pack == "bfd_split" else max_len  # bfd_split cuts long examples into documents
-    if cfg.text_column:
-        require_columns(ds, {"data.text_column": cfg.text_column})
-        fn, kwargs = _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=limit)
-    else:
-        if pack == "wrapped":
-            raise HfScaleConfigError(
-                "data.packing: wrapped concatenates examples into rows that cut them apart and let each "
-                "attend to the ones before it: for plain pre-training text only (data.text_column). For "
-                "prompt / response data use data.packing: bfd (whole examples, kept apart)."
-            )
-        require_columns(ds, {"data.prompt_column": cfg.prompt_column, "data.response_column": cfg.response_column})
-        fn, kwargs = _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=limit)
+    fn, kwargs = causal_encoder(ds.column_names, tokenizer, cfg, max_len, pack)
     with rank0_first():
         out = ds.map(fn, fn_kwargs=kwargs, remove_columns=ds.column_names, num_proc=cfg.num_proc,
                      desc="tokenizing")
-        out = out.filter(lambda e: any(x != -100 for x in e["labels"][1:]), num_proc=cfg.num_proc)
+        out = out.filter(has_labels, num_proc=cfg.num_proc)
         _require_rows(out, len(ds))
         if pack == "wrapped":
             out = out.map(wrap_examples, fn_kwargs=dict(max_len=max_len), batched=True, num_proc=cfg.num_proc,
@@ -148,6 +140,45 @@ def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: st
                           batch_size=cfg.pack_group, remove_columns=out.column_names, num_proc=cfg.num_proc,
                           desc=f"packing ({pack})")
     return out
+
+
+def has_labels(example) -> bool:
+    """An example that trains something: a label after the first token (which predicts nothing)."""
+    return any(x != -100 for x in example["labels"][1:])
+
+
+def causal_encoder(columns, tokenizer, cfg: DataConfig, max_len: int, pack: str | None = None):
+    """``(fn, kwargs)``: ``fn(example, **kwargs)`` tokenises one example of a dataset with these
+    ``columns`` for the configured format, truncated to ``max_len`` (not under ``bfd_split``, which
+    cuts long examples into documents instead). Refuses missing columns, and ``wrapped`` packing
+    of anything but plain text."""
+    limit = None if pack == "bfd_split" else max_len
+    if cfg.text_column:
+        _require(columns, {"data.text_column": cfg.text_column})
+        return _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=limit)
+    if pack == "wrapped":
+        raise HfScaleConfigError(
+            "data.packing: wrapped concatenates examples into rows that cut them apart and let each "
+            "attend to the ones before it: for plain pre-training text only (data.text_column). For "
+            "prompt / response data use data.packing: bfd (whole examples, kept apart)."
+        )
+    _require(columns, {"data.prompt_column": cfg.prompt_column, "data.response_column": cfg.response_column})
+    return _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=limit)
+
+
+def stream_encoder(tokenizer, cfg: DataConfig, max_len: int, pack: str | None = None):
+    """``encode(example) -> tokens or None`` for a stream: the columns are checked on the first
+    example, examples left with no label are dropped (None)."""
+    chosen: list = []
+
+    def encode(example):
+        if not chosen:
+            chosen.append(causal_encoder(list(example), tokenizer, cfg, max_len, pack))
+        fn, kwargs = chosen[0]
+        out = fn(example, **kwargs)
+        return out if has_labels(out) else None
+
+    return encode
 
 
 def _require_rows(out, before: int) -> None:

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..api import get_state
 from ..checkpoint import load_state, save_pretrained, save_state
 from ..data.packing import PackedCollator, check_packing, real_tokens
+from ..data.streaming import StreamBatches
 from ..distributed import init_distributed
 from ..log import log_rank0
 from ..parallel.optim import build_optimizer, clip_grad_norm_, no_sync
@@ -43,6 +44,7 @@ from .data import (
     check_vocab,
     label_ids,
     load_splits,
+    stream_encoder,
     tokenize_causal_lm,
     tokenize_classification,
 )
@@ -51,6 +53,7 @@ from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
+from .streaming_data import stream_eval, stream_source
 from .model import MODEL_SOURCES, load_config, load_model, load_tokenizer, meta_model, read_model_config
 from .trackers import start_trackers
 
@@ -76,15 +79,16 @@ def run(job: JobConfig) -> dict:
     device = get_state(model).env.device
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
     collate, eval_collate = _collators(job, tokenizer.pad_token_id)
-    batches = ShardedBatches(train_ds, job.train.batch_size, dp.rank, dp.degree, collate, seed=job.data.seed)
+    batches = _batches(job, train_ds, tokenizer, collate, dp)
     total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
     optimizer = build_optimizer(model, lr=job.train.lr, weight_decay=job.train.weight_decay,
                                 betas=tuple(job.train.betas))
     scheduler = _scheduler(job, optimizer, total_steps)
     start = _resume(job, model, optimizer, scheduler, batches)
     log_rank0(
-        f"{len(train_ds)} training examples, {len(eval_ds) if eval_ds is not None else 0} eval; "
-        f"global batch {batches.global_batch * job.train.grad_accum} ({job.train.batch_size} x {dp.degree} "
+        f"{'streamed' if train_ds is None else len(train_ds)} training {'rows' if job.data.packing else 'examples'}, "
+        f"{len(eval_ds) if eval_ds is not None else 0} eval; "
+        f"global batch {job.train.batch_size * dp.degree * job.train.grad_accum} ({job.train.batch_size} x {dp.degree} "
         f"data-parallel ranks x {job.train.grad_accum} accumulation); {total_steps} steps; strategy {job.parallel.strategy}"
         + (f", ep {job.parallel.ep}" if job.parallel.ep > 1 else "")
     )
@@ -149,19 +153,36 @@ def _collators(job: JobConfig, pad_id: int):
     return PackedCollator(pad_id, flatten=job.data.padding_free), PackedCollator(pad_id)
 
 
+def _batches(job: JobConfig, train_ds, tokenizer, collate, dp: DataParallel):
+    """This data-parallel rank's training batches: of the tokenised dataset, or streamed (read,
+    tokenised and packed as training goes) when ``train_ds`` is None."""
+    if train_ds is not None:
+        return ShardedBatches(train_ds, job.train.batch_size, dp.rank, dp.degree, collate, seed=job.data.seed)
+    data = job.data
+    encode = stream_encoder(tokenizer, data, data.max_seq_len, data.packing)
+    return StreamBatches(stream_source(data, dp.rank, dp.degree), encode, job.train.batch_size, collate,
+                         pack=data.packing, max_len=data.max_seq_len, group=data.pack_group)
+
+
 def _datasets(job: JobConfig, tokenizer):
-    splits = load_splits(job.data)
     max_len = job.data.max_seq_len
+    if job.data.streaming:  # the training split is read as training goes (_batches)
+        ev = stream_eval(job.data)
+        return None, ev and tokenize_causal_lm(ev, tokenizer, job.data, max_len, pack=_eval_packing(job)), None
+    splits = load_splits(job.data)
     if job.model.task == "causal_lm":
         train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len, pack=job.data.packing)
-        # evaluation packed as training is (the same per-token loss), never wrapped across examples
-        pack_eval = job.data.packing if job.data.packing != "wrapped" else None
-        ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len, pack=pack_eval)
+        ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len, pack=_eval_packing(job))
         return train, ev, None
     labels = label_ids(splits["train"], job.data)
     train = tokenize_classification(splits["train"], tokenizer, job.data, max_len, labels)
     ev = splits["eval"] and tokenize_classification(splits["eval"], tokenizer, job.data, max_len, labels)
     return train, ev, labels
+
+
+def _eval_packing(job: JobConfig) -> str | None:
+    """Evaluation is packed as training is (the same per-token loss), never wrapped across examples."""
+    return job.data.packing if job.data.packing != "wrapped" else None
 
 
 def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: DataParallel) -> dict:
@@ -251,7 +272,7 @@ def _scheduler(job: JobConfig, optimizer, total_steps: int):
                          num_training_steps=total_steps)
 
 
-def _resume(job: JobConfig, model, optimizer, scheduler, batches: ShardedBatches) -> int:
+def _resume(job: JobConfig, model, optimizer, scheduler, batches) -> int:
     from ..checkpoint.training_state import complete_checkpoints
 
     resume = job.checkpoint.resume
@@ -261,6 +282,10 @@ def _resume(job: JobConfig, model, optimizer, scheduler, batches: ShardedBatches
         return 0
     path = job.checkpoint_dir / "latest" if resume == "latest" else Path(resume)
     step = load_state(model, optimizer, scheduler=scheduler, path=path, dataloader=batches)
+    if isinstance(batches, StreamBatches):  # a position per rank, restored with the rank's state
+        log_rank0(f"resumed from {path} at step {step} (stream epoch {batches.epoch}, after {batches.consumed} "
+                  f"examples and {batches.emitted} rows of the next on rank 0)")
+        return step
     expected = step * job.train.grad_accum
     if batches.position != expected:  # another world size: positions were not restored
         batches.seek(expected)
