@@ -102,10 +102,12 @@ SLIDING = 4  # Gemma3's sliding window, shorter than the documents: the window w
 
 
 def packing_model(arch: str) -> tf.PreTrainedModel:
-    """A tiny cache-off causal LM of ``arch`` (llama, qwen3, gemma3_text) for the packing tests:
-    weights drawn 10x wider than the default so that attention is sharp (a leak shows)."""
+    """A tiny causal LM of ``arch`` (llama, qwen3, gemma3_text) for the packing tests, its config's
+    ``use_cache`` left on as saved checkpoints have it (a cache turns transformers' packed-document
+    detection off: hf_scale's forwards of packed batches pass ``use_cache=False``), weights drawn
+    10x wider than the default so that attention is sharp (a leak shows)."""
     common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=128, use_cache=False,
+                  num_key_value_heads=2, vocab_size=128,
                   initializer_range=0.2)  # sharper attention than the default 0.02: a leak shows
     config = {
         "llama": lambda: tf.LlamaConfig(**common),

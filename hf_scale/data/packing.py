@@ -19,7 +19,7 @@ Usage::
                        fn_kwargs=dict(max_len=2048), remove_columns=dataset.column_names)
     collate = PackedCollator(pad_id)              # [rows, longest] with position_ids, no mask
     collate = PackedCollator(pad_id, flatten=True)  # padding-free: one row per micro-batch
-    loss = model(**collate([rows[0], rows[1]])).loss
+    loss = model(**collate([rows[0], rows[1]]), use_cache=False).loss  # hf_scale.forward_options
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ class PackedCollator:
     (its positions restart at 0, its labels are -100), so it changes nothing a real token sees.
     Each document's first label is -100. ``flatten``: padding-free, the examples concatenated
     into ONE row (``[1, total tokens]``), no padding at all.
+
+    Run the model on these batches with ``use_cache=False`` (``hf_scale.train_step`` /
+    ``eval_step`` do): with a cache, transformers does not look for the documents.
     """
 
     def __init__(self, pad_id: int, flatten: bool = False):

@@ -30,7 +30,7 @@ def train_step(model: nn.Module, batch: dict, loss_scale: float = 1.0) -> torch.
     pipeline = _pipeline(model)
     if pipeline is not None:
         return pipeline.train_step(batch, loss_scale)
-    loss = _loss(model(**batch), batch)
+    loss = _loss(model(**batch, **forward_options(batch)), batch)
     (loss * loss_scale).backward()
     return loss.detach().float()
 
@@ -41,7 +41,20 @@ def eval_step(model: nn.Module, batch: dict) -> torch.Tensor:
     if pipeline is not None:
         return pipeline.eval_step(batch)
     with torch.no_grad():
-        return _loss(model(**batch), batch).float()
+        return _loss(model(**batch, **forward_options(batch)), batch).float()
+
+
+def is_packed(batch) -> bool:
+    """A batch of documents kept apart by ``position_ids`` (no attention mask)."""
+    return batch.get("position_ids") is not None and batch.get("attention_mask") is None
+
+
+def forward_options(batch) -> dict:
+    """What a forward of ``batch`` must be called with besides the batch: ``use_cache=False`` for
+    packed documents. A model whose config has ``use_cache: true`` (most saved checkpoints) makes
+    a cache even in training, and transformers looks for packed documents only without one:
+    with it, every document of a row would attend to the ones before it."""
+    return {"use_cache": False} if is_packed(batch) else {}
 
 
 def _pipeline(model: nn.Module):

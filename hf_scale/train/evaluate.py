@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.step import eval_step
+from ..parallel.step import eval_step, forward_options
 from .dp import pipeline_degree
 from .loader import eval_batches
 
@@ -50,7 +50,7 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
             totals += _pipeline_scores(model, batch, weight.to(device))
             continue
         labels = batch.pop("labels")
-        logits = model(**batch).logits.float()
+        logits = model(**batch, **forward_options(batch)).logits.float()
         if task == "causal_lm":
             scores = _causal_scores(logits, labels, weight.to(device), batch.get("position_ids"))
         else:

@@ -32,6 +32,7 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
 
     from hf_scale.train.config import load_job
     from hf_scale.train.data import load_splits, tokenize_causal_lm
+    from hf_scale.data.packing import PackedCollator, real_tokens
     from hf_scale.train.loader import PadCollator, ShardedBatches
 
     job = load_job(recipe)
@@ -40,7 +41,10 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
     torch.manual_seed(train.seed)
     tokenizer = AutoTokenizer.from_pretrained(job.model.name_or_path)
     dataset = tokenize_causal_lm(load_splits(data)["train"], tokenizer, data, data.max_seq_len, pack=data.packing)
-    batches = iter(ShardedBatches(dataset, batch_size, 0, 1, PadCollator(tokenizer.pad_token_id), seed=data.seed))
+    collate = PadCollator(tokenizer.pad_token_id)
+    if data.keeps_documents_apart:  # packed rows: documents kept apart by position_ids, no mask
+        collate = PackedCollator(tokenizer.pad_token_id, flatten=data.padding_free)
+    batches = iter(ShardedBatches(dataset, batch_size, 0, 1, collate, seed=data.seed))
     model = AutoModelForCausalLM.from_pretrained(job.model.name_or_path, dtype=torch.float32)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=tuple(train.betas), weight_decay=0.0)
@@ -48,7 +52,7 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
     losses, norms, tokens = [], [], 0
     for _ in range(train.max_steps):
         batch = next(batches)
-        tokens += int(batch["attention_mask"].sum())
+        tokens += real_tokens(batch)
         loss = model(**batch).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm or float("inf"))))

@@ -96,10 +96,15 @@ def test_collator_pads_with_a_document_of_its_own_and_flattens():
 
 # ------------------------------------------------------------------ one process: packed == padded
 
-def _loss_and_grads(model, batch):
+def _loss_and_grads(model, batch, **options):
+    """The loss and gradients of ``batch`` through ``hf_scale.train_step`` (packed batches are
+    run without a cache)."""
+    import hf_scale
+
     model.zero_grad()
-    loss = model(**batch).loss
-    loss.backward()
+    loss = hf_scale.train_step(model, batch) if not options else model(**batch, **options).loss
+    if options:
+        loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -131,6 +136,18 @@ def test_padding_free_unpacked_examples_equal_padded(arch):
         assert torch.allclose(flat[name], grad, rtol=1e-5, atol=1e-6), name
 
 
+def test_a_cache_would_let_packed_documents_leak():
+    """Why hf_scale runs packed batches with ``use_cache=False``: with the config's cache on (as
+    saved checkpoints have it) transformers does not look for packed documents at all."""
+    model = packing_model("llama")
+    assert model.config.use_cache
+    examples = packing_examples()
+    padded_loss, _ = _loss_and_grads(model, PadCollator(0)(examples))
+    flat = PackedCollator(0, flatten=True)(examples)
+    assert _loss_and_grads(model, flat)[0] == pytest.approx(padded_loss, rel=1e-5)
+    assert abs(_loss_and_grads(model, flat, use_cache=True)[0] - padded_loss) > 10 * 1e-5 * padded_loss
+
+
 def test_a_mask_passed_with_packed_rows_would_leak():
     """The check above can fail: the same rows with an all-ones attention mask (the bug of
     transformers#46634, and hf_scale's old packing) let documents see each other."""
@@ -140,7 +157,7 @@ def test_a_mask_passed_with_packed_rows_would_leak():
     rows = pack_examples({k: [e[k] for e in examples] for k in ("input_ids", "labels")}, max_len=24)
     batch = PackedCollator(0)([dict(zip(rows, v)) for v in zip(*rows.values())])
     batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    assert abs(_loss_and_grads(model, batch)[0] - padded_loss) > 10 * 1e-5 * padded_loss  # 10x the tolerance
+    assert abs(_loss_and_grads(model, batch, use_cache=False)[0] - padded_loss) > 10 * 1e-5 * padded_loss  # 10x the tolerance
 
 
 # ------------------------------------------------------------------ which models keep documents apart
