@@ -209,3 +209,13 @@ def test_exact_match_is_per_document_in_packed_rows():
     logits[0, 4, 8] = 2.0  # now the second document is right too
     assert _causal_scores(logits, labels, torch.ones(1), positions)[2] == 2
     assert _causal_scores(logits, labels, torch.zeros(1), positions).tolist()[1:] == [0, 0, 0]  # weighted out
+
+
+@pytest.mark.parametrize("model_type, keeps_apart", [
+    ("mistral", True), ("phi3", True), ("gpt2", True), ("gpt_neox", True), ("olmo2", True),
+    ("bloom", False), ("gpt_oss", False), ("qwen3_next", False),
+])
+def test_which_architectures_keep_packed_documents_apart(model_type, keeps_apart):
+    """docs/finetuning.md's list: each architecture's default config, checked as a run checks it."""
+    config = tf.AutoConfig.for_model(model_type)
+    assert (packing_refusal(config) is None) == keeps_apart, packing_refusal(config)
