@@ -24,9 +24,22 @@ def packed_rows(examples: list[dict]) -> list[dict]:
     return [dict(zip(rows, values)) for values in zip(*rows.values())]
 
 
-def reference(arch: str) -> tuple[float, dict]:
-    """One process, plain transformers: the examples padded, one per row, with a mask."""
+def _model(arch: str, lora: bool = False):
+    """The tiny model, or a peft LoRA model on it (adapters on q and v, drawn non-zero so that
+    they change the output; the same seed on every rank and in the reference)."""
     model = packing_model(arch)
+    if not lora:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False))
+
+
+def reference(arch: str, lora: bool = False) -> tuple[float, dict]:
+    """One process, plain transformers: the examples padded, one per row, with a mask."""
+    model = _model(arch, lora)
     loss = model(**PadCollator(0)(packing_examples(EXAMPLES))).loss
     loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -37,8 +50,8 @@ def packed_run(case: dict) -> dict:
     tokens as the loop weighs them; returns the global loss and the largest relative gradient
     difference from :func:`reference`, per parameter."""
     arch, layout = case["arch"], case["config"]
-    ref_loss, ref_grads = reference(arch)
-    model = hf_scale.parallelize(packing_model(arch), copy.deepcopy(layout))
+    ref_loss, ref_grads = reference(arch, case.get("lora", False))
+    model = hf_scale.parallelize(_model(arch, case.get("lora", False)), copy.deepcopy(layout))
     rows = packed_rows(packing_examples(EXAMPLES))
     assert len(rows) == 4, len(rows)
     dp = DataParallel.of(model)

@@ -1,7 +1,8 @@
 """Packed rows (documents kept apart by position_ids, no attention mask) under fsdp, tp=2 and
 pp=2 at world 2 give the loss and every gradient of one process running the same examples padded
 one per row, token-weighted, fp32 at 1e-5: Llama, Qwen3 and Gemma3-text (a sliding window shorter
-than the documents). Padding-free rows (each rank's rows flattened into one) under fsdp and tp.
+than the documents). Padding-free rows (each rank's rows flattened into one) under fsdp and tp;
+LoRA adapters (their gradients) under fsdp and tp.
 A model that cannot keep documents apart (OPT) is refused: tests/unit/test_packing.py."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ LAYOUTS = {"fsdp": {"strategy": "fsdp"}, "tp2": {"tp": 2}, "pp2": {"pp": 2}}
 CASES = [dict(arch=a, config=c, id=f"{a}-{n}") for a in ARCHS for n, c in LAYOUTS.items()]
 CASES += [dict(arch=a, config=LAYOUTS[n], flatten=True, id=f"{a}-{n}-padding_free")
           for a in ("llama", "gemma3_text") for n in ("fsdp", "tp2")]
+CASES += [dict(arch="llama", config=LAYOUTS[n], lora=True, id=f"llama-{n}-lora") for n in ("fsdp", "tp2")]
 RTOL = 1e-5
 
 
