@@ -2,8 +2,9 @@
 data-parallel ranks (the ranks of one tensor-parallel group run the same forwards on the same
 examples, so they are counted once).
 
-Exact match (prompt/response data) asks whether greedy decoding from the prompt reproduces
-the answer and its end-of-turn token. That is decided in one teacher-forced forward: greedy
+Exact match (prompt/response data and conversations) asks whether greedy decoding from the
+prompt reproduces the answer and its end-of-turn token: the last labelled span of each row, that
+is the last trained assistant turn of a conversation, given the conversation before it. That is decided in one teacher-forced forward: greedy
 decoding emits the answer exactly when, at every answer position, the most likely next token
 given the correct prefix is the answer's next token (the prefixes then coincide at every
 step). So it costs one forward per batch instead of a ``generate`` loop, and all ranks stay
@@ -82,10 +83,20 @@ def _causal_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Ten
         logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
     )  # (batch, seq)
     w = weight[:, None] * mask
-    hit = ((logits.argmax(-1) == labels) | ~mask).all(dim=1) & mask.any(dim=1)
+    answer = last_span(mask)
+    hit = ((logits.argmax(-1) == labels) | ~answer).all(dim=1) & answer.any(dim=1)
     return torch.stack([
         (tokens * w).sum(), w.sum(), (hit.float() * weight).sum(), weight.sum(),
     ]).float()
+
+
+def last_span(mask: torch.Tensor) -> torch.Tensor:
+    """The last run of True in each row of ``mask`` (batch, seq): the answer exact match scores
+    (a pair has one run; a conversation one per trained assistant turn)."""
+    position = torch.arange(mask.shape[1], device=mask.device)
+    starts = mask & ~F.pad(mask, (1, 0))[:, :-1]  # True where a run begins
+    last_start = torch.where(starts, position, -1).amax(dim=1, keepdim=True)
+    return mask & (position >= last_start)
 
 
 def _classification_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
