@@ -83,6 +83,8 @@ def test_system_prompt_and_plain_format_for_conversations():
 def test_trl_conversational_prompt_completion_trains_the_completion_only():
     row = {"prompt": CHAT[:3], "completion": CHAT[3:]}
     assert _labelled([row]) == [["7" + END]]  # the prompt's assistant turn is context
+    row = {"prompt": CHAT[:2], "completion": CHAT[2:]}  # the completion opens with a user turn
+    assert _labelled([row], DataConfig(system_prompt="Be brief.")) == [["7" + END]]  # the system turn shifts none
     with pytest.raises(HfScaleConfigError, match="row 0: the prompt and the completion must both be strings or both"):
         _labelled([{"prompt": "What is 1 + 2?", "completion": CHAT[1:2]}])
     with pytest.raises(HfScaleConfigError, match="row 0 .*: the completion has no assistant turn"):
