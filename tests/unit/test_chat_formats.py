@@ -14,11 +14,16 @@ from hf_scale.errors import HfScaleConfigError
 from hf_scale.train.config import DataConfig
 from hf_scale.train.data import causal_lm_format, load_splits, tokenize_causal_lm
 from tests.tiny_models import tiny_tokenizer
-from tests.unit.test_chat_data import TOOLS, runs, smol  # noqa: F401 - smol: SmolLM2's tokenizer (fixture)
+from tests.unit.test_chat_data import TOOLS, runs, smollm2_tokenizer
 
 CHAT = [{"role": "user", "content": "What is 1 + 2?"}, {"role": "assistant", "content": "3"},
         {"role": "user", "content": "Add 4 to that."}, {"role": "assistant", "content": "7"}]
 END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return smollm2_tokenizer()
 
 
 def _labelled(rows, cfg=None, tok=None) -> list[list[str]]:
