@@ -131,7 +131,8 @@ def normalize_messages(messages, *, system_prompt: str | None = None, template: 
     if isinstance(messages, str):
         messages = _parse_json(messages, where)
     if not isinstance(messages, (list, tuple)) or not messages:
-        raise HfScaleConfigError(f"{where}: the conversation is empty ({messages!r}); give a list of messages "
+        what = "empty" if isinstance(messages, (list, tuple)) or messages is None else "not a list of messages"
+        raise HfScaleConfigError(f"{where}: the conversation is {what} ({messages!r}); give a list of messages "
                                  "like [{'role': 'user', 'content': ...}, {'role': 'assistant', 'content': ...}] "
                                  "or drop the row.")
     out = [_message(m, j, template, where) for j, m in enumerate(messages)]

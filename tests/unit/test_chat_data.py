@@ -273,6 +273,7 @@ def test_chat_template_from_a_file(tmp_path, smol):
 
 @pytest.mark.parametrize(("messages", "message"), [
     ([], "row 3: the conversation is empty"),
+    ({"role": "user", "content": "hi"}, "row 3: the conversation is not a list of messages"),
     ([{"role": "user", "content": "hi"}], r"row 3: the conversation has no assistant turn, so there is nothing to train on .roles: user."),
     ([{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}],
      "row 3: message 1 has role 'bot'; the roles are system, user, assistant, tool"),
