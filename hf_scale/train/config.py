@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..config import ParallelConfig, _check_choice, load_yaml
+from ..data.chat import TRAIN_ON
 from ..errors import HfScaleConfigError
 from .trackers import report_to_names
 
@@ -27,6 +28,7 @@ TASKS = ("causal_lm", "sequence_classification")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16")
 PACKING = ("bfd", "bfd_split", "wrapped")  # hf_scale.data.packing.STRATEGIES
+DATA_FORMATS = ("auto", "messages", "prompt_completion", "text")
 
 
 @dataclass
@@ -64,13 +66,38 @@ class DataConfig:
         eval_path: a separate local file for evaluation (else ``eval_split``).
         train_split / eval_split: split names; ``eval_split: null`` with ``eval_fraction`` > 0
             holds out that fraction of the training split.
-        prompt_column / response_column: causal LM instruction pairs; the loss covers only
-            the response (and its end-of-turn token) unless ``loss_on_prompt``.
+        format: how causal LM rows are read. ``auto`` (default) decides from the keys set and
+            the columns, in this order: ``text_column`` set -> ``text``; ``prompt_column`` or
+            ``response_column`` set -> ``prompt_completion``; ``messages_column`` set, or a
+            ``messages`` (else ``conversations``) column -> ``messages``; ``prompt`` with
+            ``response`` (else ``completion``) columns -> ``prompt_completion``; a ``text``
+            column -> ``text``. ``messages``: one conversation per row (a list of
+            ``{"role", "content"}`` messages; see docs/chat-data.md). ``prompt_completion``:
+            a prompt and its answer, as strings (one user and one assistant turn) or, as in
+            TRL's conversational form, as lists of messages (only the completion's assistant
+            turns are trained). ``text``: plain text, the loss on every token.
+        messages_column: the conversations' column (default ``messages``, else
+            ``conversations``).
+        prompt_column / response_column: the prompt and answer columns (default ``prompt`` and
+            ``response``, else ``completion``); the loss covers only the answer (and its
+            end-of-turn token) unless ``loss_on_prompt``.
         text_column: plain-text causal LM (loss on every token), or the classification text.
         text_pair_column: optional second text for classification (sentence pairs).
         label_column: classification label (int or string; strings are mapped to ids).
-        chat_template: format pairs with the tokenizer's chat template when it has one.
-        system_prompt: system message for the chat template (``null``: the template's default).
+        chat_template: how conversations and pairs are rendered: ``true`` the tokenizer's chat
+            template (a tokenizer without one: the plain format below), ``false`` the plain
+            format (non-assistant turns on their own lines, each assistant turn followed by
+            EOS: a pair is ``prompt\\nresponse<eos>``), or a Jinja template (inline, or the
+            path of a file) to use instead of the tokenizer's, e.g. one with
+            ``{% generation %}`` markers.
+        system_prompt: a system message put first in every conversation that has none
+            (``null``: the template's default).
+        train_on: ``all_assistant`` (every assistant turn of a conversation is trained) or
+            ``last_assistant`` (only the last one; the earlier turns are context).
+        train_on_reasoning: train on the reasoning of assistant turns (``<think>...</think>``
+            in the content, or a ``reasoning_content`` field); an empty ``<think></think>`` is
+            never trained on.
+        loss_on_prompt: labels on every token of a pair or conversation, not only the answers.
         max_seq_len: examples are truncated to this many tokens (at most the model's limit);
             the length of a packed row.
         packing: ``bfd`` (or ``true``): whole examples placed into rows of ``max_seq_len``
@@ -102,13 +129,17 @@ class DataConfig:
     train_split: str = "train"
     eval_split: Optional[str] = "test"
     eval_fraction: float = 0.0
-    prompt_column: str = "prompt"
-    response_column: str = "response"
+    format: str = "auto"
+    messages_column: Optional[str] = None
+    prompt_column: Optional[str] = None
+    response_column: Optional[str] = None
     text_column: Optional[str] = None
     text_pair_column: Optional[str] = None
     label_column: str = "label"
-    chat_template: bool = True
+    chat_template: Union[bool, str] = True
     system_prompt: Optional[str] = None
+    train_on: str = "all_assistant"
+    train_on_reasoning: bool = True
     loss_on_prompt: bool = False
     max_seq_len: int = 512
     packing: Union[bool, str] = False
@@ -122,6 +153,8 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check_choice("data.format", self.format, DATA_FORMATS)
+        _check_choice("data.train_on", self.train_on, TRAIN_ON)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise HfScaleConfigError(
                 f"data.eval_fraction={self.eval_fraction}: must be in [0, 1)."

@@ -5,11 +5,14 @@ csv, parquet, txt: a file, a folder or a glob) or a Hub dataset name. Tokenisati
 ``Dataset.map`` (cached on disk for file datasets, ``num_proc`` workers), on rank 0 first so
 the other ranks read its cache.
 
-Causal LM examples are either prompt/response pairs (chat template when the tokenizer has one;
-the loss covers the response and its end-of-turn token only) or plain text (loss on every
-token). Either can be packed (``data.packing``, :mod:`hf_scale.data.packing`): whole examples
-in rows best-fit-decreasing, documents kept apart by ``position_ids``; plain text may also be
-``wrapped`` into full rows. Classification examples are text (or text pairs) with a label.
+Causal LM examples are conversations (a ``messages`` column), prompt/response pairs, or plain
+text (``data.format``; ``auto`` reads it from the columns). Conversations and pairs go through
+one renderer, :func:`hf_scale.data.chat.tokenize_conversation`: the chat template (a plain
+format when the tokenizer has none), the loss on the assistant turns and their end-of-turn
+tokens only. Plain text has the loss on every token. Any of them can be packed
+(``data.packing``, :mod:`hf_scale.data.packing`): whole examples in rows best-fit-decreasing,
+documents kept apart by ``position_ids``; plain text may also be ``wrapped`` into full rows.
+Classification examples are text (or text pairs) with a label.
 
 Usage::
 
@@ -19,6 +22,10 @@ Usage::
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+
+from ..data.chat import normalize_messages, resolve_chat_template, tokenize_conversation
 from ..errors import HfScaleConfigError
 from ..log import log_rank0
 from ..ranks import rank0_first  # tokenise on rank 0 first; the others read its cache
@@ -119,8 +126,52 @@ def check_vocab(tokenizer, model_config, *datasets) -> None:
 # ------------------------------------------------------------------ causal LM
 
 
+@dataclass(frozen=True)
+class CausalLMFormat:
+    """How causal LM rows are read: ``kind`` (``messages``, ``prompt_completion`` or ``text``)
+    and its columns, keyed by the config key that names each (``{"data.messages_column": ...}``)."""
+
+    kind: str
+    columns: dict
+
+
+def causal_lm_format(column_names, cfg: DataConfig) -> CausalLMFormat:
+    """``cfg.format``, with ``auto`` resolved from the keys set and the columns (the order is
+    :class:`DataConfig`'s docstring's)."""
+    cols, kind = set(column_names), cfg.format
+    if kind == "auto":
+        if cfg.text_column:
+            kind = "text"
+        elif cfg.prompt_column or cfg.response_column:
+            kind = "prompt_completion"
+        elif cfg.messages_column or cols & {"messages", "conversations"}:
+            kind = "messages"
+        elif "prompt" in cols and cols & {"response", "completion"}:
+            kind = "prompt_completion"
+        elif "text" in cols:
+            kind = "text"
+        else:
+            raise HfScaleConfigError(
+                f"data.format=auto cannot tell the data format from the columns ({', '.join(column_names)}): "
+                "give a messages (or conversations) column, prompt and response (or completion) columns, or a "
+                "text column; or name yours with data.messages_column, data.prompt_column + "
+                "data.response_column or data.text_column."
+            )
+    if kind == "messages":
+        column = cfg.messages_column or ("conversations" if "conversations" in cols and "messages" not in cols
+                                         else "messages")
+        return CausalLMFormat(kind, {"data.messages_column": column})
+    if kind == "prompt_completion":
+        response = cfg.response_column or ("completion" if "completion" in cols and "response" not in cols
+                                           else "response")
+        return CausalLMFormat(kind, {"data.prompt_column": cfg.prompt_column or "prompt",
+                                     "data.response_column": response})
+    return CausalLMFormat("text", {"data.text_column": cfg.text_column or "text"})
+
+
 def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: str | None = None):
-    """``input_ids`` / ``labels`` rows; prompt tokens get label -100 unless ``loss_on_prompt``.
+    """``input_ids`` / ``labels`` rows; for conversations and pairs the labels are -100 outside
+    the trained assistant turns (:mod:`hf_scale.data.chat`) unless ``loss_on_prompt``.
 
     ``pack``: ``bfd`` / ``bfd_split`` (rows of whole examples with ``position_ids``), ``wrapped``
     (plain text concatenated into full rows) or None (one example per row)."""
@@ -128,8 +179,8 @@ def tokenize_causal_lm(ds, tokenizer, cfg: DataConfig, max_len: int, *, pack: st
 
     fn, kwargs = causal_encoder(ds.column_names, tokenizer, cfg, max_len, pack)
     with rank0_first():
-        out = ds.map(fn, fn_kwargs=kwargs, remove_columns=ds.column_names, num_proc=cfg.num_proc,
-                     desc="tokenizing")
+        out = ds.map(fn, fn_kwargs=kwargs, with_indices=True, remove_columns=ds.column_names,
+                     num_proc=cfg.num_proc, desc="tokenizing")
         out = out.filter(has_labels, num_proc=cfg.num_proc)
         _require_rows(out, len(ds))
         if pack == "wrapped":
@@ -148,34 +199,42 @@ def has_labels(example) -> bool:
 
 
 def causal_encoder(columns, tokenizer, cfg: DataConfig, max_len: int, pack: str | None = None):
-    """``(fn, kwargs)``: ``fn(example, **kwargs)`` tokenises one example of a dataset with these
-    ``columns`` for the configured format, truncated to ``max_len`` (not under ``bfd_split``, which
-    cuts long examples into documents instead). Refuses missing columns, and ``wrapped`` packing
-    of anything but plain text."""
+    """``(fn, kwargs)``: ``fn(example, index, **kwargs)`` tokenises one example of a dataset with
+    these ``columns`` in the configured format (:func:`causal_lm_format`), truncated to ``max_len``
+    (not under ``bfd_split``, which cuts long examples into documents instead). Refuses missing
+    columns, and ``wrapped`` packing of anything but plain text."""
     limit = None if pack == "bfd_split" else max_len
-    if cfg.text_column:
-        _require(columns, {"data.text_column": cfg.text_column})
-        return _text_example, dict(tokenizer=tokenizer, column=cfg.text_column, max_len=limit)
+    fmt = causal_lm_format(columns, cfg)
+    _require(columns, fmt.columns)
+    if fmt.kind == "text":
+        return _text_example, dict(tokenizer=tokenizer, column=fmt.columns["data.text_column"], max_len=limit)
     if pack == "wrapped":
         raise HfScaleConfigError(
             "data.packing: wrapped concatenates examples into rows that cut them apart and let each "
             "attend to the ones before it: for plain pre-training text only (data.text_column). For "
-            "prompt / response data use data.packing: bfd (whole examples, kept apart)."
+            "conversations and prompt / response data use data.packing: bfd (whole examples, kept apart)."
         )
-    _require(columns, {"data.prompt_column": cfg.prompt_column, "data.response_column": cfg.response_column})
-    return _pair_example, dict(tokenizer=tokenizer, cfg=cfg, max_len=limit)
+    if cfg.chat_template is True and not getattr(tokenizer, "chat_template", None):
+        log_rank0("the tokenizer has no chat template: conversations are rendered in the plain format (turns "
+                  "on their own lines, each answer followed by EOS); data.chat_template can name a template",
+                  once=True)
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    return _chat_example, dict(tokenizer=tokenizer, cfg=cfg, fmt=fmt, template=template, max_len=limit,
+                               tools="tools" in columns)
 
 
 def stream_encoder(tokenizer, cfg: DataConfig, max_len: int, pack: str | None = None):
     """``encode(example) -> tokens or None`` for a stream: the columns are checked on the first
     example, examples left with no label are dropped (None)."""
     chosen: list = []
+    seen = [0]
 
     def encode(example):
         if not chosen:
             chosen.append(causal_encoder(list(example), tokenizer, cfg, max_len, pack))
         fn, kwargs = chosen[0]
-        out = fn(example, **kwargs)
+        out = fn(example, seen[0], **kwargs)
+        seen[0] += 1
         return out if has_labels(out) else None
 
     return encode
@@ -194,7 +253,7 @@ def _require_rows(out, before: int) -> None:
         )
 
 
-def _text_example(example, tokenizer, column, max_len):
+def _text_example(example, index, tokenizer, column, max_len):
     ids = tokenizer(example[column], add_special_tokens=True)["input_ids"]
     if tokenizer.eos_token_id is not None:
         ids = ids + [tokenizer.eos_token_id]
@@ -202,38 +261,50 @@ def _text_example(example, tokenizer, column, max_len):
     return {"input_ids": ids, "labels": list(ids)}
 
 
-def _pair_example(example, tokenizer, cfg: DataConfig, max_len):
-    prompt, response = str(example[cfg.prompt_column]), str(example[cfg.response_column])
-    prompt_text, full_text = render_pair(tokenizer, cfg, prompt, response)
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=not _templated(tokenizer, cfg))["input_ids"]
-    answer_ids = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
-    ids = (prompt_ids + answer_ids)[:max_len]
-    labels = list(ids) if cfg.loss_on_prompt else [-100] * len(prompt_ids) + answer_ids
-    return {"input_ids": ids, "labels": labels[:max_len]}
+def _chat_example(example, index, tokenizer, cfg: DataConfig, fmt: CausalLMFormat, template: str, max_len: int,
+                  tools: bool):
+    """A conversation, or a prompt/response pair as one user and one assistant turn."""
+    if fmt.kind == "messages":
+        column = fmt.columns["data.messages_column"]
+        messages, prompt_turns, where = example[column], 0, f"row {index} of column {column!r}"
+    else:
+        messages, prompt_turns = _pair_messages(example, fmt, index)
+        where = f"row {index} (columns {', '.join(repr(c) for c in fmt.columns.values())})"
+    definitions = example["tools"] if tools else None
+    if isinstance(definitions, str):
+        definitions = json.loads(definitions)
+    return tokenize_conversation(messages, tokenizer, train_on=cfg.train_on, train_on_reasoning=cfg.train_on_reasoning,
+                                 loss_on_prompt=cfg.loss_on_prompt, system_prompt=cfg.system_prompt,
+                                 chat_template=template, tools=definitions or None, max_len=max_len,
+                                 prompt_turns=prompt_turns, where=where)
 
 
-def _templated(tokenizer, cfg: DataConfig) -> bool:
-    return cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
+def _pair_messages(example, fmt: CausalLMFormat, index: int) -> tuple[list, int]:
+    """(messages, prompt turns): strings become one user and one assistant turn; lists of
+    messages (TRL's conversational prompt / completion) are joined, the prompt's turns untrained."""
+    prompt = example[fmt.columns["data.prompt_column"]]
+    response = example[fmt.columns["data.response_column"]]
+    if isinstance(prompt, list) and isinstance(response, list):
+        return list(prompt) + list(response), len(prompt)
+    if isinstance(prompt, list) or isinstance(response, list):
+        raise HfScaleConfigError(
+            f"row {index}: the prompt and the completion must both be strings or both be lists of messages "
+            f"(TRL's conversational form); got {type(prompt).__name__} and {type(response).__name__}."
+        )
+    return [{"role": "user", "content": str(prompt)}, {"role": "assistant", "content": str(response)}], 0
 
 
 def render_pair(tokenizer, cfg: DataConfig, prompt: str, response: str) -> tuple[str, str]:
-    """(prompt text up to where the answer starts, prompt + answer + end-of-turn).
-
-    With a chat template the end-of-turn is the template's (``<|im_end|>``); trailing
-    whitespace after it is not trained. Without one, the answer ends with the EOS token.
-    """
-    if not _templated(tokenizer, cfg):
-        return prompt + "\n", prompt + "\n" + response + (tokenizer.eos_token or "")
-    messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt is not None else []
-    messages.append({"role": "user", "content": prompt})
-    prompt_text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    messages.append({"role": "assistant", "content": response})
-    full_text = tokenizer.apply_chat_template(messages, tokenize=False).rstrip()
-    if not full_text.startswith(prompt_text):
-        raise HfScaleConfigError(
-            "the tokenizer's chat template renders the prompt differently with and without "
-            "the answer, so the answer tokens cannot be told apart: set data.chat_template: false."
-        )
+    """(prompt text up to where the answer starts, prompt + answer + end-of-turn), as
+    :func:`tokenize_causal_lm` renders a pair: with the chat template the end-of-turn is the
+    template's (``<|im_end|>``; trailing whitespace after it is not trained), in the plain
+    format the EOS token."""
+    template = resolve_chat_template(tokenizer, cfg.chat_template)
+    messages = normalize_messages([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+                                  system_prompt=cfg.system_prompt, template=template)
+    prompt_text = tokenizer.apply_chat_template(messages[:-1], chat_template=template, tokenize=False,
+                                                add_generation_prompt=True)
+    full_text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False).rstrip()
     return prompt_text, full_text
 
 

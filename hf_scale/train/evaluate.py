@@ -2,8 +2,9 @@
 data-parallel ranks (the ranks of one tensor-parallel group run the same forwards on the same
 examples, so they are counted once).
 
-Exact match (prompt/response data) asks whether greedy decoding from the prompt reproduces
-the answer and its end-of-turn token. That is decided in one teacher-forced forward: greedy
+Exact match (prompt/response data and conversations) asks whether greedy decoding from the
+prompt reproduces the answer and its end-of-turn token: the last labelled span of each row, that
+is the last trained assistant turn of a conversation, given the conversation before it. That is decided in one teacher-forced forward: greedy
 decoding emits the answer exactly when, at every answer position, the most likely next token
 given the correct prefix is the answer's next token (the prefixes then coincide at every
 step). So it costs one forward per batch instead of a ``generate`` loop, and all ranks stay
@@ -106,11 +107,27 @@ def _causal_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Ten
     tokens = F.cross_entropy(
         logits.transpose(1, 2), labels.clamp(min=0), reduction="none"
     )  # (batch, seq)
+    answer = last_span(mask, flat)
     missed = torch.zeros_like(labelled)
-    missed[flat[mask & (logits.argmax(-1) != labels)]] = True
+    missed[flat[answer & (logits.argmax(-1) != labels)]] = True
     return torch.stack([
         (tokens * mask).sum(), mask.sum(), (labelled & ~missed).sum(), labelled.sum(),
     ]).float()
+
+
+def last_span(mask: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The last run of True of each example in ``mask`` (batch, seq): the answer exact match
+    scores (a pair has one run; a conversation one per trained assistant turn). An example is a
+    row, or in packed rows a document (``documents``: each position's document as a flat index,
+    :func:`_documents`; a run never crosses a document's start, whose label is ignored)."""
+    rows, width = mask.shape
+    position = torch.arange(width, device=mask.device).expand(rows, width)
+    starts = mask & ~F.pad(mask, (1, 0))[:, :-1]  # True where a run begins
+    if documents is None:
+        documents = torch.arange(rows, device=mask.device)[:, None].expand(rows, width)
+    last_start = torch.full((int(documents.max()) + 1,), -1, dtype=torch.long, device=mask.device)
+    last_start = last_start.scatter_reduce(0, documents[starts], position[starts], reduce="amax")
+    return mask & (position >= last_start[documents])
 
 
 def _classification_scores(logits: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

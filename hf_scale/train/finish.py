@@ -151,15 +151,18 @@ def _print_summary(summary: dict, model_dir: Path | None) -> None:
 
 
 def held_out_prompts(eval_ds, tokenizer, count: int) -> list[dict]:
-    """The first ``count`` held-out examples as prompts: question text, prompt ids, expected answer."""
+    """The first ``count`` held-out examples as prompts: question text, prompt ids, expected
+    answer. The answer is the last labelled span (a conversation's last trained assistant turn),
+    the prompt everything before it."""
     prompts = []
     for row in eval_ds.select(range(min(count, len(eval_ds)))):
         labels = row["labels"]
-        start = next(i for i, t in enumerate(labels) if t != -100)
+        start = max(i for i, t in enumerate(labels) if t != -100 and (i == 0 or labels[i - 1] == -100))
         ids = torch.tensor([row["input_ids"][:start]])
         question = tokenizer.decode(ids[0], skip_special_tokens=True).strip().splitlines()
+        answer = [t for t in labels[start:] if t != -100]
         prompts.append({"ids": ids, "question": question[-2] if len(question) > 1 else question[-1],
-                        "expected": tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)})
+                        "expected": tokenizer.decode(answer, skip_special_tokens=True)})
     return prompts
 
 

@@ -40,6 +40,7 @@ from ..parallel.step import train_step
 from ..ranks import rank_world
 from .config import JobConfig
 from .data import (
+    causal_lm_format,
     check_seq_len,
     check_vocab,
     label_ids,
@@ -72,7 +73,7 @@ def run(job: JobConfig) -> dict:
     check_seq_len(job.data.max_seq_len, model_config)
     if job.data.keeps_documents_apart:  # before any data or weights are read
         check_packing(model_config)
-    train_ds, eval_ds, labels = _datasets(job, tokenizer)
+    train_ds, eval_ds, labels, answers = _datasets(job, tokenizer)
     check_vocab(tokenizer, model_config, train_ds, eval_ds)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,
                        seed=job.train.seed)
@@ -95,7 +96,7 @@ def run(job: JobConfig) -> dict:
     trackers = start_trackers(job, start_step=start)  # train.report_to's runs, on rank 0 ([] elsewhere)
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
                       start_step=start, trackers=trackers)
-    evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics)
+    evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics, answers)
     before = evaluate_at(start) if start == 0 else None
     began, tokens_seen = time.perf_counter(), 0
     stream = iter(batches)
@@ -165,19 +166,23 @@ def _batches(job: JobConfig, train_ds, tokenizer, collate, dp: DataParallel):
 
 
 def _datasets(job: JobConfig, tokenizer):
+    """(train, eval, classification labels, whether the causal LM rows have answers to match:
+    conversations and pairs do, plain text does not). ``train`` is None when streamed."""
     max_len = job.data.max_seq_len
     if job.data.streaming:  # the training split is read as training goes (_batches)
         ev = stream_eval(job.data)
-        return None, ev and tokenize_causal_lm(ev, tokenizer, job.data, max_len, pack=_eval_packing(job)), None
+        answers = ev is not None and causal_lm_format(ev.column_names, job.data).kind != "text"
+        return None, ev and tokenize_causal_lm(ev, tokenizer, job.data, max_len, pack=_eval_packing(job)), None, answers
     splits = load_splits(job.data)
     if job.model.task == "causal_lm":
         train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len, pack=job.data.packing)
         ev = splits["eval"] and tokenize_causal_lm(splits["eval"], tokenizer, job.data, max_len, pack=_eval_packing(job))
-        return train, ev, None
+        answers = causal_lm_format(splits["train"].column_names, job.data).kind != "text"
+        return train, ev, None, answers
     labels = label_ids(splits["train"], job.data)
     train = tokenize_classification(splits["train"], tokenizer, job.data, max_len, labels)
     ev = splits["eval"] and tokenize_classification(splits["eval"], tokenizer, job.data, max_len, labels)
-    return train, ev, labels
+    return train, ev, labels, False
 
 
 def _eval_packing(job: JobConfig) -> str | None:
@@ -245,8 +250,8 @@ def _loss_items(batch: dict, task: str) -> float:
     return float(batch["labels"].numel())
 
 
-def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics):
-    exact_match = job.train.exact_match and not job.data.text_column
+def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, answers: bool):
+    exact_match = job.train.exact_match and answers
     pp = pipeline_degree(model)
     if eval_ds is not None and pp > 1 and (exact_match or job.model.task != "causal_lm"):
         log_rank0(f"evaluation under pipeline parallel (pp={pp}) reports the loss only: exact match and accuracy "

@@ -8,6 +8,7 @@ Usage::
     splits = builtin_dataset("builtin:arithmetic")      # DatasetDict(train=..., test=...)
     splits["train"][0]   # {"prompt": "What is 37 + 48?", "response": "85"}
     builtin_dataset("builtin:topics")["train"][0]     # {"text": "...", "label": "sports"}
+    builtin_dataset("builtin:multiturn")["train"][0]  # {"messages": [{"role": "user", ...}, ...]}
 """
 
 from __future__ import annotations
@@ -52,7 +53,61 @@ def topics(rng: random.Random) -> dict:
     return {"text": rng.choice(_OPENERS) + rng.choice(_TOPICS[label]) + rng.choice(_CLOSERS), "label": label}
 
 
-TASKS = {"arithmetic": arithmetic, "reverse": reverse_word, "topics": topics}
+# Follow-up steps of a multi-turn calculation: (short wording, long wording, the operation).
+_STEPS = [
+    ("Add {k} to that.", "Take the number you just gave me and add {k} to it. What do you get?",
+     lambda x, k: x + k),
+    ("Subtract {k} from that.", "Now take that result and subtract {k} from it. What is left?",
+     lambda x, k: x - k),
+    ("Now double it.", "Good. Please double the number from your last answer. What is it now?",
+     lambda x, k: 2 * x),
+    ("Multiply that by {k}.", "Next, multiply your previous answer by {k}. What is the product?",
+     lambda x, k: x * k),
+]
+# Long conversations open with one of these and add an aside to each follow-up.
+_PREAMBLES = [
+    ("I am checking my homework and I want to be sure of every single step before I hand it in "
+     "tomorrow morning, so please work through this with me carefully. "),
+    ("We are going to do a short calculation together, one step at a time, and each step builds on "
+     "the answer before it, so keep the running total in mind as we go. "),
+    ("Here is a small puzzle about numbers that my friend gave me during lunch today; it has a few "
+     "parts, and I would like the answer to each part with the number only, nothing else. "),
+]
+_ASIDES = [
+    "Right, I got the same number when I worked it out on paper a minute ago, so we agree. ",
+    "Thanks, that matches what I wrote down. ",
+    "Great, I think I am following so far, but let me keep going to be sure. ",
+    "Okay, my notebook agrees with you on that one. ",
+]
+
+
+def multiturn(rng: random.Random) -> dict:
+    """A conversation of 1-4 user/assistant turns: a two-digit sum or difference, then steps that
+    act on the previous answer ("Add 7 to that.", "Now double it."), answered with the number
+    only. Short and long wordings make the longest conversations about ten times as long as the
+    shortest."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    long = rng.random() < 0.5
+    if rng.random() < 0.5:
+        question, value = f"What is {a} + {b}?", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        question, value = f"What is {a} - {b}?", a - b
+    if long:
+        question = rng.choice(_PREAMBLES) + question
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": str(value)}]
+    for _ in range(rng.randint(0, 3)):
+        short, verbose, step = rng.choice(_STEPS[:2] if value > 500 else _STEPS)
+        k = rng.randint(2, 5) if "{k}" in short and "Multiply" in short else rng.randint(1, 20)
+        if step(value, k) < 0:
+            short, verbose, step = _STEPS[0]
+        value = step(value, k)
+        wording = rng.choice(_ASIDES) + verbose if long else short
+        messages += [{"role": "user", "content": wording.format(k=k)}, {"role": "assistant", "content": str(value)}]
+    return {"messages": messages}
+
+
+TASKS = {"arithmetic": arithmetic, "reverse": reverse_word, "topics": topics, "multiturn": multiturn}
 SIZES = {"topics": (240, 60)}  # (train, test): it has 270 distinct sentences
 
 
@@ -71,7 +126,7 @@ def builtin_dataset(path: str, seed: int = 1234):
     seen: dict[str, dict] = {}
     for _ in range(50 * (train_size + test_size)):
         example = make(rng)
-        seen.setdefault(next(iter(example.values())), example)  # distinct questions / texts
+        seen.setdefault(repr(next(iter(example.values()))), example)  # distinct questions / conversations
         if len(seen) == train_size + test_size:
             break
     rows = list(seen.values())
