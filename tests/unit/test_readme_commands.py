@@ -40,6 +40,8 @@ NOT_RUN = {
         f"{TRAINS}; tests/integration/test_cli.py trains every strategy on tiny recipes",
     "hf-scale finetune configs/quickstart.yaml --data.packing bfd --train.report_to tensorboard":
         f"{TRAINS}; tests/distributed/test_packing.py and tests/unit/test_trackers.py test both options",
+    "hf-scale finetune configs/chat-sft.yaml":
+        f"{TRAINS}; tests/unit/test_chat_*.py test its data, tests/distributed/test_packing.py its packing",
     "hf-scale finetune configs/quickstart.yaml --resume latest":
         "needs a run's checkpoint, then trains: minutes; tests/integration/test_cli.py resumes mid-epoch",
     "hf-scale finetune configs/quickstart-lora.yaml":
