@@ -249,7 +249,8 @@ class ContextParallel:
         return (), kwargs
 
     def _refuse(self, kwargs: dict) -> None:
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+        if (any(kwargs.get(k) is not None for k in ("cache", "past_key_values")) or kwargs.get("use_cache")
+                or kwargs.get("logits_to_keep") not in (None, 0)):  # generate keeps the last logits
             raise HfScaleConfigError(
                 "context parallel runs whole sequences without a cache (training and evaluation): generate "
                 "with a model loaded without cp (save, then load it in one process or under fsdp / tp)."
