@@ -91,14 +91,16 @@ def _full(tensor):
 def cp_run(case: dict) -> dict:
     """3 AdamW steps of ``case`` through hf_scale.train_step, each data-parallel rank its rows,
     weighted by their label tokens as the fine-tuning loop weighs them; the loss every rank of a
-    cp group returned, the first step's gradients and the final parameters (whole)."""
+    cp group returned, hf_scale.eval_step's loss before each step, the first step's gradients and
+    the final parameters (whole)."""
     model = hf_scale.parallelize(cp_model(case["arch"]), copy.deepcopy(case["config"]))
     state, dp = hf_scale.get_state(model), DataParallel.of(model)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
-    losses, norms, grads, returned = [], [], None, []
+    losses, norms, grads, returned, evaluated = [], [], None, [], []
     for batch in cp_batches(case.get("packed", False), case.get("seq", SEQ)):
         local = slice_batch(batch, dp.rank, dp.degree)
         share = _labeled(local) / _labeled(batch)
+        evaluated.append(float(dp.all_reduce(hf_scale.eval_step(model, local).double() * share)))
         loss = hf_scale.train_step(model, local, loss_scale=share * dp.degree)
         returned.append(float(loss))
         if grads is None:
@@ -109,6 +111,7 @@ def cp_run(case: dict) -> dict:
         losses.append(float(dp.all_reduce(torch.tensor(float(loss) * share, dtype=torch.float64))))
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "returned": returned,
+            "evaluated": evaluated,
             "dp": (state.dp_rank, state.dp_degree, dp.degree), "cp": state.cp_degree}
 
 

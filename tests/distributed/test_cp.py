@@ -76,6 +76,8 @@ def check_cp_parity(case: dict, ranks: list[dict]) -> None:
     got = ranks[0]
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: loss {a} vs one process {b}"
+    for step, (a, b) in enumerate(zip(got["evaluated"], ref["losses"])):  # no factor cp in evaluation
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: eval_step loss {a} vs one process {b}"
     for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
         assert abs(a - b) <= RTOL * abs(b), f"step {step}: gradient norm {a} vs one process {b}"
     for name, want in ref["grads"].items():
