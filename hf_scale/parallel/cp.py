@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
@@ -158,8 +159,6 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         )
     fwd.attention_calls += 1
     kv = torch.cat([key, value], dim=-1).contiguous()
-    import torch.distributed._functional_collectives as funcol
-
     kv = funcol.all_gather_single(kv, 2, fwd.group)  # [batch, kv_heads, S, dk + dv], autograd
     key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
     groups = query.shape[1] // key.shape[1]
