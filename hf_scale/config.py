@@ -45,12 +45,17 @@ SYNONYMS = {**dict.fromkeys(("expert_parallel", "expert_parallel_size", "ep_size
             **dict.fromkeys(("pipeline_parallel", "pipeline_parallel_size", "pp_size", "pipeline_model_parallel_size"),
                             "pp"),
             **dict.fromkeys(("fsdp_size", "data_parallel_shard_degree"), "dp_shard"),
-            **dict.fromkeys(("data_parallel_replicate_degree", "replicate_size"), "dp_replicate")}
+            **dict.fromkeys(("data_parallel_replicate_degree", "replicate_size"), "dp_replicate"),
+            **dict.fromkeys(("context_parallel", "context_parallel_size", "context_parallel_degree", "cp_size",
+                             "cp_degree"), "cp")}
 AUTO = "auto"  # strategy: let hf_scale.layout_search choose the layout (fields given beside it stay fixed)
 PRECISIONS = (None, "bf16", "fp16")
 AC_MODES = (None, "full", "selective")
 # torch.distributed.pipelining schedules; the last three hold several stages per rank.
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# how context parallel deals a sequence out: head_tail (rank r: chunks r and 2cp-1-r of 2cp, the
+# causal work balanced) or contiguous (rank r: chunk r of cp)
+CP_LAYOUTS = ("head_tail", "contiguous")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 T = TypeVar("T")
@@ -119,6 +124,13 @@ class ParallelConfig:
             same loss and gradients, with less work where most positions are masked (instruction
             tuning: the head of a 50k vocabulary is ~20% of a small model's FLOPs). Training
             forwards then return ``logits=None``; evaluation and ``generate`` are unchanged.
+        cp: context-parallel degree: every sequence of a batch is split over ``cp`` ranks, which
+            all get the same batch; attention all-gathers keys and values over them
+            (:mod:`hf_scale.parallel.cp`). Causal LMs whose attention goes through transformers'
+            attention registry only; FSDP then shards over ``dp_shard x cp``. 1 = none.
+        cp_layout: one of ``CP_LAYOUTS``: ``"head_tail"`` (rank r holds chunks r and 2cp-1-r of
+            2cp: every rank has as much causal attention work) or ``"contiguous"`` (rank r holds
+            chunk r of cp).
         timeout_seconds: collective timeout when hf_scale creates the process group.
     """
 
@@ -141,6 +153,8 @@ class ParallelConfig:
     pp_split_points: list[int] | None = None
     loss_chunk_tokens: int | None = None
     loss_labeled_only: bool = False
+    cp: int = 1
+    cp_layout: str = "head_tail"
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -158,6 +172,7 @@ class ParallelConfig:
             )
         self._check_ep()
         self._check_pp()
+        self._check_cp()
         _check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens, "(tokens per chunk, e.g. 1024) or None")
         if not isinstance(self.loss_labeled_only, bool):
             raise HfScaleConfigError(f"loss_labeled_only={self.loss_labeled_only!r} must be true or false.")
@@ -274,6 +289,26 @@ class ParallelConfig:
                 )
         if self.pp_split_points is not None and self.pp == 1:
             raise HfScaleConfigError("pp_split_points is set but pp=1: set pp, or drop pp_split_points.")
+
+    def _check_cp(self) -> None:
+        _check_positive_int("cp", self.cp, "(ranks a sequence is split over; 1 = no context parallel)", optional=False)
+        _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        if self.cp == 1:
+            return
+        others = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep") if getattr(self, name) > 1]
+        if others:
+            raise HfScaleConfigError(
+                f"cp={self.cp} with {', '.join(others)}: not yet: context parallel composes with fsdp, zero2 "
+                "and ddp (over dp x cp) only, so far. Drop one of them (e.g. cp with more data-parallel ranks "
+                f"instead of {others[0].split('=')[0]})."
+            )
+        if self.strategy not in ("fsdp", "zero2", "ddp"):
+            why = {AUTO: "the planner does not price context parallel yet",
+                   "hsdp": "not yet: hsdp with cp (FSDP over dp_shard x cp, replicated over dp_replicate) is untested",
+                   "zero1": "not yet: ZeRO-1's optimizer shards over the data-parallel ranks only"}[self.strategy]
+            raise HfScaleConfigError(
+                f"cp={self.cp} with strategy={self.strategy!r}: {why}. Use strategy='fsdp', 'zero2' or 'ddp' with cp."
+            )
 
     @property
     def stages_per_rank(self) -> int:

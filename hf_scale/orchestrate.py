@@ -1,9 +1,9 @@
 """The order of operations behind ``parallelize``, one named step each, torchtitan's order.
 
 :func:`apply_parallelism` reads as that order: plan -> process group -> mesh (degrees, tensor
-and pipeline layouts) -> this rank's pipeline stages -> loss -> tensor parallel -> device ->
-activation checkpointing -> data parallel (FSDP2 / DDP, or autocast alone) -> pipeline
-schedule -> state. Each step is a small function with explicit arguments; the engine's
+and pipeline layouts) -> this rank's pipeline stages -> loss -> tensor parallel -> context
+parallel -> device -> activation checkpointing -> data parallel (FSDP2 / DDP over dp x cp, or
+autocast alone) -> pipeline schedule -> state. Each step is a small function with explicit arguments; the engine's
 ``apply_*`` functions (:mod:`hf_scale.parallel`) do the work. ``config`` is a resolved
 :class:`ParallelConfig` here: ``"auto"`` is :func:`hf_scale.api.parallelize`'s to resolve, so
 the planner's calibration can apply a layout without importing the planner again.
@@ -36,6 +36,8 @@ from .model_plans.from_hf import PRUNED, with_inferred_tp
 from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
+from .parallel.cp import apply_cp
+from .parallel.cp_check import check_cp_model
 from .parallel.ep import apply_experts, unsplit_parameters
 from .parallel.fsdp import shard_experts
 from .parallel.loss import is_fake
@@ -89,6 +91,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     apply_loss(model, config, topology)
     apply_tensor_parallel(model, topology, resolved)
     apply_expert_parallel(model, topology)
+    apply_context_parallel(model, topology, config)
     move_to_device(model, config, topology, env)
     apply_checkpointing(model, units, config)
     roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
@@ -125,10 +128,10 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     """Degrees, layouts and mesh. Every check runs before the mesh's first collective, so a bad
     layout fails on every rank alike; in one process, tp or pp > 1 asks for torchrun."""
     if env.world_size == 1:
-        if config.tp > 1 or config.pp > 1 or config.ep > 1:
-            need = config.tp * config.pp * config.ep
-            degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("ep", config.ep), ("pp", config.pp))
-                                 if v > 1)
+        if config.tp > 1 or config.pp > 1 or config.ep > 1 or config.cp > 1:
+            need = config.tp * config.pp * config.ep * config.cp
+            degrees = " x ".join(f"{n}={v}" for n, v in (("tp", config.tp), ("ep", config.ep), ("pp", config.pp),
+                                                         ("cp", config.cp)) if v > 1)
             raise HfScaleConfigError(
                 f"{degrees} needs {need} processes (or a multiple): start the script with torchrun "
                 f"--nproc_per_node {need} (found one process, no torchrun environment)."
@@ -137,6 +140,8 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
     experts = experts_layout(model, plan) if config.ep > 1 or config.tp > 1 else None
     if config.ep > 1:  # the model's experts first: an ep they refuse is not worth fitting to the ranks
         check_ep(experts, model, plan, config.ep)
+    if config.cp > 1:  # an architecture cp cannot split, refused on every rank before the mesh
+        check_cp_model(model)
     dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
     pp = None
     if dims.pp_enabled:
@@ -294,11 +299,19 @@ def apply_expert_parallel(model: nn.Module, topology: Topology) -> None:
     apply_experts(model, held, topology.experts_mesh, topology.dims.ep_enabled, split)
 
 
+def apply_context_parallel(model: nn.Module, topology: Topology, config: ParallelConfig) -> None:
+    """Under cp, each sequence split over the cp ranks: the attention function, the split of the
+    batch and the loss over the group (:mod:`hf_scale.parallel.cp`)."""
+    if topology.dims is None or not topology.dims.cp_enabled:
+        return
+    apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout)
+
+
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:
     """Put this rank's model on its GPU, unless FSDP will (it moves unit by unit, never holding
     the whole model there). After tensor parallel, so each GPU receives its shards only."""
     dims = topology.dims
-    fsdp_moves = dims is not None and dims.dp_degree > 1 and config.sharded
+    fsdp_moves = dims is not None and dims.dp_cp_degree > 1 and config.sharded
     if env.device.type != "cpu" and not fsdp_moves and not any(p.is_meta for p in model.parameters()):
         model.to(env.device)
 
@@ -315,8 +328,10 @@ def apply_checkpointing(model: nn.Module, units: list[nn.Module], config: Parall
 def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Module], keep_fp32: list[nn.Module],
                         dtype: torch.dtype | None, config: ParallelConfig, env: DistEnv) -> list[nn.Module]:
     """FSDP2 (fsdp / zero2 / hsdp) or DDP (ddp / zero1) on each root over the data-parallel
-    mesh, or autocast alone (one process, or tp / pp without data parallel). Under pipeline
-    parallel each stage is its own root (FSDP unit, autocast scope); returns the roots."""
+    mesh (times cp under context parallel: each cp rank holds the gradients of its part of the
+    sequences, the loss's backward makes their mean over dp x cp the right one), or autocast alone
+    (one process, or tp / pp without data parallel). Under pipeline parallel each stage is its
+    own root (FSDP unit, autocast scope); returns the roots."""
     roots = [model]
     if topology.pp is not None:
         roots = [stage_module(model, topology.pp, s) for s in topology.stages]
@@ -324,12 +339,12 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
     for root in roots:
         inside = {id(m) for m in root.modules()}
         fp32 = [m for m in keep_fp32 if id(m) in inside]
-        if dims is None or dims.dp_degree == 1:
+        if dims is None or dims.dp_cp_degree == 1:
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
         elif config.sharded:
             experts = _experts_modules(model, root, topology)
-            apply_fsdp(root, dims.dp_mesh(topology.mesh), [u for u in units if id(u) in inside],
+            apply_fsdp(root, dims.dp_cp_mesh(topology.mesh), [u for u in units if id(u) in inside],
                        experts=experts, experts_mesh=topology.experts_dp_mesh, data_ranks=dims.dp_degree,
                        param_dtype=dtype,
                        reshard_after_forward=config.strategy != "zero2" and config.reshard_after_forward is not False,
@@ -341,7 +356,7 @@ def apply_data_parallel(model: nn.Module, topology: Topology, units: list[nn.Mod
             # each rank's experts its own (ep = the replicas), else FSDP-sharded over the replicas
             # holding the same ones; DDP all-reduces the rest
             shard_experts(experts, topology.experts_dp_mesh, dims.dp_degree)
-            apply_ddp(root, dims.dp_mesh(topology.mesh), ignored=experts)
+            apply_ddp(root, dims.dp_cp_mesh(topology.mesh), ignored=experts)
             if dtype is not None:
                 apply_autocast(root, dtype, env.device.type, fp32)
     return roots
@@ -386,6 +401,7 @@ def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: 
         + (f"; tp plan from {plan.source.get('tp_plan', '?')}" if topology.tp is not None else "")
         + f"; precision {config.mixed_precision or 'fp32'}"
         + (f"; pipeline {config.pp_schedule}, stages {_describe(topology.pp)}" if topology.pp is not None else "")
+        + (f"; sequences split over cp={config.cp} ({config.cp_layout})" if topology.dims.cp_enabled else "")
     )
 
 

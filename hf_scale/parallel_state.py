@@ -49,6 +49,16 @@ class ParallelState:
         return self.mesh["pp"] if self.mesh is not None and self.dims.pp > 1 else None
 
     @property
+    def cp_mesh(self):
+        """The 1-D context-parallel sub-mesh, or None without context parallel."""
+        return self.mesh["cp"] if self.mesh is not None and self.dims.cp > 1 else None
+
+    @property
+    def cp_degree(self) -> int:
+        """Ranks each sequence is split over (1 without context parallel); they share a batch."""
+        return 1 if self.dims is None else self.dims.cp
+
+    @property
     def pp_degree(self) -> int:
         return 1 if self.dims is None else self.dims.pp
 
@@ -63,14 +73,14 @@ class ParallelState:
 
     @property
     def dp_rank(self) -> int:
-        """Which of the ``dp_degree`` batches this rank sees: ranks of one tensor-parallel
-        group share it. Use it, not RANK, to shard data."""
+        """Which of the ``dp_degree`` batches this rank sees: ranks of one tensor-parallel or
+        context-parallel group share it. Use it, not RANK, to shard data."""
         return 0 if self.mesh is None else self.dims.dp_rank(self.mesh)
 
     @property
     def dp_group(self):
         """Process group over the data-parallel ranks (None when there is one), for reducing
-        per-batch metrics such as token counts without counting a tp group's tokens twice."""
+        per-batch metrics such as token counts without counting a tp (or cp) group's tokens twice."""
         return None if self.mesh is None else self.dims.dp_group(self.mesh)
 
 

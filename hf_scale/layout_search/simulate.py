@@ -180,6 +180,11 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
+    if config.cp > 1:
+        raise HfScaleConfigError(
+            f"cp={config.cp}: the planner does not model context parallel yet (its memory and time estimates "
+            "assume whole sequences per rank). Plan without cp."
+        )
     dims = ParallelDims.resolve(config, world_size, num_nodes)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, micro_batch=micro_batch, ac=config.activation_checkpointing, precision=config.mixed_precision,

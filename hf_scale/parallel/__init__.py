@@ -1,8 +1,9 @@
 """The engine: small ``apply_*`` functions with explicit arguments and no model names.
 
 :func:`hf_scale.parallelize` calls them in this order: pipeline stages (:mod:`.pp`: prune the
-model to this rank's stages), tensor parallel (:mod:`.tp`), activation checkpointing, then FSDP
-(fsdp, zero2, hsdp) or DDP (ddp, zero1) with autocast for mixed precision, on each stage;
+model to this rank's stages), tensor parallel (:mod:`.tp`), context parallel (:mod:`.cp`: the
+sequence split and the attention function), activation checkpointing, then FSDP (fsdp, zero2,
+hsdp) or DDP (ddp, zero1) with autocast for mixed precision, on each stage;
 :mod:`.pp_schedule` runs a batch through the stages and :mod:`.step` gives every layout the
 same ``train_step`` / ``eval_step``. The chunked (or vocabulary-parallel) loss is applied first of all: it only changes
 what the model's forward computes. :mod:`.optim` holds the

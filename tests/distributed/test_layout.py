@@ -33,12 +33,12 @@ LLAMA_PLAN = ("llama", ("LlamaDecoderLayer",), (("lm_head.weight", "model.embed_
 @pytest.mark.parametrize("strategy, dp", [("fsdp", (1, 2)), ("zero2", (1, 2)), ("zero1", (2, 1)), ("ddp", (2, 1))])
 def test_get_state_reports_what_was_asked(world2, strategy, dp):
     """get_state after parallelize: the config asked for, the model's plan, the degrees, a
-    4-D mesh (pp, dp_replicate, dp_shard, tp) whose data-parallel part spans both ranks."""
+    5-D mesh (pp, dp_replicate, dp_shard, cp, tp) whose data-parallel part spans both ranks."""
     for rank, facts in enumerate(r[strategy]["state"] for r in world2):
         assert facts["type"] == "ParallelState" and facts["env"] == (rank, 2)
         assert facts["config"]["strategy"] == strategy and facts["plan"] == LLAMA_PLAN
         assert facts["dims"] == (*dp, 2)
-        assert facts["mesh"] == (("pp", "dp_replicate", "dp_shard", "tp"), (1, *dp, 1))
+        assert facts["mesh"] == (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (1, *dp, 1, 1))
         assert facts["dp_mesh_size"] == 2
     assert world2[0]["offload"]["state"]["config"]["cpu_offload"] is True
 
@@ -47,7 +47,7 @@ def test_get_state_of_hsdp_at_world4(world4):
     for rank, facts in enumerate(r["hsdp"]["state"] for r in world4):
         assert facts["config"]["strategy"] == "hsdp" and facts["config"]["dp_replicate"] == 2
         assert facts["dims"] == (2, 2, 4) and facts["env"] == (rank, 4)
-        assert facts["mesh"] == (("pp", "dp_replicate", "dp_shard", "tp"), (1, 2, 2, 1))
+        assert facts["mesh"] == (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (1, 2, 2, 1, 1))
         assert facts["dp_mesh_size"] == 4
 
 

@@ -1,0 +1,145 @@
+"""Context parallel (cp=2) against one process running plain transformers and AdamW on the whole
+batches: the loss every rank returns, the gradient norm, every gradient of the first step and the
+parameters after 3 AdamW steps (clipping on), fp32 at 1e-5 (updates at test_parity's 2e-4).
+
+World 2 (FSDP over the cp ranks): Llama, Qwen3, Mistral (sliding window 5 of 16 tokens),
+Gemma3-text (sliding window 4 on one layer), Phi3 and Gemma2 (sliding window and attention
+soft-capping), each head_tail and contiguous, plain rows and packed rows (position_ids restarting,
+no mask), prompts masked with -100; a length the layout does not divide (padded); activation
+checkpointing full and selective; zero2, ddp, chunked and labeled-only loss. World 4: cp=2 x
+fsdp dp_shard=2, cp=2 x ddp over 2 replicas (each data-parallel rank its rows, weighted by label
+tokens as the loop weighs them). Also: one K/V all-gather per attention layer in forward (one
+reduce-scatter in backward), and the refusals. See tests/distributed/cp_checks.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.distributed.cp_checks import CONFIGS, SEQ, reference, run_cp_cases
+from tests.distributed.test_parity import UPDATE_RTOL, update_errors
+from tests.harness import run_ranks
+
+RTOL = 1e-5
+FSDP, DDP = {"strategy": "fsdp", "cp": 2}, {"strategy": "ddp", "cp": 2}
+
+
+def _case(arch, layout="head_tail", packed=False, config=FSDP, name="", **extra):
+    tag = f"{arch}-{layout}-{'packed' if packed else 'rows'}{'-' + name if name else ''}"
+    return dict(arch=arch, config={**config, "cp_layout": layout}, packed=packed, id=tag, **extra)
+
+
+WORLD2 = [_case(a, layout, packed) for a in CONFIGS for layout in ("head_tail", "contiguous") for packed in (False, True)]
+WORLD2 += [
+    _case("llama", "head_tail", True, name="len14_padded", seq=14),  # 14 tokens: 2 pad to a multiple of 2cp
+    _case("gemma3_text", "contiguous", False, name="len13_padded", seq=13),
+    _case("llama", "head_tail", True, {**FSDP, "activation_checkpointing": "full"}, "full_ac"),
+    _case("mistral", "head_tail", True, {**FSDP, "activation_checkpointing": "selective"}, "selective_ac"),
+    _case("qwen3", "head_tail", True, {**FSDP, "strategy": "zero2"}, "zero2"),
+    _case("llama", "head_tail", True, DDP, "ddp"),
+    _case("gemma3_text", "contiguous", True, DDP, "ddp"),
+    _case("llama", "head_tail", True, {**FSDP, "loss_chunk_tokens": 8}, "chunked_loss"),
+    _case("phi3", "head_tail", True, {**FSDP, "loss_labeled_only": True}, "labeled_only"),
+]
+WORLD4 = [
+    _case("llama", "head_tail", True, name="fsdp2"),
+    _case("gemma3_text", "contiguous", False, {**FSDP, "activation_checkpointing": "full"}, "fsdp2_full_ac"),
+    _case("qwen3", "head_tail", True, DDP, "ddp2"),
+]
+OTHER = [dict(kind="comm", id="comm"), dict(kind="refusals", id="refusals"),
+         dict(kind="comm", args={"arch": "gemma3_text", "config": {**FSDP, "activation_checkpointing": "full"}},
+              id="comm_full_ac")]
+
+
+@pytest.fixture(scope="module")
+def world2():
+    cases = WORLD2 + OTHER
+    results = run_ranks(run_cp_cases, 2, cases, timeout=600)
+    return {c["id"]: [r[i] for r in results] for i, c in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def world4():
+    results = run_ranks(run_cp_cases, 4, WORLD4, timeout=600)
+    return {c["id"]: [r[i] for r in results] for i, c in enumerate(WORLD4)}
+
+
+_REFERENCES: dict = {}
+
+
+def check_cp_parity(case: dict, ranks: list[dict]) -> None:
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    key = (case["arch"], case["packed"], case.get("seq", SEQ))
+    ref = _REFERENCES.get(key) or _REFERENCES.setdefault(key, reference(*key))
+    got = ranks[0]
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: loss {a} vs one process {b}"
+    for step, (a, b) in enumerate(zip(got["evaluated"], ref["losses"])):  # no factor cp in evaluation
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: eval_step loss {a} vs one process {b}"
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        assert abs(a - b) <= RTOL * abs(b), f"step {step}: gradient norm {a} vs one process {b}"
+    for name, want in ref["grads"].items():
+        want = want.numpy()
+        err = float(np.linalg.norm(got["grads"][name] - want) / max(np.linalg.norm(want), 1e-12))
+        assert err <= RTOL, f"{name}: first-step gradient differs by {err:.2e} of its norm"
+    # an element whose gradient is rounding noise at some step (not only at every step, as in
+    # test_parity: 3 steps, not 1) takes an Adam step of up to lr in any direction at that step,
+    # in any run: those elements are held to Adam's bound, 2 * lr * steps, by update_errors
+    noisy = {**ref, "grad_max": ref["grad_min"]}
+    for name, rel in update_errors(noisy, got["params"], 1e-6 * max(ref["norms"])).items():
+        assert rel <= UPDATE_RTOL, f"{name}: its update differs from one process's by {rel:.2e} of its norm"
+    # every rank of a cp group returned the same loss: the whole rows', not its own part's
+    dp_degree = got["dp"][1]
+    cp = len(ranks) // dp_degree
+    for group in range(dp_degree):
+        members = [r for r in ranks if r["dp"][0] == group]
+        assert len(members) == cp and all(m["returned"] == members[0]["returned"] for m in members)
+
+
+@pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
+def test_cp2_matches_one_process(case, world2):
+    check_cp_parity(case, world2[case["id"]])
+
+
+@pytest.mark.parametrize("case", WORLD4, ids=[c["id"] for c in WORLD4])
+def test_cp2_with_two_data_parallel_ranks_matches_one_process(case, world4):
+    check_cp_parity(case, world4[case["id"]])
+
+
+def test_data_parallel_coordinate_leaves_cp_out(world2, world4):
+    """Ranks of a cp group share the data-parallel rank (the same batch), as tp ranks do."""
+    assert [r["dp"] for r in world2["llama-head_tail-rows"]] == [(0, 1, 1), (0, 1, 1)]
+    assert [r["cp"] for r in world2["llama-head_tail-rows"]] == [2, 2]
+    assert [r["dp"] for r in world4["llama-head_tail-packed-fsdp2"]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
+    assert [r["dp"] for r in world4["qwen3-head_tail-packed-ddp2"]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
+
+
+@pytest.mark.parametrize("case", ["comm", "comm_full_ac"])
+def test_one_kv_all_gather_per_attention_layer(case, world2):
+    """Forward: one all-gather (K and V together) per attention layer and one all-reduce (the
+    loss); backward: one reduce-scatter per layer (the all-gather's gradient) and one all-reduce.
+    Under full activation checkpointing the backward gathers K and V again as it recomputes."""
+    for counts in world2[case]:
+        assert "error" not in counts, counts.get("error")
+        layers, forward, backward = counts["layers"], counts["forward"], counts["backward"]
+        assert forward.get("c10d_functional.all_gather_into_tensor") == layers, forward
+        assert forward.get("c10d.allreduce_") == 1, forward
+        assert backward.get("c10d_functional.reduce_scatter_tensor") == layers, backward
+        assert backward.get("c10d.allreduce_") == 1, backward
+        recomputed = layers if case == "comm_full_ac" else None
+        assert backward.get("c10d_functional.all_gather_into_tensor") == recomputed, backward
+
+
+@pytest.mark.parametrize("attempt, message", [
+    ("padding_mask", "takes no padding attention mask"),
+    ("packed_with_mask", "Drop the attention_mask"),
+    ("generate", "without a cache"),
+    ("different_batches", "got different batches"),
+    ("seqcls", "not a causal LM"),
+])
+def test_refusals_on_a_cp_group(attempt, message, world2):
+    for result in world2["refusals"]:
+        assert "error" not in result, result.get("error")
+        assert message in result[attempt], result[attempt]
