@@ -56,6 +56,8 @@ bench: $(STAMP)
 	$(PY) scripts/bench_checkpoint.py
 	$(PY) scripts/bench_finetune.py
 	$(PY) scripts/bench_adapters.py
+	$(PY) scripts/bench_packing.py
+	$(PY) scripts/bench_streaming.py
 	$(PY) scripts/bench_step_parts.py
 	$(PY) scripts/bench_tensor_parallel.py
 	$(PY) scripts/bench_pipeline.py

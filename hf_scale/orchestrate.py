@@ -2,7 +2,8 @@
 
 :func:`apply_parallelism` reads as that order: plan -> process group -> mesh (degrees, tensor
 and pipeline layouts) -> this rank's pipeline stages -> loss -> tensor parallel -> context
-parallel -> device -> activation checkpointing -> data parallel (FSDP2 / DDP over dp x cp, or
+parallel -> device -> no KV cache in training forwards -> activation checkpointing -> data
+parallel (FSDP2 / DDP over dp x cp, or
 autocast alone) -> pipeline schedule -> state. Each step is a small function with explicit arguments; the engine's
 ``apply_*`` functions (:mod:`hf_scale.parallel`) do the work. ``config`` is a resolved
 :class:`ParallelConfig` here: ``"auto"`` is :func:`hf_scale.api.parallelize`'s to resolve, so
@@ -93,6 +94,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     apply_expert_parallel(model, topology)
     apply_context_parallel(model, topology, config)
     move_to_device(model, config, topology, env)
+    disable_kv_cache(model)
     apply_checkpointing(model, units, config)
     roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
     pipeline = attach_pipeline(model, topology, roots, resolved, config, env)
@@ -316,12 +318,27 @@ def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology,
         model.to(env.device)
 
 
+def disable_kv_cache(model: nn.Module) -> None:
+    """Turn off the KV cache in training forwards, on every sub-config (T5's decoder has its own).
+
+    With a cache, transformers does not look for packed documents in ``position_ids`` (it keeps
+    them apart only when the forward has no attention mask and no cache): a model whose config
+    says ``use_cache: true`` (SmolLM2, most Hub models) let packed documents attend to each other.
+    A cache filled during a checkpointed forward changes what the recomputation does (T5 reads
+    cross-attention keys back from it), and it keeps every layer's keys and values alive,
+    undoing what checkpointing frees. ``generate`` still uses its generation config's cache.
+    """
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
+
+
 def apply_checkpointing(model: nn.Module, units: list[nn.Module], config: ParallelConfig) -> None:
-    """Activation checkpointing on the blocks, with the KV cache off in training forwards."""
+    """Activation checkpointing on the blocks (the KV cache is off: :func:`disable_kv_cache`)."""
     if not config.activation_checkpointing:
         return
     count = apply_ac(units, config.activation_checkpointing, config.ac_every)
-    _disable_kv_cache(model)
     log_rank0(f"activation checkpointing ({config.activation_checkpointing}) on {count} of {len(units)} blocks")
 
 
@@ -455,16 +472,3 @@ def _present_ties(model: nn.Module, ties, layout: PipelineLayout | None = None) 
 def _vocab_sharded(model: nn.Module, head, layout: TPLayout) -> bool:
     names = {id(m): n for n, m in model.named_modules()}
     return isinstance(head, nn.Linear) and layout.styles.get(names.get(id(head), "")) == "colwise_gather_output"
-
-
-def _disable_kv_cache(model: nn.Module) -> None:
-    """Turn off the KV cache in training forwards, on every sub-config (T5's decoder has its own).
-
-    A cache filled during a checkpointed forward changes what the recomputation does (T5 reads
-    cross-attention keys back from it), and it keeps every layer's keys and values alive,
-    undoing what checkpointing frees. ``generate`` still uses its generation config's cache.
-    """
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False):
-            config.use_cache = False

@@ -1,11 +1,13 @@
 """What the benchmark scripts share: RSS sampling, a free port, launching ranks and collecting
-their JSON results with one failure reason per leg, tables with the ratios first, and writing a
+their JSON results with one failure reason per leg, running a command while sampling its process
+tree (CPU seconds, RSS; the kernel's peak RSS at the end), tables with the ratios first, and writing a
 table into the docs between section markers (``--write``, see ``scripts/write_doc.py``).
 
 Usage::
 
     from bench_common import RssSampler, launch_ranks, markdown_table, add_write_arg, write_doc
     results, error = launch_ranks(cmd, out_dir, "leg", world=2, timeout=1800, env=env)
+    run = run_sampled(cmd, log_path, timeout=900)   # CPU and RSS of the process tree as it runs
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -139,6 +142,90 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
             proc.wait()
             code = f"timeout after {timeout:.0f}s"
     return None if code == 0 else failure_reason(log_path.read_text(errors="replace"), code)
+
+
+class TreeRun:
+    """What :func:`run_sampled` saw of a command's process tree: ``samples`` of (wall time,
+    CPU seconds of the tree's live processes, summed RSS bytes), ``peak_tree_rss`` (the largest
+    sum), ``maxrss`` (the kernel's ``ru_maxrss`` of the command and the descendants it waited
+    for: the peak RSS of its largest process, bytes) and ``error`` (None, or why it failed)."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float, int]] = []
+        self.peak_tree_rss, self.maxrss, self.error = 0, 0, None
+
+    def cpu_between(self, start: float, end: float) -> float:
+        """CPU seconds the tree spent between two wall times (``time.time()``), interpolated
+        between samples."""
+        return cpu_at(self.samples, end) - cpu_at(self.samples, start)
+
+
+def cpu_at(samples: list[tuple[float, float, int]], when: float) -> float:
+    """The tree's CPU seconds at wall time ``when``, linear between the samples around it."""
+    if not samples:
+        return 0.0
+    if when <= samples[0][0]:
+        return samples[0][1]
+    for (t0, c0, _), (t1, c1, _) in itertools.pairwise(samples):
+        if t0 <= when <= t1:
+            return c0 + (c1 - c0) * ((when - t0) / (t1 - t0) if t1 > t0 else 1.0)
+    return samples[-1][1]
+
+
+def _tree(pid: int) -> tuple[float, int]:
+    """CPU seconds (user + system) and summed RSS of ``pid`` and its live descendants."""
+    import psutil
+
+    cpu, rss = 0.0, 0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return cpu, rss
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                times, mem = proc.cpu_times(), proc.memory_info()
+        except psutil.Error:
+            continue
+        cpu += times.user + times.system
+        rss += mem.rss
+    return cpu, rss
+
+
+def run_sampled(cmd: list[str], log_path: Path, timeout: float, env: dict | None = None,
+                cwd: Path | None = None, interval: float = 0.25, on_sample=None) -> TreeRun:
+    """:func:`run_logged`, sampling the command's process tree every ``interval`` seconds
+    (psutil: CPU seconds, summed RSS) and reading the kernel's peak RSS of the tree's largest
+    process when it ends (``os.wait4``). ``on_sample(now)`` is called after every sample (e.g.
+    to note when a metrics file grows)."""
+    run = TreeRun()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline, code = time.monotonic() + timeout, None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                proc.returncode = code  # reaped here: Popen must not wait for it again
+                run.maxrss = usage.ru_maxrss * 1024  # KiB on Linux
+                break
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                _, _, usage = os.wait4(proc.pid, 0)
+                proc.returncode, code = -signal.SIGKILL, f"timeout after {timeout:.0f}s"
+                break
+            now = time.time()
+            cpu, rss = _tree(proc.pid)
+            run.samples.append((now, cpu, rss))
+            run.peak_tree_rss = max(run.peak_tree_rss, rss)
+            if on_sample is not None:
+                on_sample(now)
+            time.sleep(interval)
+    if code != 0:
+        run.error = failure_reason(log_path.read_text(errors="replace"), code)
+    return run
 
 
 def torchrun(script: str, world: int, *args: str) -> list[str]:
