@@ -96,14 +96,15 @@ def test_collator_pads_with_a_document_of_its_own_and_flattens():
 
 # ------------------------------------------------------------------ one process: packed == padded
 
-def _loss_and_grads(model, batch, **options):
+def _loss_and_grads(model, batch, plain: bool = False, **options):
     """The loss and gradients of ``batch`` through ``hf_scale.train_step`` (packed batches are
-    run without a cache)."""
+    run without a cache), or (``plain``, or options given) of ``model(**batch, **options)``."""
     import hf_scale
 
+    plain = plain or bool(options)
     model.zero_grad()
-    loss = hf_scale.train_step(model, batch) if not options else model(**batch, **options).loss
-    if options:
+    loss = model(**batch, **options).loss if plain else hf_scale.train_step(model, batch)
+    if plain:
         loss.backward()
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -173,10 +174,10 @@ def test_parallelize_keeps_documents_apart_in_a_cache_on_model():
     cached = packing_model("llama")
     cached.config.use_cache = True
     padded_loss, _ = _loss_and_grads(cached, PadCollator(0)(examples))
-    assert abs(_loss_and_grads(cached, batch)[0] - padded_loss) > 10 * 1e-5 * padded_loss  # the leak
+    assert abs(_loss_and_grads(cached, batch, plain=True)[0] - padded_loss) > 10 * 1e-5 * padded_loss  # the leak
     model = hf_scale.parallelize(cached, {})
     assert model.config.use_cache is False
-    assert _loss_and_grads(model, batch)[0] == pytest.approx(padded_loss, rel=1e-5)
+    assert _loss_and_grads(model, batch, plain=True)[0] == pytest.approx(padded_loss, rel=1e-5)
 
 
 # ------------------------------------------------------------------ which models keep documents apart
