@@ -75,7 +75,7 @@ def cases(recipe: Path, root: Path, files: dict[str, Path]) -> list[tuple[str, l
         ("too many processes", [r, "--launch.nproc_per_node", "64"], "launch.nproc_per_node=64, but this machine has",
          BEFORE),
         ("data with other columns", [r, "--data.path", str(files["other_columns"])],
-         "the dataset has no column 'prompt'; its columns are question, answer", WORKERS),
+         "data.format=auto cannot tell the data format from the columns (question, answer)", WORKERS),
         ("truncated JSONL", [r, "--data.path", str(files["cut.jsonl"])],
          f"cannot read the data file '{files['cut.jsonl']}': line 2, column", WORKERS),
         ("model path that does not exist", [r, "--model.name_or_path", str(root / "no-model")],
