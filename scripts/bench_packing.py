@@ -35,8 +35,8 @@ round is pooled.
   hf_scale's order (a sequential sampler over the rows reordered, as ``bench_finetune.py`` does),
   so both train on the same batches: each TRL batch is compared with the one hf_scale's
   ``PackedCollator(flatten=True)`` builds for that rank and step.
-* **packed + padding_free, ddp**: hf_scale in TRL's layout (DDP), TRL's batches;
-* **packed + padding_free, all logits**: ``parallel.loss_labeled_only: false``: the head at every
+* **packed + padding_free (ddp)**: hf_scale in TRL's layout (DDP), TRL's batches;
+* **packed + padding_free (all logits)**: ``parallel.loss_labeled_only: false``: the head at every
   position, as TRL computes it.
 
 The other hf_scale legs set ``parallel.loss_labeled_only: true`` (the quickstart's setting: the
@@ -77,6 +77,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -101,7 +102,7 @@ CURVE_TOLERANCE = 0.10  # mean loss over the last steps, relative to the padded 
 SAME_BATCH_TOLERANCE = 1e-3  # loss per step, relative, where the batches are the same
 SPEEDUP_VS_PADDED, SPEEDUP_VS_TRL = 1.5, 1.2
 PADDED, PACKED, FREE, TRL = "padded", "packed", "packed + padding_free", "TRL packing + padding_free"
-FREE_DDP, FREE_LOGITS = "packed + padding_free, ddp", "packed + padding_free, all logits"
+FREE_DDP, FREE_LOGITS = "packed + padding_free (ddp)", "packed + padding_free (all logits)"
 LEGS = {  # name: hf-scale finetune overrides (None: the TRL worker)
     PADDED: ["--data.packing", "false"],
     PACKED: ["--data.packing", "bfd"],
@@ -580,7 +581,7 @@ def main() -> None:
     for i in range(args.rounds):
         for name in names:
             load, began = os.getloadavg()[0], time.perf_counter()
-            tag = f"{name.replace(' ', '_').replace('+', 'and')}_{i}"
+            tag = re.sub(r"\W+", "_", name.replace("+", "and")).strip("_") + f"_{i}"
             row = (trl_leg if LEGS[name] is None else hf_scale_leg)(args, out, name, tag)
             runs[name].append(row)
             shown = (f"{statistics.median(row['tok_s']):.1f} real tok/s, {row['tokens'] / row['cpu']:.1f} per "

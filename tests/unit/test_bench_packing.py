@@ -122,3 +122,10 @@ def test_table_puts_the_ratios_first():
     assert lines[2].startswith("| padded | 1.00 | n/a | 100.0 | 50.0 | 200.0 |")  # positions/s: 100 / 0.5
     assert lines[3].startswith("| packed | 1.50 | n/a | 150.0 | 75.0 | 150.0 |")
     assert lines[4].startswith("| TRL packing + padding_free | failed: OSError: x |")
+
+
+def test_leg_names_survive_the_legs_option():
+    """``--legs`` is comma-separated: no leg name may hold a comma."""
+    from bench_packing import DEFAULT_LEGS, LEGS
+
+    assert set(DEFAULT_LEGS) <= set(LEGS) and all("," not in name for name in LEGS)
