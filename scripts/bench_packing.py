@@ -4,8 +4,8 @@ TRL's ``SFTTrainer`` with ``packing=True, padding_free=True`` (``packing_strateg
 
 Run (one machine, 2 CPU cores; the script launches every leg itself, 2 processes each)::
 
-    python scripts/bench_packing.py                         # 2 rounds A B C D A B C D, ~40 min
-    python scripts/bench_packing.py --rounds 1 --steps 3    # a quick look
+    python scripts/bench_packing.py                         # 3 rounds of the 6 legs, ~40 min
+    python scripts/bench_packing.py --rounds 1 --steps 2    # a quick look
     python scripts/bench_packing.py --write docs/benchmarks.md   # into its section (markers
                                                                  # <!-- bench:packing:start/end -->)
 
@@ -17,26 +17,35 @@ spread). Rows of ``--max-len`` 512 tokens hold every example whole.
 
 Every leg trains the real SmolLM2-135M-Instruct (fp32) on 2 processes (gloo, one thread each) for
 ``--warmup + --steps`` optimizer steps: AdamW lr 1e-4, cosine, 1 warm-up step, clipping at 1.0.
+The legs run in turn, round after round (A B C ... A B C ...), and every measured step of every
+round is pooled.
 
 * **padded**: ``hf-scale finetune`` (fsdp), ``data.packing: false``: ``--padded-batch`` examples
   per rank and step, right-padded to the longest of the batch, with an attention mask.
 * **packed**: ``data.packing: bfd``: ``--rows`` rows of up to 512 tokens per rank and step (about
-  as many examples per step as the padded leg: the run prints both), the rows of a batch padded
+  as many examples per step as the padded leg: the table shows both), the rows of a batch padded
   to the longest; documents kept apart by ``position_ids`` restarting at 0, no attention mask.
 * **packed + padding_free**: the same rows, each micro-batch flattened into one row: no padding.
 * **TRL packing + padding_free** (the anchor): ``SFTTrainer`` under torchrun (accelerate runs it as
   DDP on ``MULTI_CPU``) given the same tokenized examples (hf_scale's tokenization: ``input_ids``
   and ``labels``, prompt tokens -100), ``packing=True, packing_strategy="bfd", padding_free=True,
-  max_length=512``, ``--rows`` rows per device, fp32, no gradient checkpointing. TRL packs them
-  itself; its rows are compared with hf_scale's (the same documents in the same rows) and, when
-  they match, taken in hf_scale's order (a sequential sampler over the rows reordered, as
-  ``bench_finetune.py`` does), so both train on the same batches: each TRL batch is compared with
-  the one hf_scale's ``PackedCollator(flatten=True)`` builds for that rank and step.
-* not run by default: **packed + padding_free ddp** (hf_scale's DDP, TRL's layout) and
-  **packed + padding_free all logits** (``parallel.loss_labeled_only: false``).
+  max_length=512``, ``--rows`` rows per device, fp32, no gradient checkpointing (TRL's bfd packing
+  is always padding-free: it sets ``padding_free`` itself). TRL packs them itself; its rows are
+  compared with hf_scale's (the same documents in the same rows) and, when they match, taken in
+  hf_scale's order (a sequential sampler over the rows reordered, as ``bench_finetune.py`` does),
+  so both train on the same batches: each TRL batch is compared with the one hf_scale's
+  ``PackedCollator(flatten=True)`` builds for that rank and step.
+* **packed + padding_free (ddp)**: hf_scale in TRL's layout (DDP), TRL's batches;
+* **packed + padding_free (all logits)**: ``parallel.loss_labeled_only: false``: the head at every
+  position, as TRL computes it.
 
-The hf_scale legs set ``parallel.loss_labeled_only: true`` (the quickstart's setting: the output
-head runs on the answer tokens only); TRL's fused LM head scores every position.
+The other hf_scale legs set ``parallel.loss_labeled_only: true`` (the quickstart's setting: the
+output head runs on the answer tokens only); TRL's fused LM head scores every position.
+
+The default batches (4 padded examples, or 2 packed rows, per rank) keep a leg to a few minutes
+and 2 ranks within the memory of a 24 GiB machine that others share: a padded rank peaks at ~5
+GiB here. The padded leg's padding share, so packing's gain, grows with its batch (more examples
+padded to the longest): ``--padded-batch 8 --rows 4`` is Trainer's default batch.
 
 Measured per leg, over the measured steps (the first ``--warmup`` skipped), rounds pooled:
 
@@ -47,15 +56,18 @@ Measured per leg, over the measured steps (the first ``--warmup`` skipped), roun
 * real tokens per CPU-second: the measured steps' real tokens over the CPU seconds all the leg's
   processes spent in them (psutil samples of the process tree): less sensitive to what else the
   machine runs than tokens/s;
+* positions computed/s: real tokens/s over the real share (padding included): where it is the
+  same for two legs, their real tokens/s differ only by the padding they compute;
 * real share: non-padding tokens / positions the model computed; examples per step;
 * peak RSS: the kernel's ``ru_maxrss`` of the leg's largest process (loading included);
 * loss per step, the final loss and the mean over the last ``--last`` steps.
 
 Targets (issue 38): packed real tokens/s >= 1.5x padded; hf_scale packed >= 1.2x TRL's packing +
-padding_free (the verdict takes hf_scale's packed + padding_free leg, TRL's settings); losses on
-the same curve: the mean loss over the last ``--last`` steps within 10% of the padded leg's
-(different batches: padded steps hold other examples), and packed, packed + padding_free and TRL
-equal at every step within 1e-3 (relative) where they train on the same batches.
+padding_free (a line for hf_scale's packed rows, the target's words, and one for its packed +
+padding_free, TRL's settings); losses on the same curve: the mean loss over the last ``--last``
+steps within 10% of the padded leg's (different batches: padded steps hold other examples), and
+the legs that train on the same batches (every packed leg, and TRL where its batches matched)
+equal at every step within 1e-3 (relative).
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ import itertools
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -89,17 +102,16 @@ CURVE_TOLERANCE = 0.10  # mean loss over the last steps, relative to the padded 
 SAME_BATCH_TOLERANCE = 1e-3  # loss per step, relative, where the batches are the same
 SPEEDUP_VS_PADDED, SPEEDUP_VS_TRL = 1.5, 1.2
 PADDED, PACKED, FREE, TRL = "padded", "packed", "packed + padding_free", "TRL packing + padding_free"
+FREE_DDP, FREE_LOGITS = "packed + padding_free (ddp)", "packed + padding_free (all logits)"
 LEGS = {  # name: hf-scale finetune overrides (None: the TRL worker)
     PADDED: ["--data.packing", "false"],
     PACKED: ["--data.packing", "bfd"],
     FREE: ["--data.packing", "bfd", "--data.padding_free", "true"],
     TRL: None,
-    "packed + padding_free ddp": ["--data.packing", "bfd", "--data.padding_free", "true",
-                                  "--parallel.strategy", "ddp"],
-    "packed + padding_free all logits": ["--data.packing", "bfd", "--data.padding_free", "true",
-                                         "--parallel.loss_labeled_only", "false"],
+    FREE_DDP: ["--data.packing", "bfd", "--data.padding_free", "true", "--parallel.strategy", "ddp"],
+    FREE_LOGITS: ["--data.packing", "bfd", "--data.padding_free", "true", "--parallel.loss_labeled_only", "false"],
 }
-DEFAULT_LEGS = [PADDED, PACKED, FREE, TRL]
+DEFAULT_LEGS = list(LEGS)
 
 
 # ------------------------------------------------------------------ the data
@@ -182,7 +194,7 @@ def verdicts(legs: dict, k: int) -> list[str]:
     """The target lines (PASS / FAIL, or n/a with the reason)."""
     med = statistics.median
     none = {"status": "not run"}
-    padded, trl, free = legs.get(PADDED, none), legs.get(TRL, none), legs.get(FREE, none)
+    padded, trl = legs.get(PADDED, none), legs.get(TRL, none)
     lines = []
     for name in (PACKED, FREE):
         leg = legs.get(name, none)
@@ -194,15 +206,16 @@ def verdicts(legs: dict, k: int) -> list[str]:
                          f"{r:.2f}x; per CPU-second {per_cpu:.2f}x)")
         else:
             lines.append(f"n/a: {name} vs padded ({name} {leg['status']}, padded {padded['status']})")
-    if free["status"] == "ok" and trl["status"] == "ok":
-        r = med(free["tok_s"]) / med(trl["tok_s"])
-        per_cpu = (free["tokens"] / free["cpu"]) / (trl["tokens"] / trl["cpu"])
-        lines.append(f"{'PASS' if r >= SPEEDUP_VS_TRL else 'FAIL'}: hf_scale packed (+ padding_free, TRL's "
-                     f"settings) real tokens/s >= {SPEEDUP_VS_TRL}x TRL SFTTrainer packing + padding_free "
-                     f"({med(free['tok_s']):.1f} vs {med(trl['tok_s']):.1f} = {r:.2f}x; per CPU-second "
-                     f"{per_cpu:.2f}x)")
-    else:
-        lines.append(f"n/a: hf_scale vs TRL ({FREE} {free['status']}, {TRL} {trl['status']})")
+    for name, what in ((PACKED, "hf_scale packed (rows)"), (FREE, "hf_scale packed + padding_free (TRL's settings)")):
+        leg = legs.get(name, none)
+        if leg["status"] == "ok" and trl["status"] == "ok":
+            r = med(leg["tok_s"]) / med(trl["tok_s"])
+            per_cpu = (leg["tokens"] / leg["cpu"]) / (trl["tokens"] / trl["cpu"])
+            lines.append(f"{'PASS' if r >= SPEEDUP_VS_TRL else 'FAIL'}: {what} real tokens/s >= {SPEEDUP_VS_TRL}x "
+                         f"TRL SFTTrainer packing + padding_free ({med(leg['tok_s']):.1f} vs {med(trl['tok_s']):.1f} = "
+                         f"{r:.2f}x; per CPU-second {per_cpu:.2f}x)")
+        else:
+            lines.append(f"n/a: {what} vs TRL ({name} {leg['status']}, {TRL} {trl['status']})")
     if padded["status"] == "ok" and len(legs) > 1:
         gaps = curve_gaps(legs, PADDED, k)
         if gaps:
@@ -210,7 +223,7 @@ def verdicts(legs: dict, k: int) -> list[str]:
             lines.append(f"{'PASS' if gaps[worst] <= CURVE_TOLERANCE else 'FAIL'}: every leg's mean loss over "
                          f"the last {k} steps within {CURVE_TOLERANCE:.0%} of padded's (largest: {worst} "
                          f"{gaps[worst]:.1%}; padded {mean_last(padded['loss'], k):.4f})")
-    pairs = [(name, ref) for name, ref in ((FREE, PACKED), (TRL, PACKED), (TRL, FREE))
+    pairs = [(name, ref) for name, ref in ((FREE, PACKED), (FREE_DDP, PACKED), (FREE_LOGITS, PACKED), (TRL, PACKED))
              if legs.get(name, none)["status"] == "ok" and legs.get(ref, none)["status"] == "ok"
              and (TRL not in (name, ref) or legs[TRL].get("same_batches"))]
     if pairs:
@@ -224,7 +237,7 @@ def verdicts(legs: dict, k: int) -> list[str]:
 def table(legs: dict, k: int) -> str:
     med = statistics.median
     header = ["leg", "real tok/s vs padded", "real tok/s vs TRL", "real tokens/s", "real tokens per CPU-second",
-              "median step (s)", "real share of positions", "examples per step", "peak RSS, largest process (GiB)",
+              "positions computed/s", "median step (s)", "real share of positions", "examples per step", "peak RSS, largest process (GiB)",
               "final loss", f"mean loss, last {k} steps", "measured steps"]
     padded, trl = legs.get(PADDED, {"status": "-"}), legs.get(TRL, {"status": "-"})
     rows = []
@@ -237,7 +250,7 @@ def table(legs: dict, k: int) -> str:
             return f"{med(leg['tok_s']) / med(base['tok_s']):.2f}" if base["status"] == "ok" else "n/a"
 
         rows.append([name, vs(padded), vs(trl), f"{med(leg['tok_s']):.1f}", f"{leg['tokens'] / leg['cpu']:.1f}",
-                     f"{med(leg['step_s']):.1f}", f"{sum(leg['share']) / len(leg['share']):.1%}",
+                     f"{med(t / share for t, share in zip(leg['tok_s'], leg['share'])):.1f}", f"{med(leg['step_s']):.1f}", f"{sum(leg['share']) / len(leg['share']):.1%}",
                      f"{statistics.mean(leg['examples']):.1f}", f"{leg['peak'] / 2**30:.2f}",
                      f"{leg['loss'][-1]:.4f}", f"{mean_last(leg['loss'], k):.4f}", str(len(leg["tok_s"]))])
     return markdown_table(header, rows)
@@ -530,7 +543,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="measured steps per leg (>= 1)")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before them (>= 1)")
-    parser.add_argument("--rounds", type=int, default=2, help="run the legs this many times, in turn (A B A B)")
+    parser.add_argument("--rounds", type=int, default=3, help="run the legs this many times, in turn (A B A B)")
     parser.add_argument("--legs", default=",".join(DEFAULT_LEGS), help=f"comma-separated among {', '.join(LEGS)}")
     parser.add_argument("--examples", type=int, default=2000, help="generated examples")
     parser.add_argument("--max-len", type=int, default=512, help="data.max_seq_len: tokens per packed row")
@@ -568,7 +581,7 @@ def main() -> None:
     for i in range(args.rounds):
         for name in names:
             load, began = os.getloadavg()[0], time.perf_counter()
-            tag = f"{name.replace(' ', '_').replace('+', 'and')}_{i}"
+            tag = re.sub(r"\W+", "_", name.replace("+", "and")).strip("_") + f"_{i}"
             row = (trl_leg if LEGS[name] is None else hf_scale_leg)(args, out, name, tag)
             runs[name].append(row)
             shown = (f"{statistics.median(row['tok_s']):.1f} real tok/s, {row['tokens'] / row['cpu']:.1f} per "

@@ -24,6 +24,7 @@ from bench_packing import (
     multistep_example,
     spread,
     step_gap,
+    table,
     verdicts,
     write_jsonl,
 )
@@ -57,7 +58,7 @@ def test_documents_of_a_row():
 
 
 def _leg(tok_s, loss, tokens=1000, cpu=10.0, **extra):
-    return {"status": "ok", "tok_s": tok_s, "step_s": [1.0] * len(tok_s), "share": [1.0], "examples": [8],
+    return {"status": "ok", "tok_s": tok_s, "step_s": [1.0] * len(tok_s), "share": [1.0] * len(tok_s), "examples": [8],
             "tokens": tokens, "cpu": cpu, "peak": 2**30, "loss": loss, **extra}
 
 
@@ -76,21 +77,26 @@ def test_verdicts():
     legs = {PADDED: _leg([100, 110, 90], [2.1, 1.4, 1.05, 0.95], tokens=1000, cpu=10.0),
             PACKED: _leg([160, 150, 170], same, tokens=1600, cpu=10.0),
             FREE: _leg([140, 150, 145], [2.0, 1.5, 1.0, 0.9005], tokens=1500, cpu=10.0),
-            TRL: _leg([100, 100, 100], same, tokens=1000, cpu=10.0, same_batches=True)}
+            TRL: _leg([100, 130, 100], same, tokens=1000, cpu=10.0, same_batches=True)}
     lines = verdicts(legs, 2)
-    assert lines[0].startswith("PASS: packed real tokens/s >= 1.5x padded (160.0 vs 100.0 = 1.60x; per CPU-second 1.60x)")
+    assert lines[0] == "PASS: packed real tokens/s >= 1.5x padded (160.0 vs 100.0 = 1.60x; per CPU-second 1.60x)"
     assert lines[1].startswith("FAIL: packed + padding_free real tokens/s >= 1.5x padded (145.0 vs 100.0 = 1.45x")
-    assert lines[2].startswith("PASS: hf_scale packed (+ padding_free, TRL's settings) real tokens/s >= 1.2x TRL")
-    assert "145.0 vs 100.0 = 1.45x; per CPU-second 1.50x" in lines[2]
-    assert lines[3].startswith("PASS: every leg's mean loss over the last 2 steps within 10% of padded's")
-    assert lines[4].startswith("PASS: the same batches give the same loss at every step within 0.001")
+    assert lines[2] == ("PASS: hf_scale packed (rows) real tokens/s >= 1.2x TRL SFTTrainer packing + padding_free "
+                        "(160.0 vs 100.0 = 1.60x; per CPU-second 1.60x)")
+    assert lines[3].startswith("PASS: hf_scale packed + padding_free (TRL's settings) real tokens/s >= 1.2x TRL")
+    assert "145.0 vs 100.0 = 1.45x; per CPU-second 1.50x" in lines[3]
+    assert lines[4].startswith("PASS: every leg's mean loss over the last 2 steps within 10% of padded's")
+    assert lines[5].startswith("PASS: the same batches give the same loss at every step within 0.001")
+    assert "TRL packing + padding_free vs packed 0.0e+00" in lines[5]
     legs[TRL] = {**legs[TRL], "same_batches": False, "loss": [9.0] * 4}  # other batches: not compared step by step
     lines = verdicts(legs, 2)
-    assert "TRL" not in lines[4] and lines[3].startswith("FAIL") and TRL in lines[3]
-    assert verdicts({PADDED: legs[PADDED]}, 2)[:3] == [
+    assert "TRL" not in lines[5] and lines[4].startswith("FAIL") and TRL in lines[4]
+    assert verdicts({PADDED: legs[PADDED]}, 2) == [
         "n/a: packed vs padded (packed not run, padded ok)",
         "n/a: packed + padding_free vs padded (packed + padding_free not run, padded ok)",
-        "n/a: hf_scale vs TRL (packed + padding_free not run, TRL packing + padding_free not run)"]
+        "n/a: hf_scale packed (rows) vs TRL (packed not run, TRL packing + padding_free not run)",
+        "n/a: hf_scale packed + padding_free (TRL's settings) vs TRL (packed + padding_free not run, "
+        "TRL packing + padding_free not run)"]
 
 
 def test_merge_pools_rounds():
@@ -105,3 +111,21 @@ def test_cpu_between_samples():
     samples = [(10.0, 1.0, 0), (12.0, 3.0, 0), (14.0, 4.0, 0)]
     assert cpu_at(samples, 11.0) == 2.0 and cpu_at(samples, 13.0) == 3.5
     assert cpu_at(samples, 5.0) == 1.0 and cpu_at(samples, 20.0) == 4.0 and cpu_at([], 1.0) == 0.0
+
+
+def test_table_puts_the_ratios_first():
+    legs = {PADDED: _leg([100, 100], [1.0], tokens=500, cpu=10.0, share=[0.5, 0.5]),
+            PACKED: _leg([150, 150], [1.0], tokens=750, cpu=10.0, share=[1.0, 1.0]),
+            TRL: {"status": "failed: OSError: x"}}
+    lines = table(legs, 1).splitlines()
+    assert lines[0].startswith("| leg | real tok/s vs padded | real tok/s vs TRL | real tokens/s |")
+    assert lines[2].startswith("| padded | 1.00 | n/a | 100.0 | 50.0 | 200.0 |")  # positions/s: 100 / 0.5
+    assert lines[3].startswith("| packed | 1.50 | n/a | 150.0 | 75.0 | 150.0 |")
+    assert lines[4].startswith("| TRL packing + padding_free | failed: OSError: x |")
+
+
+def test_leg_names_survive_the_legs_option():
+    """``--legs`` is comma-separated: no leg name may hold a comma."""
+    from bench_packing import DEFAULT_LEGS, LEGS
+
+    assert set(DEFAULT_LEGS) <= set(LEGS) and all("," not in name for name in LEGS)
