@@ -146,12 +146,13 @@ def run_logged(cmd: list[str], log_path: Path, timeout: float, env: dict | None 
 
 class TreeRun:
     """What :func:`run_sampled` saw of a command's process tree: ``samples`` of (wall time,
-    CPU seconds of the tree's live processes, summed RSS bytes), ``peak_tree_rss`` (the largest
-    sum), ``maxrss`` (the kernel's ``ru_maxrss`` of the command and the descendants it waited
-    for: the peak RSS of its largest process, bytes) and ``error`` (None, or why it failed)."""
+    CPU seconds of the tree's live processes, summed RSS bytes, the whole machine's busy CPU
+    seconds), ``peak_tree_rss`` (the largest sum), ``maxrss`` (the kernel's ``ru_maxrss`` of the
+    command and the descendants it waited for: the peak RSS of its largest process, bytes) and
+    ``error`` (None, or why it failed)."""
 
     def __init__(self):
-        self.samples: list[tuple[float, float, int]] = []
+        self.samples: list[tuple[float, float, int, float]] = []
         self.peak_tree_rss, self.maxrss, self.error = 0, 0, None
 
     def cpu_between(self, start: float, end: float) -> float:
@@ -159,17 +160,38 @@ class TreeRun:
         between samples."""
         return cpu_at(self.samples, end) - cpu_at(self.samples, start)
 
+    def others_between(self, start: float, end: float) -> float:
+        """Cores that other processes kept busy between two wall times: the machine's busy CPU
+        seconds less the tree's, over the wall time."""
+        machine = cpu_at(self.samples, end, 3) - cpu_at(self.samples, start, 3)
+        return max(machine - self.cpu_between(start, end), 0.0) / max(end - start, 1e-9)
 
-def cpu_at(samples: list[tuple[float, float, int]], when: float) -> float:
-    """The tree's CPU seconds at wall time ``when``, linear between the samples around it."""
+
+def cpu_at(samples: list[tuple], when: float, field: int = 1) -> float:
+    """A cumulative CPU-seconds field of the samples (1: the tree's, 3: the machine's) at wall
+    time ``when``, linear between the samples around it."""
     if not samples:
         return 0.0
     if when <= samples[0][0]:
-        return samples[0][1]
-    for (t0, c0, _), (t1, c1, _) in itertools.pairwise(samples):
-        if t0 <= when <= t1:
-            return c0 + (c1 - c0) * ((when - t0) / (t1 - t0) if t1 > t0 else 1.0)
-    return samples[-1][1]
+        return samples[0][field]
+    for a, b in itertools.pairwise(samples):
+        if a[0] <= when <= b[0]:
+            return a[field] + (b[field] - a[field]) * ((when - a[0]) / (b[0] - a[0]) if b[0] > a[0] else 1.0)
+    return samples[-1][field]
+
+
+def wait_for_quiet(max_wait: float, cores: float = 0.5, window: float = 5.0) -> tuple[float, float]:
+    """Wait until other processes keep fewer than ``cores`` CPUs busy (measured over ``window``
+    seconds; call it between legs, when this script runs nothing), at most ``max_wait``
+    seconds. Returns (the busy cores last measured, the seconds waited)."""
+    import psutil
+
+    began = time.monotonic()
+    while True:
+        busy = psutil.cpu_percent(interval=window) / 100 * (os.cpu_count() or 1)
+        waited = time.monotonic() - began
+        if busy < cores or waited >= max_wait:
+            return busy, waited
 
 
 def _tree(pid: int) -> tuple[float, int]:
@@ -218,7 +240,7 @@ def run_sampled(cmd: list[str], log_path: Path, timeout: float, env: dict | None
                 break
             now = time.time()
             cpu, rss = _tree(proc.pid)
-            run.samples.append((now, cpu, rss))
+            run.samples.append((now, cpu, rss, busy_cpu_seconds()))
             run.peak_tree_rss = max(run.peak_tree_rss, rss)
             if on_sample is not None:
                 on_sample(now)

@@ -56,6 +56,10 @@ Measured per leg, over the measured steps (the first ``--warmup`` skipped), roun
 * real tokens per CPU-second: the measured steps' real tokens over the CPU seconds all the leg's
   processes spent in them (psutil samples of the process tree): less sensitive to what else the
   machine runs than tokens/s;
+* other processes' CPU: the cores the rest of the machine kept busy during the measured steps
+  (its busy CPU seconds less the leg's), each round. The machine may be shared: before each leg
+  the script waits (``--quiet-wait``, up to 10 min) until others keep fewer than
+  ``--quiet-cores`` 0.5 CPUs busy, and says how long it waited;
 * positions computed/s: real tokens/s over the real share (padding included): where it is the
   same for two legs, their real tokens/s differ only by the padding they compute;
 * real share: non-padding tokens / positions the model computed; examples per step;
@@ -92,6 +96,7 @@ from bench_common import (
     revision,
     run_sampled,
     torchrun,
+    wait_for_quiet,
     write_doc,
 )
 
@@ -184,7 +189,7 @@ def merge(rounds: list[dict]) -> dict:
     ok = [r for r in rounds if r["status"] == "ok"]
     if not ok:
         return rounds[-1]
-    pooled = {k: [x for r in ok for x in r[k]] for k in ("tok_s", "step_s", "share", "examples")}
+    pooled = {k: [x for r in ok for x in r[k]] for k in ("tok_s", "step_s", "share", "examples", "others")}
     return {**ok[-1], **pooled, "tokens": sum(r["tokens"] for r in ok), "cpu": sum(r["cpu"] for r in ok),
             "peak": max(r["peak"] for r in ok), "rounds": len(ok),
             "same_loss_every_round": all(step_gap(r["loss"], ok[0]["loss"]) <= SAME_BATCH_TOLERANCE for r in ok)}
@@ -237,8 +242,9 @@ def verdicts(legs: dict, k: int) -> list[str]:
 def table(legs: dict, k: int) -> str:
     med = statistics.median
     header = ["leg", "real tok/s vs padded", "real tok/s vs TRL", "real tokens/s", "real tokens per CPU-second",
-              "positions computed/s", "median step (s)", "real share of positions", "examples per step", "peak RSS, largest process (GiB)",
-              "final loss", f"mean loss, last {k} steps", "measured steps"]
+              "positions computed/s", "median step (s)", "real share of positions", "examples per step",
+              "peak RSS, largest process (GiB)", "other processes' CPU (cores; each round)", "final loss",
+              f"mean loss, last {k} steps", "measured steps"]
     padded, trl = legs.get(PADDED, {"status": "-"}), legs.get(TRL, {"status": "-"})
     rows = []
     for name, leg in legs.items():
@@ -252,6 +258,7 @@ def table(legs: dict, k: int) -> str:
         rows.append([name, vs(padded), vs(trl), f"{med(leg['tok_s']):.1f}", f"{leg['tokens'] / leg['cpu']:.1f}",
                      f"{med(t / share for t, share in zip(leg['tok_s'], leg['share'])):.1f}", f"{med(leg['step_s']):.1f}", f"{sum(leg['share']) / len(leg['share']):.1%}",
                      f"{statistics.mean(leg['examples']):.1f}", f"{leg['peak'] / 2**30:.2f}",
+                     " ".join(f"{x:.2f}" for x in leg["others"]),
                      f"{leg['loss'][-1]:.4f}", f"{mean_last(leg['loss'], k):.4f}", str(len(leg["tok_s"]))])
     return markdown_table(header, rows)
 
@@ -490,6 +497,7 @@ def hf_scale_leg(args, out: Path, name: str, tag: str) -> dict:
     return {"status": "ok", "tok_s": [s["tokens_per_s"] for s in steps[w:]],
             "step_s": [b["elapsed_s"] - a["elapsed_s"] for a, b in itertools.pairwise(steps)][w - 1:],
             "tokens": sum(s["tokens"] for s in measured), "cpu": run.cpu_between(seen[w - 1], seen[-1]),
+            "others": [run.others_between(seen[w - 1], seen[-1])],
             "share": [s["tokens"] / s["positions"] for s in measured], "examples": [s["examples"] for s in measured],
             "peak": run.maxrss, "loss": [s["loss"] for s in steps],
             "check": f"tokens the run logged {logged}, counted here {counted}"
@@ -520,6 +528,7 @@ def trl_leg(args, out: Path, name: str, tag: str) -> dict:
                if same else "the rows differ or a batch did: TRL's own order, batches NOT compared"))
     return {"status": "ok", "tok_s": [n / s for n, s in zip(tokens[w:], step_s[w:])], "step_s": step_s[w:],
             "tokens": sum(tokens[w:]), "cpu": run.cpu_between(ends[w], ends[-1]),
+            "others": [run.others_between(ends[w], ends[-1])],
             "share": [t / p for t, p in zip(tokens[w:], positions[w:])], "examples": examples[w:],
             "peak": run.maxrss, "loss": r0["loss"], "same_batches": same, "check": rows,
             "ran_as": r0["ran_as"], "cmd": " ".join(["torchrun", *cmd[cmd.index(__file__):]]).replace(str(out), "OUT").replace(f"{ROOT}/", "")}
@@ -552,6 +561,9 @@ def main() -> None:
     parser.add_argument("--last", type=int, default=3, help="steps whose mean loss the legs compare")
     parser.add_argument("--out", help="folder for data, logs and results (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per leg")
+    parser.add_argument("--quiet-wait", type=float, default=600, help="before each leg, wait up to this many "
+                        "seconds for other processes to keep fewer than --quiet-cores CPUs busy (0: do not wait)")
+    parser.add_argument("--quiet-cores", type=float, default=0.5, help="see --quiet-wait")
     add_write_arg(parser, "packing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
@@ -580,6 +592,7 @@ def main() -> None:
     start, runs = time.perf_counter(), {name: [] for name in names}
     for i in range(args.rounds):
         for name in names:
+            busy, waited = wait_for_quiet(args.quiet_wait, args.quiet_cores) if args.quiet_wait else (0.0, 0.0)
             load, began = os.getloadavg()[0], time.perf_counter()
             tag = re.sub(r"\W+", "_", name.replace("+", "and")).strip("_") + f"_{i}"
             row = (trl_leg if LEGS[name] is None else hf_scale_leg)(args, out, name, tag)
@@ -587,8 +600,10 @@ def main() -> None:
             shown = (f"{statistics.median(row['tok_s']):.1f} real tok/s, {row['tokens'] / row['cpu']:.1f} per "
                      f"CPU-s, losses {', '.join(f'{x:.4f}' for x in row['loss'])}" if row["status"] == "ok"
                      else row["status"])
-            print(f"  round {i} {name}: {shown} ({time.perf_counter() - began:.0f} s; load average {load:.2f} "
-                  f"before, {os.getloadavg()[0]:.2f} after)", flush=True)
+            others = f"; other processes {row['others'][0]:.2f} cores meanwhile" if row["status"] == "ok" else ""
+            print(f"  round {i} {name}: {shown} ({time.perf_counter() - began:.0f} s, after waiting {waited:.0f} s "
+                  f"for a quiet machine ({busy:.2f} cores busy); load average {load:.2f} before, "
+                  f"{os.getloadavg()[0]:.2f} after{others})", flush=True)
     legs = {name: merge(rows) for name, rows in runs.items()}
     ran = "\n".join(f"  {name}: {leg['cmd']}\n    {leg['ran_as']}\n    {leg['check']}"
                     for name, leg in legs.items() if leg["status"] == "ok")

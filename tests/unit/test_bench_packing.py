@@ -3,6 +3,7 @@ ratios, loss-curve gaps and verdicts it prints follow from the figures."""
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_common import cpu_at
+from bench_common import TreeRun, cpu_at, wait_for_quiet
 from bench_packing import (
     FREE,
     PACKED,
@@ -59,7 +60,7 @@ def test_documents_of_a_row():
 
 def _leg(tok_s, loss, tokens=1000, cpu=10.0, **extra):
     return {"status": "ok", "tok_s": tok_s, "step_s": [1.0] * len(tok_s), "share": [1.0] * len(tok_s), "examples": [8],
-            "tokens": tokens, "cpu": cpu, "peak": 2**30, "loss": loss, **extra}
+            "tokens": tokens, "cpu": cpu, "peak": 2**30, "loss": loss, "others": [0.25], **extra}
 
 
 def test_loss_gaps():
@@ -108,9 +109,16 @@ def test_merge_pools_rounds():
 
 
 def test_cpu_between_samples():
-    samples = [(10.0, 1.0, 0), (12.0, 3.0, 0), (14.0, 4.0, 0)]
+    """The tree's CPU seconds and the machine's, between sample times; what others kept busy."""
+    samples = [(10.0, 1.0, 0, 100.0), (12.0, 3.0, 0, 103.0), (14.0, 4.0, 0, 106.0)]
     assert cpu_at(samples, 11.0) == 2.0 and cpu_at(samples, 13.0) == 3.5
     assert cpu_at(samples, 5.0) == 1.0 and cpu_at(samples, 20.0) == 4.0 and cpu_at([], 1.0) == 0.0
+    run = TreeRun()
+    run.samples = samples
+    assert run.cpu_between(10.0, 14.0) == 3.0
+    assert run.others_between(10.0, 14.0) == pytest.approx((6.0 - 3.0) / 4.0)
+    busy, waited = wait_for_quiet(0, cores=1e9, window=0.05)  # quiet at once
+    assert 0 <= busy <= (os.cpu_count() or 1) and waited < 5
 
 
 def test_table_puts_the_ratios_first():
@@ -119,7 +127,8 @@ def test_table_puts_the_ratios_first():
             TRL: {"status": "failed: OSError: x"}}
     lines = table(legs, 1).splitlines()
     assert lines[0].startswith("| leg | real tok/s vs padded | real tok/s vs TRL | real tokens/s |")
-    assert lines[2].startswith("| padded | 1.00 | n/a | 100.0 | 50.0 | 200.0 |")  # positions/s: 100 / 0.5
+    assert lines[2].startswith("| padded | 1.00 | n/a | 100.0 | 50.0 | 200.0 |")
+    assert "| 1.00 | 0.25 | 1.0000 |" in lines[2]  # peak RSS, others' cores, final loss  # positions/s: 100 / 0.5
     assert lines[3].startswith("| packed | 1.50 | n/a | 150.0 | 75.0 | 150.0 |")
     assert lines[4].startswith("| TRL packing + padding_free | failed: OSError: x |")
 
