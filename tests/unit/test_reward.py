@@ -5,6 +5,7 @@ loading, and the config's refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -105,6 +106,9 @@ def test_load_model_gives_a_one_score_classifier_that_returns_the_loss(tmp_path)
     from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 
     folder = save_tiny_checkpoint(tmp_path / "tiny", "llama", CAUSAL)  # a causal LM: the score head is new
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    config["pad_token_id"] = 1  # not the tokenizer's pad: the score must be read by the tokenizer's
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(config))
     model = load_model(ModelConfig(name_or_path=folder, task="reward"), ParallelConfig(), pad_id=PAD)
     assert model.config.num_labels == 1 and model.config.pad_token_id == PAD
     batch = RewardCollator(PAD)(ROWS)
