@@ -60,7 +60,7 @@ def oracle_eval(model, rows) -> dict:
     with torch.no_grad():
         chosen, rejected = oracle_scores(model, rows)
     return {"eval_loss": float(-F.logsigmoid(chosen - rejected).mean()),
-            "eval_accuracy": float((chosen > rejected).float().mean()), "eval_examples": len(rows)}
+            "eval_accuracy": int((chosen > rejected).sum()) / len(rows), "eval_examples": len(rows)}
 
 
 def reference_run(steps_rows: list[list[dict]], eval_rows: list[dict], center: float | None) -> dict:

@@ -8,8 +8,12 @@ is read), each data-parallel rank on its own pairs, micro-batches accumulated in
 TRL's centring term in another. The oracle (reward_checks.reference_run) scores each
 sequence alone, unpadded, and forms the pairs by hand: a wrong pairing, a score read at a pad,
 a wrong weighting of micro-batches or ranks, or a loss that is not TRL's changes its numbers.
-Tolerances as tests/distributed/test_parity.py (fp32: 1e-5 on losses and norms, 2e-4 on each
-tensor's update relative to the reference update).
+Tolerances (fp32): 1e-5 on losses, gradient norms and evaluation losses, as
+tests/distributed/test_parity.py; each tensor's update (final minus initial) within 1e-3 of the
+reference update's norm, as tests/integration/cli_reference.py: the oracle runs other shapes
+(one unpadded sequence at a time), so its sums round differently, and Adam turns an element
+whose gradient is rounding noise into a step of up to lr (measured worst tensor: 4.2e-4, layer
+0's down_proj, alike under every layout). A wrong or missing step gives about 1.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from tests.distributed.reward_checks import GLOBAL_PAIRS, STEPS, reference_run, 
 from tests.harness import run_ranks
 
 RTOL = 1e-5
-UPDATE_RTOL = 2e-4
+UPDATE_RTOL = 1e-3
 CENTER = 0.05
 CASES = [
     {"id": "fsdp-accum2-center", "config": {"strategy": "fsdp"}, "accum": 2, "center": CENTER},
@@ -88,7 +92,7 @@ def test_reward_parity_with_one_process(case, results, references):
     assert got["norms"] == pytest.approx(ref["norms"], rel=RTOL)
     for name, final in ref["params"].items():
         update = final - ref["initial"][name]
-        error = (got["params"][name] - final).norm() / update.norm().clamp(min=1e-12)
+        error = (torch.as_tensor(got["params"][name]) - final).norm() / update.norm().clamp(min=1e-12)
         assert float(error) < UPDATE_RTOL, (name, float(error))
     for when in ("before", "after"):
         assert got[when]["eval_examples"] == ref[when]["eval_examples"] == 5
