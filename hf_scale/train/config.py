@@ -81,6 +81,10 @@ class DataConfig:
         prompt_column / response_column: the prompt and answer columns (default ``prompt`` and
             ``response``, else ``completion``); the loss covers only the answer (and its
             end-of-turn token) unless ``loss_on_prompt``.
+        chosen_column / rejected_column: the preferred and the rejected completion of a
+            preference pair (``model.task: reward``); the prompt is ``prompt_column`` (default
+            ``prompt``; no prompt column: chosen and rejected are whole conversations sharing
+            their opening messages). See :mod:`hf_scale.data.preference`.
         text_column: plain-text causal LM (loss on every token), or the classification text.
         text_pair_column: optional second text for classification (sentence pairs).
         label_column: classification label (int or string; strings are mapped to ids).
@@ -133,6 +137,8 @@ class DataConfig:
     messages_column: Optional[str] = None
     prompt_column: Optional[str] = None
     response_column: Optional[str] = None
+    chosen_column: str = "chosen"
+    rejected_column: str = "rejected"
     text_column: Optional[str] = None
     text_pair_column: Optional[str] = None
     label_column: str = "label"

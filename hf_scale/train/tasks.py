@@ -9,6 +9,7 @@ Usage::
     splits["train"][0]   # {"prompt": "What is 37 + 48?", "response": "85"}
     builtin_dataset("builtin:topics")["train"][0]     # {"text": "...", "label": "sports"}
     builtin_dataset("builtin:multiturn")["train"][0]  # {"messages": [{"role": "user", ...}, ...]}
+    builtin_dataset("builtin:preference")["train"][0]  # {"prompt": ..., "chosen": "85", "rejected": "58"}
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ def arithmetic(rng: random.Random) -> dict:
         return {"prompt": f"What is {a} + {b}?", "response": str(a + b)}
     a, b = max(a, b), min(a, b)
     return {"prompt": f"What is {a} - {b}?", "response": str(a - b)}
+
+
+def preference(rng: random.Random) -> dict:
+    """An arithmetic question with the right answer chosen and a near miss rejected: off by 1 to
+    10, or the answer's digits swapped, never negative nor the answer itself."""
+    question = arithmetic(rng)
+    answer = int(question["response"])
+    digits = str(answer)
+    swapped = int(digits[::-1]) if len(digits) == 2 else answer
+    if swapped != answer and rng.random() < 0.3:
+        wrong = swapped
+    else:
+        offset = rng.randint(1, 10)
+        wrong = answer - offset if answer - offset >= 0 and rng.random() < 0.5 else answer + offset
+    return {"prompt": question["prompt"], "chosen": str(answer), "rejected": str(wrong)}
 
 
 def reverse_word(rng: random.Random) -> dict:
@@ -107,7 +123,8 @@ def multiturn(rng: random.Random) -> dict:
     return {"messages": messages}
 
 
-TASKS = {"arithmetic": arithmetic, "reverse": reverse_word, "topics": topics, "multiturn": multiturn}
+TASKS = {"arithmetic": arithmetic, "reverse": reverse_word, "topics": topics, "multiturn": multiturn,
+         "preference": preference}
 SIZES = {"topics": (240, 60)}  # (train, test): it has 270 distinct sentences
 
 
