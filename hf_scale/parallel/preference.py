@@ -62,12 +62,19 @@ class PreferenceOutput:
 
 def pair_totals(batch: dict, knobs: PreferenceLoss) -> PairTotals:
     """This batch's pairs and NLL-term tokens (sum them over micro-batches and data-parallel
-    ranks for a step's :class:`PairTotals`)."""
-    rows = batch["input_ids"].shape[0]
+    ranks for a step's :class:`PairTotals`); pairs weighted 0 (``pair_weight``) do not count."""
+    weight = _pair_weight(batch).to(batch["input_ids"].device)
     nll = 0.0
     if knobs.nll_weight:
-        nll = float(_nll_mask(batch, knobs)[0::2].sum())
-    return PairTotals(rows // 2, nll)
+        nll = float((_nll_mask(batch, knobs)[0::2].sum(-1) * weight).sum())
+    return PairTotals(float(weight.sum()), nll)
+
+
+def _pair_weight(batch: dict) -> torch.Tensor:
+    """Per pair 1, or the batch's ``pair_weight`` (0: a padding copy evaluation adds)."""
+    weight = batch.get("pair_weight")
+    pairs = batch["input_ids"].shape[0] // 2
+    return torch.ones(pairs, dtype=torch.float32) if weight is None else weight.float().cpu()
 
 
 def preference_step(model: nn.Module, batch: dict, knobs: PreferenceLoss, loss_scale: float = 1.0,
@@ -91,7 +98,7 @@ def sequence_logps(model: nn.Module, batch: dict) -> torch.Tensor:
     the model's layout (the same on every rank of a tensor-parallel group or pipeline): the
     reference's log-probs when ``model`` is the reference."""
     rows = batch["input_ids"].shape[0]
-    target = _target(batch, _completion_mask(batch), None, None)
+    target = _target(batch, _completion_mask(batch), None, None, torch.ones(rows // 2 + rows % 2))
     pipeline = _pipeline(model)
     with torch.no_grad():
         if pipeline is None:
@@ -119,7 +126,8 @@ def _run(model, batch, knobs, loss_scale, totals, train) -> PreferenceOutput:
     _check_batch(model, batch, knobs)
     totals = totals or pair_totals(batch, knobs)
     ref = _reference(model, batch, knobs)
-    target = _target(batch, _completion_mask(batch), _nll_mask(batch, knobs) if knobs.nll_weight else None, ref)
+    target = _target(batch, _completion_mask(batch), _nll_mask(batch, knobs) if knobs.nll_weight else None, ref,
+                     _pair_weight(batch))
     inputs = _model_inputs(batch, _model_labels(batch, knobs))
     pipeline = _pipeline(model)
     if pipeline is None:
@@ -144,7 +152,7 @@ def _run(model, batch, knobs, loss_scale, totals, train) -> PreferenceOutput:
 
     with _last_stage_mode(pipeline):
         loss = pipeline.run_rows(inputs, target, row_loss, loss_scale, train=train)
-    names = sorted(microbatch_metric_names(knobs))
+    names = sorted(metric_names(knobs))
     mine = found[-pipeline.microbatches:] if pipeline.holds_last else []
     sums = torch.zeros(len(names), dtype=torch.float64, device=pipeline.device)
     for entry in mine:
@@ -155,10 +163,12 @@ def _run(model, batch, knobs, loss_scale, totals, train) -> PreferenceOutput:
     return PreferenceOutput(loss, dict(zip(names, sums)), batch["input_ids"].shape[0] // 2)
 
 
-def microbatch_metric_names(knobs: PreferenceLoss) -> set[str]:
+def metric_names(knobs: PreferenceLoss) -> set[str]:
+    """The keys of :attr:`PreferenceOutput.sums`: TRL's metrics, ``pair_loss`` (the per-pair
+    losses' sum) and, with an NLL term, ``nll`` (its summed negative log-likelihood)."""
     from .preference_loss import METRICS
 
-    return set(METRICS) | ({"nll"} if knobs.nll_weight else set())
+    return set(METRICS) | {"pair_loss"} | ({"nll"} if knobs.nll_weight else set())
 
 
 def microbatch_loss(knobs: PreferenceLoss, totals: PairTotals, per_position: torch.Tensor,
@@ -166,17 +176,18 @@ def microbatch_loss(knobs: PreferenceLoss, totals: PairTotals, per_position: tor
     """The share of the step loss of some whole pairs, from their rows' per-position
     log-probabilities ``[rows, seq]`` and their rows of the target :func:`_target` built."""
     rows, width = per_position.shape
-    completion, nll_mask, ref = target[:, :width], target[:, width:2 * width], target[:, -3]
+    completion, nll_mask = target[:, :width], target[:, width:2 * width]
+    ref, has_ref, weight = target[:, -4], bool(target[0, -3]) if rows else False, target[0::2, -2]
     per_position = per_position.float()
     logps = (per_position * completion).sum(-1)
     counts = completion.sum(-1)
-    has_ref = bool(target[0, -2]) if rows else False
     terms = pair_losses(knobs, logps[0::2], logps[1::2], counts[0::2], counts[1::2],
                         ref[0::2] if has_ref else None, ref[1::2] if has_ref else None)
-    loss = terms.losses.sum() / max(totals.pairs, 1)
-    sums = terms.metric_sums()
+    pair_loss = (terms.losses * weight).sum()
+    loss = pair_loss / max(totals.pairs, 1)
+    sums = {**terms.metric_sums(weight), "pair_loss": pair_loss.detach().double()}
     if knobs.nll_weight:
-        nll = -(per_position[0::2] * nll_mask[0::2]).sum()
+        nll = -((per_position[0::2] * nll_mask[0::2]).sum(-1) * weight).sum()
         loss = loss + knobs.nll_weight * nll / max(totals.nll_tokens, 1)
         sums["nll"] = nll.detach().double()
     return loss, sums
@@ -207,17 +218,18 @@ def _model_labels(batch: dict, knobs: PreferenceLoss) -> torch.Tensor:
     return batch["input_ids"] if mask is None else batch["input_ids"].masked_fill(mask == 0, IGNORE)
 
 
-def _target(batch, completion, nll_mask, ref) -> torch.Tensor:
+def _target(batch, completion, nll_mask, ref, weight) -> torch.Tensor:
     """Per row, what the loss needs beside the log-probs, in one float tensor (a pipeline splits
     it into microbatches with the batch): completion mask | NLL mask | ref log-prob | has-ref
-    flag | row index."""
+    flag | its pair's weight | row index."""
     rows, seq = completion.shape
     device = completion.device
-    extra = torch.zeros(rows, 3, dtype=torch.float32, device=device)
+    extra = torch.zeros(rows, 4, dtype=torch.float32, device=device)
     if ref is not None:
         extra[:, 0] = ref.to(device=device, dtype=torch.float32)
         extra[:, 1] = 1.0
-    extra[:, 2] = torch.arange(rows, device=device, dtype=torch.float32)
+    extra[:, 2] = weight.to(device).repeat_interleave(2)[:rows]
+    extra[:, 3] = torch.arange(rows, device=device, dtype=torch.float32)
     nll_mask = torch.zeros_like(completion) if nll_mask is None else nll_mask.to(device)
     return torch.cat([completion.float(), nll_mask.float(), extra], dim=1)
 

@@ -110,13 +110,15 @@ class PairTerms:
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
 
-    def metric_sums(self) -> dict[str, torch.Tensor]:
-        """TRL's metrics summed over the pairs (detached, fp64): divide by the pair count for
-        the means, after summing over micro-batches and data-parallel ranks."""
+    def metric_sums(self, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """TRL's metrics summed over the pairs (detached, fp64; ``weight`` per pair, e.g. 0 for
+        padding copies): divide by the pair count for the means, after summing over
+        micro-batches and data-parallel ranks."""
         c, r = self.chosen_rewards.detach().double(), self.rejected_rewards.detach().double()
         values = (c, r, c - r, (c > r).double(), self.chosen_logps.detach().double(),
                   self.rejected_logps.detach().double())
-        return {name: v.sum() for name, v in zip(METRICS, values)}
+        w = 1.0 if weight is None else weight.detach().double().to(c.device)
+        return {name: (v * w).sum() for name, v in zip(METRICS, values)}
 
 
 def log1mexp(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from hf_scale.errors import HfScaleConfigError
 from hf_scale.parallel.loss import apply_chunked_loss
 from hf_scale.parallel.preference import PairTotals, pair_totals, preference_step, sequence_logps
 from hf_scale.parallel.preference_loss import PreferenceLoss, pair_losses
-from tests.tiny_models import tiny_model
+from tests.tiny_models import pair_batch, tiny_model
 
 
 def _logsig(x: float) -> float:
@@ -77,21 +77,6 @@ def test_reference_required():
 
 
 # ------------------------------------------------------------------ through a model
-def pair_batch(pairs: int = 3, seq: int = 14, seed: int = 0) -> dict:
-    """Interleaved pairs: prompts of 3-5 tokens masked, chosen and rejected of different lengths,
-    right padding (pad 0)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(2, 128, (2 * pairs, seq), generator=g)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    for row in range(2 * pairs):
-        length = seq - (row * 3) % 7
-        prompt = 3 + (row // 2) % 3
-        ids[row, length:], mask[row, length:], labels[row, length:] = 0, 0, -100
-        labels[row, :prompt] = -100
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
 def _manual_logps(model, batch):
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     shift = batch["labels"][:, 1:]
