@@ -86,11 +86,11 @@ def trl_trainer(kind: str, kwargs: dict, pairs: int, steps: int, out: str):
     if kind == "cpo":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
-        args = CPOConfig(**common, **kwargs, max_length=128, max_prompt_length=64)
+        args = CPOConfig(**common, **kwargs, max_length=128)
         return CPOTrainer(model=model(), args=args, train_dataset=dataset(pairs), processing_class=tok)
     from trl.experimental.orpo import ORPOConfig, ORPOTrainer
 
-    args = ORPOConfig(**common, **kwargs, max_length=128, max_prompt_length=64)
+    args = ORPOConfig(**common, **kwargs, max_length=128)
     return ORPOTrainer(model=model(), args=args, train_dataset=dataset(pairs), processing_class=tok)
 
 
