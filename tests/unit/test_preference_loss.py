@@ -132,3 +132,20 @@ def test_bad_batches_refused():
         preference_step(model, {k: v[:5] for k, v in batch.items()}, PreferenceLoss("simpo"))
     with pytest.raises(HfScaleConfigError, match="reference"):
         preference_step(model, batch, PreferenceLoss("sigmoid"))
+
+
+def test_orpo_nll_covers_the_whole_chosen_sequence():
+    """ORPO's NLL (TRL: labels = the attended input ids) is transformers' causal-LM loss of the
+    chosen rows with every real token labelled, prompt included; RPO's covers the completion only."""
+    model = tiny_model("llama", "causal")
+    batch = pair_batch(pairs=3)
+    chosen = {k: v[0::2] for k, v in batch.items()}
+    with torch.no_grad():
+        whole = model(input_ids=chosen["input_ids"], attention_mask=chosen["attention_mask"],
+                      labels=chosen["input_ids"].masked_fill(chosen["attention_mask"] == 0, -100)).loss
+        completion = model(**chosen).loss
+    for knobs, want in ((PreferenceLoss("orpo"), whole), (PreferenceLoss("simpo", rpo_alpha=1.0), completion)):
+        totals = pair_totals(batch, knobs)
+        out = preference_step(model, batch, knobs)
+        model.zero_grad()
+        torch.testing.assert_close(out.sums["nll"].float() / totals.nll_tokens, want, rtol=1e-5, atol=1e-6)
