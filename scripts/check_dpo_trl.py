@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from hf_scale.data.preference import PairCollator  # noqa: E402
-from hf_scale.parallel.preference import preference_step, sequence_logps  # noqa: E402
-from hf_scale.parallel.preference_loss import PreferenceLoss  # noqa: E402
-from tests.tiny_models import tiny_model, tiny_tokenizer  # noqa: E402
+from hf_scale.data.preference import PairCollator
+from hf_scale.parallel.preference import preference_step, sequence_logps
+from hf_scale.parallel.preference_loss import PreferenceLoss
+from tests.tiny_models import tiny_model, tiny_tokenizer
 
 LR = 1e-3
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -40,18 +40,18 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/acc
 
 # name -> (hf_scale knobs, TRL trainer, TRL config kwargs)
 CASES = {
-    "sigmoid": (dict(loss="sigmoid", beta=0.5), "dpo", dict(loss_type=["sigmoid"], beta=0.5)),
-    "robust": (dict(loss="robust", beta=0.5, label_smoothing=0.1), "dpo",
-               dict(loss_type=["robust"], beta=0.5, label_smoothing=0.1)),
-    "ipo": (dict(loss="ipo", beta=0.5), "dpo", dict(loss_type=["ipo"], beta=0.5)),
-    "hinge": (dict(loss="hinge", beta=0.5), "dpo", dict(loss_type=["hinge"], beta=0.5)),
-    "sigmoid+rpo": (dict(loss="sigmoid", beta=0.5, rpo_alpha=0.5), "dpo",
-                    dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5], beta=0.5)),
-    "simpo": (dict(loss="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.1), "cpo",
-              dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, label_smoothing=0.1, cpo_alpha=0.0)),
-    "simpo+cpo_nll": (dict(loss="simpo", beta=2.0, simpo_gamma=0.5, rpo_alpha=0.5), "cpo",
-                      dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=0.5)),
-    "orpo": (dict(loss="orpo", beta=0.5), "orpo", dict(beta=0.5)),
+    "sigmoid": ({"loss": "sigmoid", "beta": 0.5}, "dpo", {"loss_type": ["sigmoid"], "beta": 0.5}),
+    "robust": ({"loss": "robust", "beta": 0.5, "label_smoothing": 0.1}, "dpo",
+               {"loss_type": ["robust"], "beta": 0.5, "label_smoothing": 0.1}),
+    "ipo": ({"loss": "ipo", "beta": 0.5}, "dpo", {"loss_type": ["ipo"], "beta": 0.5}),
+    "hinge": ({"loss": "hinge", "beta": 0.5}, "dpo", {"loss_type": ["hinge"], "beta": 0.5}),
+    "sigmoid+rpo": ({"loss": "sigmoid", "beta": 0.5, "rpo_alpha": 0.5}, "dpo",
+                    {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5], "beta": 0.5}),
+    "simpo": ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "label_smoothing": 0.1}, "cpo",
+              {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "label_smoothing": 0.1, "cpo_alpha": 0.0}),
+    "simpo+cpo_nll": ({"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "rpo_alpha": 0.5}, "cpo",
+                      {"loss_type": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "cpo_alpha": 0.5}),
+    "orpo": ({"loss": "orpo", "beta": 0.5}, "orpo", {"beta": 0.5}),
 }
 
 PROMPTS = ["12+7=", "What is 3*4?", "Name a colour:", "5-9=", "Say hi:", "2**5="]
@@ -73,10 +73,10 @@ def model():
 
 
 def trl_trainer(kind: str, kwargs: dict, pairs: int, steps: int, out: str):
-    common = dict(output_dir=out, per_device_train_batch_size=pairs, max_steps=steps, learning_rate=LR,
-                  lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1e9, logging_steps=1,
-                  report_to=[], save_strategy="no", use_cpu=True, seed=0, optim="adamw_torch",
-                  warmup_steps=0, dataloader_drop_last=False, remove_unused_columns=False, bf16=False, fp16=False, disable_tqdm=True)
+    common = {"output_dir": out, "per_device_train_batch_size": pairs, "max_steps": steps, "learning_rate": LR,
+                  "lr_scheduler_type": "constant", "weight_decay": 0.0, "max_grad_norm": 1e9, "logging_steps": 1,
+                  "report_to": [], "save_strategy": "no", "use_cpu": True, "seed": 0, "optim": "adamw_torch",
+                  "warmup_steps": 0, "dataloader_drop_last": False, "remove_unused_columns": False, "bf16": False, "fp16": False, "disable_tqdm": True}
     tok = tiny_tokenizer(chat_template=False)
     if kind == "dpo":
         from trl import DPOConfig, DPOTrainer

@@ -28,6 +28,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -115,8 +116,6 @@ def sequence_logps(model: nn.Module, batch: dict) -> torch.Tensor:
 
         with _last_stage_mode(pipeline):
             pipeline.run_rows(_model_inputs(batch, batch["labels"]), target, record, train=False)
-        import torch.distributed as dist
-
         dist.all_reduce(found, group=pipeline.pp_group)  # found on the last stage's rank only
         return found
 
@@ -157,8 +156,6 @@ def _run(model, batch, knobs, loss_scale, totals, train) -> PreferenceOutput:
     sums = torch.zeros(len(names), dtype=torch.float64, device=pipeline.device)
     for entry in mine:
         sums += torch.stack([entry[n].to(sums.device) for n in names])
-    import torch.distributed as dist
-
     dist.all_reduce(sums, group=pipeline.pp_group)
     return PreferenceOutput(loss, dict(zip(names, sums)), batch["input_ids"].shape[0] // 2)
 
@@ -222,7 +219,7 @@ def _target(batch, completion, nll_mask, ref, weight) -> torch.Tensor:
     """Per row, what the loss needs beside the log-probs, in one float tensor (a pipeline splits
     it into microbatches with the batch): completion mask | NLL mask | ref log-prob | has-ref
     flag | its pair's weight | row index."""
-    rows, seq = completion.shape
+    rows, _seq = completion.shape
     device = completion.device
     extra = torch.zeros(rows, 4, dtype=torch.float32, device=device)
     if ref is not None:

@@ -108,13 +108,22 @@ def parallel_run(case: dict) -> dict:
         if refs is not None:
             rows = _with_ref(rows, refs[step * PAIRS:(step + 1) * PAIRS])
         mine = rows[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]  # rank-distinct pairs
-        batch = collate(mine)
-        totals = pair_totals(batch, knobs)
-        counts = torch.tensor([totals.pairs, totals.nll_tokens], dtype=torch.float64)
+        accum = case.get("accum", 1)  # micro-batches of different lengths, gradient sync on the last
+        micro = [collate(mine[i::accum]) for i in range(accum)]
+        local = [pair_totals(b, knobs) for b in micro]
+        counts = torch.tensor([sum(t.pairs for t in local), sum(t.nll_tokens for t in local)], dtype=torch.float64)
         if state.dp_degree > 1:
             dist.all_reduce(counts, group=state.dp_group)
-        result = preference_step(model, batch, knobs, loss_scale=state.dp_degree,
-                                 totals=PairTotals(float(counts[0]), float(counts[1])))
+        totals = PairTotals(float(counts[0]), float(counts[1]))
+        result = None
+        for i, batch in enumerate(micro):
+            with hf_scale.no_sync(model, enabled=i < accum - 1):
+                part = preference_step(model, batch, knobs, loss_scale=state.dp_degree, totals=totals)
+            if result is None:
+                result = part
+            else:
+                result.loss = result.loss + part.loss
+                result.sums = {k: v + part.sums[k] for k, v in result.sums.items()}
         if step == 0:
             out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         out["norms"].append(float(hf_scale.clip_grad_norm_(model, BIG_NORM)))

@@ -34,8 +34,8 @@ CASES = {
                                  "loss": {"loss": "sigmoid", "beta": 0.5, "rpo_alpha": 1.0}},
     "pp2_sigmoid": {"config": {"strategy": "ddp", "pp": 2, "pp_microbatches": 2}, "loss": {"loss": "sigmoid", "beta": 0.5}},
     "pp2_orpo": {"config": {"strategy": "ddp", "pp": 2, "pp_microbatches": 2}, "loss": {"loss": "orpo", "beta": 0.5}},
-    "fsdp_simpo": {"config": {"strategy": "fsdp"}, "loss": {"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.5,
-                                                             "rpo_alpha": 0.3}},
+    "fsdp_simpo_accum2": {"config": {"strategy": "fsdp"}, "accum": 2,
+                          "loss": {"loss": "simpo", "beta": 2.0, "simpo_gamma": 0.5, "rpo_alpha": 0.3}},
     "lora_fsdp_sigmoid": {"config": {"strategy": "fsdp"}, "loss": {"loss": "sigmoid", "beta": 0.5}, "lora": True,
                           "steps": 2},
     "lora_pp2_sigmoid": {"config": {"strategy": "ddp", "pp": 2, "pp_microbatches": 2},
@@ -48,7 +48,7 @@ def _world() -> dict:
     return run_ranks(preference_checks.world_checks, 2, CASES, timeout=900)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(name: str) -> dict:
     return preference_checks.reference_run(CASES[name])
 
