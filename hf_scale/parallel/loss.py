@@ -223,7 +223,11 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
     loss_function = model.loss_function
 
     def start(module, args, kwargs):
-        wanted = torch.is_grad_enabled() or state["per_token"]  # per-token log-probs: chunked without grad too
+        # per-token log-probs (token_logps_mode) go chunked without gradients too, but not through a
+        # tensor-parallel head: without gradients it runs on its local shard and gathers its output
+        # (tp_local.py), so it returns the gathered logits and the loss takes them whole
+        sharded = hasattr(head.weight, "placements")
+        wanted = torch.is_grad_enabled() or (state["per_token"] and not sharded)
         state.update(active=kwargs.get("labels") is not None and wanted, calls=0)
 
     def finish(module, args, kwargs, output):
