@@ -96,12 +96,13 @@ def parallel_run(case: dict) -> dict:
     collate = PairCollator(0)
     steps = case.get("steps", 1)
     per_rank = PAIRS // state.dp_degree
-    optimizer = torch.optim.AdamW(_trainable(model), lr=LR, weight_decay=0.0)
     refs = None
     if knobs.needs_reference and not case.get("lora"):
         every = [row for s in range(steps) for row in step_rows(s)]
         refs = reference_logps(model, every, collate, batch_size=2, rank=state.dp_rank, world=state.dp_degree,
                                group=state.dp_group if state.dp_degree > 1 else None)
+    # built after the reference pass, as the fine-tuning loop does: it must find the sharded parameters
+    optimizer = torch.optim.AdamW(_trainable(model), lr=LR, weight_decay=0.0)
     out = {"losses": [], "norms": [], "metrics": [], "refs": refs}
     for step in range(steps):
         rows = step_rows(step)
