@@ -149,3 +149,23 @@ def test_orpo_nll_covers_the_whole_chosen_sequence():
         out = preference_step(model, batch, knobs)
         model.zero_grad()
         torch.testing.assert_close(out.sums["nll"].float() / totals.nll_tokens, want, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_reference_is_the_base_model():
+    """Under peft, the reference is the base with the adapter disabled: the rewards are beta x
+    (adapted policy - a separately built base model), and the adapter is on again afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_model("llama", "causal"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                     init_lora_weights=False))
+    base = tiny_model("llama", "causal")
+    batch = pair_batch(pairs=3)
+    policy, ref = sequence_logps(model, batch), sequence_logps(base, batch)
+    assert float((policy - ref).abs().max()) > 1e-3  # the adapter changes the model
+    knobs = PreferenceLoss("sigmoid", beta=0.5)
+    out = preference_step(model, batch, knobs)
+    torch.testing.assert_close(out.sums["rewards/chosen"].float(), 0.5 * (policy - ref)[0::2].sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.sums["rewards/rejected"].float(), 0.5 * (policy - ref)[1::2].sum(), rtol=1e-5,
+                               atol=1e-5)
+    torch.testing.assert_close(sequence_logps(model, batch), policy)
