@@ -187,7 +187,7 @@ def plan(args: list[str]) -> int:
     parser.add_argument("source", help="a recipe .yaml, a Hub model id, a model folder or a config.json")
     parser.add_argument("--world-size", type=int, help="ranks to plan for (default: the recipe's launch)")
     parser.add_argument("--nnodes", type=int, help="nodes (default: the recipe's launch.nnodes, else 1)")
-    parser.add_argument("--task", default=None, choices=("causal_lm", "sequence_classification"))
+    parser.add_argument("--task", default=None, choices=("causal_lm", "sequence_classification", "reward"))
     parser.add_argument("--strategy", default=None, help="parallel strategy (default: the recipe's, else fsdp)")
     parser.add_argument("--tp", type=int, default=None,
                         help="tensor-parallel degree: show the tp layout (default: the recipe's parallel.tp, else 1)")

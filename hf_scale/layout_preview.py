@@ -38,7 +38,8 @@ def meta_model(config, task: str = "causal_lm"):
     import transformers
 
     auto = {"causal_lm": transformers.AutoModelForCausalLM,
-            "sequence_classification": transformers.AutoModelForSequenceClassification}[task]
+            "sequence_classification": transformers.AutoModelForSequenceClassification,
+            "reward": transformers.AutoModelForSequenceClassification}[task]
     with torch.device("meta"):
         try:
             return auto.from_config(config)

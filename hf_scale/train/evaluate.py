@@ -28,12 +28,15 @@ from torch import nn
 from ..parallel.step import eval_step, forward_options
 from .dp import pipeline_degree
 from .loader import eval_batches
+from .reward import reward_scores
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, rank: int, world: int,
              device: torch.device, exact_match: bool = True, group=None) -> dict[str, float]:
-    """Mean loss and exact match (causal LM) or accuracy (classification) over ``dataset``.
+    """Mean loss and exact match (causal LM) or accuracy (classification; a reward model: the
+    share of pairs whose chosen completion scores higher, the loss its mean Bradley-Terry term
+    per pair) over ``dataset``.
 
     ``rank`` / ``world`` are the data-parallel rank and degree and ``group`` their process
     group (None: the default group, right when every rank sees different data). Under pipeline
@@ -54,6 +57,8 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
         logits = model(**batch, **forward_options(batch)).logits.float()
         if task == "causal_lm":
             scores = _causal_scores(logits, labels, weight.to(device), batch.get("position_ids"))
+        elif task == "reward":  # pairs, chosen and rejected interleaved; weights are per pair
+            scores = reward_scores(logits, labels, weight.to(device))
         else:
             scores = _classification_scores(logits, labels, weight.to(device))
         totals += scores.cpu().double()

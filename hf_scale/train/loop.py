@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..api import get_state
 from ..checkpoint import load_state, save_pretrained, save_state
 from ..data.packing import PackedCollator, check_packing, real_tokens
+from ..data.preference import tokenize_preference
 from ..data.streaming import StreamBatches
 from ..distributed import init_distributed
 from ..log import log_rank0
@@ -55,6 +56,7 @@ from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .preference import add_reference, evaluate_preference, pair_datasets, preference_step_values
+from .reward import RewardCollator
 from .streaming_data import stream_eval, stream_source
 from .model import MODEL_SOURCES, load_config, load_model, load_tokenizer, meta_model, read_model_config
 from .trackers import start_trackers
@@ -77,7 +79,7 @@ def run(job: JobConfig) -> dict:
     train_ds, eval_ds, labels, answers = _datasets(job, tokenizer)
     check_vocab(tokenizer, model_config, train_ds, eval_ds)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,
-                       seed=job.train.seed)
+                       seed=job.train.seed, center_rewards_coefficient=job.train.center_rewards_coefficient)
     device = get_state(model).env.device
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
     if job.preference.enabled:  # the reference's log-probs: the policy as loaded is the reference
@@ -153,7 +155,11 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
 def _collators(job: JobConfig, pad_id: int):
     """(training, evaluation) collators: padded rows with an attention mask, or rows of documents
     kept apart by ``position_ids`` (packing, padding-free: one flattened row per micro-batch in
-    training; evaluation keeps rows, whose examples it weighs one by one)."""
+    training; evaluation keeps rows, whose examples it weighs one by one). A reward model's batches
+    are preference pairs, chosen and rejected interleaved (:class:`RewardCollator`), as are
+    preference training's (``PairCollator``)."""
+    if job.model.task == "reward":
+        return RewardCollator(pad_id), RewardCollator(pad_id)
     if job.preference.enabled:
         from ..data.preference import PairCollator
 
@@ -185,6 +191,10 @@ def _datasets(job: JobConfig, tokenizer):
     splits = load_splits(job.data)
     if job.preference.enabled:  # pairs: the loss and rewards on held-out pairs, no exact match
         train, ev = pair_datasets(job, tokenizer, splits)
+        return train, ev, None, False
+    if job.model.task == "reward":  # preference pairs: one row per pair
+        train = tokenize_preference(splits["train"], tokenizer, job.data, max_len)
+        ev = splits["eval"] and tokenize_preference(splits["eval"], tokenizer, job.data, max_len)
         return train, ev, None, False
     if job.model.task == "causal_lm":
         train = tokenize_causal_lm(splits["train"], tokenizer, job.data, max_len, pack=job.data.packing)
@@ -261,8 +271,12 @@ def _local(value: torch.Tensor) -> torch.Tensor:
 
 
 def _loss_items(batch: dict, task: str) -> float:
+    """What a micro-batch's mean loss averages over: label tokens (causal LM), examples
+    (classification), pairs (a reward model's rows are chosen / rejected, two per pair)."""
     if task == "causal_lm":
         return float((batch["labels"][:, 1:] != -100).sum())
+    if task == "reward":
+        return float(batch["labels"].numel() // 2)
     return float(batch["labels"].numel())
 
 

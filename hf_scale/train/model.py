@@ -129,9 +129,11 @@ def _check_hub_id(name: str, sources: str) -> None:
 
 
 def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | None = None, pad_id=None,
-               adapter: AdapterConfig | None = None, seed: int = 0):
+               adapter: AdapterConfig | None = None, seed: int = 0, center_rewards_coefficient: float | None = None):
     """The pretrained model for ``cfg.task``, parallelized with ``parallel``; with ``adapter``
-    enabled, a peft model whose LoRA adapters train on the frozen base."""
+    enabled, a peft model whose LoRA adapters train on the frozen base. A reward model
+    (``task: reward``) is a sequence classifier with one score whose forward returns the
+    Bradley-Terry loss of a :class:`~hf_scale.train.reward.RewardCollator` batch."""
     dtype = TORCH_DTYPES[cfg.dtype]
     if is_zoo(cfg.name_or_path):
         check_zoo_task(cfg.name_or_path, cfg.task)
@@ -154,6 +156,10 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
                                    dtype=dtype, revision=cfg.revision)
         from transformers import AutoModelForCausalLM as auto
         extra = {}
+    elif cfg.task == "reward":  # one score per sequence (TRL's reward models)
+        from transformers import AutoModelForSequenceClassification as auto
+
+        extra = dict(num_labels=1, id2label={0: "score"}, label2id={"score": 0})
     else:
         from transformers import AutoModelForSequenceClassification as auto
 
@@ -162,8 +168,15 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
                      label2id={str(n): i for i, n in enumerate(names)})
     path, kwargs = source(cfg)
     model = auto.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs, **extra)
-    if pad_id is not None and getattr(model.config, "pad_token_id", None) is None:
+    if cfg.task == "reward" and pad_id is not None:
+        # the score is read at the last token that is not the tokenizer's pad (as TRL sets it)
         model.config.pad_token_id = pad_id
+    elif pad_id is not None and getattr(model.config, "pad_token_id", None) is None:
+        model.config.pad_token_id = pad_id
+    if cfg.task == "reward":
+        from .reward import apply_reward_loss
+
+        apply_reward_loss(model, center_rewards_coefficient)
     return parallelize(model, parallel)
 
 

@@ -50,6 +50,8 @@ def write_bad_inputs(root: Path) -> dict[str, Path]:
         "cut.json": '[{"prompt": "What is 1 + 1?", "response": "2"}, {"prompt": "What is',
         "broken.csv": 'prompt,response\n"What is 1 + 1?",2\n"What is 2 + 2?",4,extra,fields\n',
         "empty.jsonl": "",
+        "same_pair.jsonl": ('{"prompt": "What is 1 + 1?", "chosen": "2", "rejected": "3"}\n'
+                            '{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "4"}\n'),
     }
     out = {}
     for name, text in files.items():
@@ -70,12 +72,17 @@ def cases(recipe: Path, root: Path, files: dict[str, Path]) -> list[tuple[str, l
         ("missing recipe", [str(root / "nope.yaml")], "nope.yaml' does not exist", BEFORE),
         ("pp and a batch it does not split", [r, "--parallel.pp", "2", "--train.batch_size", "3"],
          "train.batch_size=3 does not split into parallel.pp_microbatches=2", BEFORE),
+        ("reward model under pipeline parallel", [r, "--model.task", "reward", "--parallel.pp", "2"],
+         "model.task: reward with parallel.pp=2: pipeline parallel runs causal language models only", BEFORE),
         ("peft rank 0", [r, "--peft.r", "0"], "peft.r=0: the LoRA rank must be a positive integer", BEFORE),
         ("tp that does not divide the processes", [r, "--parallel.tp", "3"], "tp=3 does not divide WORLD_SIZE=2", BEFORE),
         ("too many processes", [r, "--launch.nproc_per_node", "64"], "launch.nproc_per_node=64, but this machine has",
          BEFORE),
         ("data with other columns", [r, "--data.path", str(files["other_columns"])],
          "data.format=auto cannot tell the data format from the columns (question, answer)", WORKERS),
+        ("preference pair with chosen identical to rejected",
+         [r, "--model.task", "reward", "--data.path", str(files["same_pair.jsonl"]), "--data.eval_split", "null"],
+         "row 1: chosen and rejected are identical", WORKERS),
         ("truncated JSONL", [r, "--data.path", str(files["cut.jsonl"])],
          f"cannot read the data file '{files['cut.jsonl']}': line 2, column", WORKERS),
         ("model path that does not exist", [r, "--model.name_or_path", str(root / "no-model")],

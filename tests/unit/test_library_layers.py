@@ -133,7 +133,8 @@ def test_zoo_models_serve_only_their_recipe_tasks():
     assert {task for entry in ZOO.values() for task in entry.tasks} == set(TASKS)
     check_zoo_task("zoo:minilm", "sequence_classification")
     check_zoo_task("zoo:smollm2", "causal_lm")
-    with pytest.raises(HfScaleConfigError, match="zoo:smollm2 serves causal_lm, not task 'sequence_classification'; "
+    check_zoo_task("zoo:smollm2", "reward")  # a reward model: SmolLM2 with a one-score head
+    with pytest.raises(HfScaleConfigError, match="zoo:smollm2 serves causal_lm / reward, not task 'sequence_classification'; "
                        "for sequence_classification use zoo:minilm"):
         check_zoo_task("zoo:smollm2", "sequence_classification")
 
