@@ -209,3 +209,26 @@ def tiny_recipe(root, steps: int = 4, **sections):
     path = root / "tiny.yaml"
     path.write_text(yaml.safe_dump(job))
     return path
+
+
+def pair_rows(pairs: int, seed: int = 0, max_len: int = 14) -> list[dict]:
+    """Tokenised preference pairs as ``tokenize_preference`` gives them: a shared prompt of 3-5
+    tokens (labels -100), then a chosen and a rejected completion of different lengths."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(pairs):
+        prompt = torch.randint(2, VOCAB, (3 + i % 3,), generator=g).tolist()
+        row = {}
+        for side, length in (("chosen", max_len - len(prompt) - i % 4), ("rejected", max_len - len(prompt) - 2 - i % 3)):
+            completion = torch.randint(2, VOCAB, (max(length, 2),), generator=g).tolist()
+            row[f"{side}_input_ids"] = prompt + completion
+            row[f"{side}_labels"] = [-100] * len(prompt) + completion
+        rows.append(row)
+    return rows
+
+
+def pair_batch(pairs: int = 3, seed: int = 0, max_len: int = 14) -> dict[str, torch.Tensor]:
+    """:func:`pair_rows` collated as ``PairCollator`` does (rows interleaved, right padding, pad 0)."""
+    from hf_scale.data.preference import PairCollator
+
+    return PairCollator(0)(pair_rows(pairs, seed, max_len))

@@ -34,6 +34,7 @@ def chunked_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
     labeled_only: bool = False,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Causal-LM loss of ``head(hidden)`` against ``labels``, as transformers' ``ForCausalLMLoss``.
 
@@ -43,14 +44,28 @@ def chunked_cross_entropy(
     ``labeled_only``: the head runs on the positions with a label only (an ignored position adds
     nothing to the loss or to any gradient, so both are unchanged); on a GPU, selecting them
     waits for the forward once (the count of labels decides the shapes).
+    ``per_token``: no reduction: each position's cross-entropy, shaped as the shifted labels
+    (0 where ignored), for losses that reduce per sequence (:mod:`hf_scale.parallel.token_logps`).
     """
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shift_labels.reshape(-1).to(flat_hidden.device)
+    everywhere = flat_labels
     if labeled_only:
         rows = (flat_labels != ignore_index).nonzero().squeeze(-1)
         flat_hidden, flat_labels = flat_hidden.index_select(0, rows), flat_labels.index_select(0, rows)
+    if per_token:
+        parts = [
+            checkpoint(_chunk_loss, flat_hidden[start:start + chunk_tokens], head.weight, head.bias,
+                       flat_labels[start:start + chunk_tokens], ignore_index, True, use_reentrant=False)
+            for start in range(0, flat_hidden.shape[0], chunk_tokens)
+        ] if chunk_tokens is not None else [_chunk_loss(flat_hidden, head.weight, head.bias, flat_labels,
+                                                        ignore_index, True)]
+        tokens = torch.cat(parts) if parts else flat_hidden.new_zeros(0, dtype=torch.float32)
+        if labeled_only:  # back to every position (0 at the unlabelled ones)
+            tokens = tokens.new_zeros(everywhere.shape[0]).index_add(0, rows, tokens)
+        return tokens.view(shift_labels.shape)
     if chunk_tokens is None:  # one chunk (a vocabulary-parallel head without chunking)
         total = _chunk_loss(flat_hidden, head.weight, head.bias, flat_labels, ignore_index)
         return _normalise(total, flat_labels, ignore_index, num_items_in_batch)
@@ -91,16 +106,18 @@ def _normalise(total, flat_labels, ignore_index, num_items_in_batch):
     return total / num_items_in_batch
 
 
-def _chunk_loss(hidden, weight, bias, labels, ignore_index):
+def _chunk_loss(hidden, weight, bias, labels, ignore_index, per_token=False):
+    """The chunk's summed cross-entropy (``per_token``: each position's, 0 where ignored)."""
     from torch.distributed.tensor import DTensor, Replicate
 
     if isinstance(weight, DTensor):  # tensor parallel: the head's vocabulary is sharded
         if not isinstance(hidden, DTensor):
             hidden = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
         logits = F.linear(hidden, weight, bias).float()
-        return _VocabParallelCrossEntropy.apply(logits.to_local(), labels, ignore_index, *_vocab_slice(weight))
+        tokens = _VocabParallelCrossEntropy.apply(logits.to_local(), labels, ignore_index, *_vocab_slice(weight))
+        return tokens if per_token else tokens.sum()
     logits = F.linear(hidden, weight, bias).float()
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="none" if per_token else "sum")
 
 
 def _vocab_slice(weight) -> tuple:
@@ -117,7 +134,8 @@ def _vocab_slice(weight) -> tuple:
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of logits sharded on the vocabulary (each rank its ``[N, V/tp]``).
+    """Per-position cross-entropy ``[N]`` (0 where ignored) of logits sharded on the vocabulary
+    (each rank its ``[N, V/tp]``); the callers sum it, or reduce it per sequence.
 
     Megatron-LM's vocabulary-parallel cross-entropy: the row maxima, then the sums of
     exponentials and the target logits together, are all-reduced over the tp group (two
@@ -145,7 +163,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         dist.all_reduce(stats, group=group)  # [shifted target logit, sum of exponentials] per row
         target, sum_exp = stats
         valid = labels != ignore_index
-        loss = ((sum_exp.log() - target) * valid).sum()
+        loss = (sum_exp.log() - target) * valid
         buf.div_(sum_exp.unsqueeze(-1))
         buf.scatter_add_(-1, index, -here.to(buf.dtype).unsqueeze(-1))
         buf.mul_(valid.unsqueeze(-1))
@@ -155,7 +173,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad,) = ctx.saved_tensors
-        return grad * grad_output, None, None, None, None
+        return grad * grad_output.unsqueeze(-1), None, None, None, None
 
 
 # Config attributes of models that transform the head's output before the loss (soft-capping,
@@ -200,12 +218,17 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
             f"{type(model).__name__}'s forward does not compute its loss through "
             f"model.loss_function, so chunked loss cannot apply. {_TURN_OFF}"
         )
-    state = {"active": False}
+    state = {"active": False, "per_token": False}  # per_token: token_logps_mode (token_logps.py)
     head_forward = head.forward
     loss_function = model.loss_function
 
     def start(module, args, kwargs):
-        state.update(active=kwargs.get("labels") is not None and torch.is_grad_enabled(), calls=0)
+        # per-token log-probs (token_logps_mode) go chunked without gradients too, but not through a
+        # tensor-parallel head: without gradients it runs on its local shard and gathers its output
+        # (tp_local.py), so it returns the gathered logits and the loss takes them whole
+        sharded = hasattr(head.weight, "placements")
+        wanted = torch.is_grad_enabled() or (state["per_token"] and not sharded)
+        state.update(active=kwargs.get("labels") is not None and wanted, calls=0)
 
     def finish(module, args, kwargs, output):
         active, calls = state["active"], state["calls"]
@@ -230,6 +253,10 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
     def loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
              shift_labels=None, **kwargs):
         state["calls"] += 1
+        if not state["active"] and state["per_token"]:
+            from .token_logps import token_logps
+
+            return token_logps(logits, labels, ignore_index)
         if not state["active"]:
             return loss_function(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
                                  ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
@@ -237,10 +264,14 @@ def apply_chunked_loss(model: nn.Module, head: nn.Linear, chunk_tokens: int | No
         if passed is None or not _unchanged(passed, logits):
             state["active"] = False  # one error, not a second one from the forward hook
             raise _not_straight(model, "its forward changes the head's output before the loss")
+        if state["per_token"]:  # the log-probs of the labels, per position (0 where ignored)
+            return -chunked_cross_entropy(logits, head, labels, chunk_tokens, ignore_index=ignore_index,
+                                          shift_labels=shift_labels, labeled_only=labeled_only, per_token=True)
         return chunked_cross_entropy(logits, head, labels, chunk_tokens, ignore_index=ignore_index,
                                      num_items_in_batch=num_items_in_batch, shift_labels=shift_labels,
                                      labeled_only=labeled_only)
 
+    loss.hf_scale_token_logps = state  # the switch token_logps_mode turns
     model.register_forward_pre_hook(start, with_kwargs=True)
     model.register_forward_hook(finish, with_kwargs=True, always_call=True)
     head.forward = head_or_passthrough

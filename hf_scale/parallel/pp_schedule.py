@@ -67,6 +67,7 @@ class Pipeline:
         self._cache: OrderedDict = OrderedDict()
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
+        self._row_loss = None  # run_rows: the loss of a microbatch from the last stage's output
         self.holds_last = layout.num_stages - 1 in stages
 
     # ------------------------------------------------------------------ public
@@ -80,9 +81,27 @@ class Pipeline:
         with torch.no_grad():
             return self._run(batch, 1.0, train=False)
 
+    def run_rows(self, batch: dict, target: torch.Tensor, row_loss, loss_scale: float = 1.0,
+                 train: bool = True) -> torch.Tensor:
+        """A step whose loss the caller computes from the last stage's output, per microbatch:
+        ``row_loss(output, target_rows)`` gets the microbatch's output (what the last stage's
+        forward returns: the model's ``loss`` field, e.g. per-position log-probabilities under
+        :func:`hf_scale.parallel.token_logps.token_logps_mode`) and its rows of ``target``
+        (split on dim 0 as the batch is) and returns a scalar. Returns the sum of those scalars
+        over the microbatches (the same on every rank); ``train``: backward of ``loss_scale`` x it."""
+        self._row_loss = row_loss
+        try:
+            if train:
+                return self._run(batch, loss_scale, train=True, target=target)
+            with torch.no_grad():
+                return self._run(batch, 1.0, train=False, target=target)
+        finally:
+            self._row_loss = None
+
     # ------------------------------------------------------------------ internals
-    def _run(self, batch: dict, loss_scale: float, train: bool) -> torch.Tensor:
+    def _run(self, batch: dict, loss_scale: float, train: bool, target: torch.Tensor | None = None) -> torch.Tensor:
         ids, mask, labels = self._check(batch)
+        target = labels if target is None else target.to(self.device)
         extra = {} if batch.get("position_ids") is None else {"position_ids": batch["position_ids"].to(self.device)}
         for module in self.stage_modules:  # the views copy a few modules: follow model.train()/eval()
             if module.training != self.model.training:
@@ -98,10 +117,10 @@ class Pipeline:
         schedule = self._schedule(tuple(ids.shape), train)
         if train:
             before = self._tied_grads_before()
-            schedule.step(ids, target=labels, return_outputs=False, **kwargs)
+            schedule.step(ids, target=target, return_outputs=False, **kwargs)
             self._sum_tied_grads(before)
         else:
-            schedule.eval(ids, target=labels, return_outputs=False, **kwargs)
+            schedule.eval(ids, target=target, return_outputs=False, **kwargs)
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.holds_last:  # the first batch of a shape also runs torch's shape inference: skip it
             loss += torch.stack([x.float() for x in self._losses[-self.microbatches:]]).sum()
@@ -176,6 +195,8 @@ class Pipeline:
             )
 
     def _loss_fn(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._row_loss is not None:
+            output = self._row_loss(output, target)
         self._losses.append(output.detach())
         return output * self._scale
 

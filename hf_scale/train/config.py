@@ -338,6 +338,65 @@ class AdapterConfig:
                     modules_to_save=self.modules_to_save, task_type="CAUSAL_LM")
 
 
+REFERENCES = ("auto", "adapter", "precompute")
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference training on ``{prompt, chosen, rejected}`` pairs (DPO and its kin) instead of
+    SFT; off while ``loss`` is null. The losses and knobs are TRL's (see
+    :mod:`hf_scale.parallel.preference_loss`); ``train.batch_size`` counts pairs.
+
+    Attributes:
+        loss: null (SFT), ``sigmoid`` (DPO), ``robust``, ``ipo``, ``hinge``, or the
+            reference-free ``simpo`` and ``orpo``.
+        beta: the temperature of the loss (TRL's default 0.1; simpo's usual 2.0).
+        label_smoothing: the probability a label is flipped (sigmoid: conservative DPO; robust;
+            simpo), in [0, 0.5).
+        rpo_alpha: weight of an NLL term on the chosen completions (RPO; CPO's ``cpo_alpha`` for
+            simpo); null for none. orpo has its own NLL term.
+        simpo_gamma: simpo's target reward margin.
+        reference: where the reference log-probs come from: ``adapter`` (LoRA: the base with the
+            adapter disabled, one no-grad forward per step), ``precompute`` (one pass of the
+            policy over the pairs before the first step, in the training layout), or ``auto``
+            (adapter under LoRA, precompute otherwise). simpo and orpo need no reference.
+    """
+
+    loss: Optional[str] = None
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    rpo_alpha: Optional[float] = None
+    simpo_gamma: float = 0.5
+    reference: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("preference.reference", self.reference, REFERENCES)
+        if self.loss is not None:
+            self.knobs()  # checks the loss and its knobs
+
+    @property
+    def enabled(self) -> bool:
+        return self.loss is not None
+
+    def knobs(self):
+        """The :class:`hf_scale.parallel.preference_loss.PreferenceLoss` of this section."""
+        from ..parallel.preference_loss import PreferenceLoss
+
+        try:
+            return PreferenceLoss(self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
+                                  rpo_alpha=self.rpo_alpha, simpo_gamma=self.simpo_gamma)
+        except HfScaleConfigError as e:
+            raise HfScaleConfigError(str(e).replace("preference ", "preference.", 1)) from None
+
+    def reference_source(self, lora: bool) -> Optional[str]:
+        """``adapter``, ``precompute`` or None (a reference-free loss, or no preference training)."""
+        if not self.enabled or not self.knobs().needs_reference:
+            return None
+        if self.reference == "auto":
+            return "adapter" if lora else "precompute"
+        return self.reference
+
+
 @dataclass
 class CheckpointConfig:
     """Periodic training checkpoints (model + optimizer + data position) and the final save.
@@ -434,6 +493,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
 
     def __post_init__(self) -> None:
         if self.hub.push and not self.checkpoint.save_final:
@@ -460,6 +520,7 @@ class JobConfig:
                 "train_step / eval_step: docs/context-parallel.md), or drop parallel.cp."
             )
         self._check_packing()
+        self._check_preference()
         self._check_reward()
         # fp16 under pp is refused by ParallelConfig itself (each stage would scale its own loss)
 
@@ -485,6 +546,26 @@ class JobConfig:
                 f"data.padding_free with parallel.pp={self.parallel.pp}: the pipeline cuts each batch's rows "
                 "into microbatches, and padding-free batches are one row. Use data.packing: bfd (full rows of "
                 "whole documents, no padding to speak of) under pp."
+            )
+
+    def _check_preference(self) -> None:
+        """Preference training pads whole pairs: what it cannot run with is refused here."""
+        pref, data = self.preference, self.data
+        if not pref.enabled:
+            return
+        if self.model.task != "causal_lm":
+            raise HfScaleConfigError(f"preference.loss={pref.loss!r} trains a causal LM on pairs; model.task is "
+                                     f"{self.model.task!r}: set model.task: causal_lm (or preference.loss: null).")
+        if data.packing or data.padding_free or data.streaming:
+            raise HfScaleConfigError(
+                f"preference.loss={pref.loss!r} with data.packing / data.padding_free / data.streaming: preference "
+                "pairs are padded, two rows per pair, and read whole (not yet packed or streamed). Set "
+                "data.packing: false, data.padding_free: false and data.streaming: false."
+            )
+        if pref.reference_source(self.peft.enabled) == "adapter" and not self.peft.enabled:
+            raise HfScaleConfigError(
+                "preference.reference: adapter takes the reference from the base with the LoRA adapter disabled, "
+                "but no adapter is trained (peft.r is not set): set peft.r, or preference.reference: precompute."
             )
 
     def _check_reward(self) -> None:

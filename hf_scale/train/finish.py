@@ -141,7 +141,7 @@ def hub_id(name_or_path: str) -> str | None:
 
 def _print_summary(summary: dict, model_dir: Path | None) -> None:
     before, after = summary.get("before") or {}, summary.get("after") or {}
-    for key in ("eval_exact_match", "eval_accuracy", "eval_loss"):
+    for key in ("eval_exact_match", "eval_accuracy", "eval_rewards/accuracies", "eval_rewards/margins", "eval_loss"):
         if key in after:
             was = f"{before[key]:.3f} -> " if key in before else ""
             log_rank0(f"{key}: {was}{after[key]:.3f} on {after['eval_examples']} held-out examples")

@@ -55,6 +55,7 @@ from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
+from .preference import add_reference, evaluate_preference, pair_datasets, preference_step_values
 from .reward import RewardCollator
 from .streaming_data import stream_eval, stream_source
 from .model import MODEL_SOURCES, load_config, load_model, load_tokenizer, meta_model, read_model_config
@@ -81,6 +82,8 @@ def run(job: JobConfig) -> dict:
                        seed=job.train.seed, center_rewards_coefficient=job.train.center_rewards_coefficient)
     device = get_state(model).env.device
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
+    if job.preference.enabled:  # the reference's log-probs: the policy as loaded is the reference
+        train_ds, eval_ds = add_reference(job, model, train_ds, eval_ds, dp, tokenizer.pad_token_id)
     collate, eval_collate = _collators(job, tokenizer.pad_token_id)
     batches = _batches(job, train_ds, tokenizer, collate, dp)
     total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
@@ -127,6 +130,8 @@ def run(job: JobConfig) -> dict:
         save_pretrained(model, model_dir, tokenizer=tokenizer, max_shard_size=job.checkpoint.max_shard_size)
         if rank == 0:
             metrics.plot_loss(model_dir / LOSS_CURVE)
+    if job.preference.enabled and eval_ds is not None:  # sample generations: the prompts, chosen expected
+        eval_ds = eval_ds.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
     finish_run(job, model_dir, summary, eval_ds, tokenizer, world, dp_degree=dp.degree, model=model)
     return summary
 
@@ -151,9 +156,14 @@ def _collators(job: JobConfig, pad_id: int):
     """(training, evaluation) collators: padded rows with an attention mask, or rows of documents
     kept apart by ``position_ids`` (packing, padding-free: one flattened row per micro-batch in
     training; evaluation keeps rows, whose examples it weighs one by one). A reward model's batches
-    are preference pairs, chosen and rejected interleaved (:class:`RewardCollator`)."""
+    are preference pairs, chosen and rejected interleaved (:class:`RewardCollator`), as are
+    preference training's (``PairCollator``)."""
     if job.model.task == "reward":
         return RewardCollator(pad_id), RewardCollator(pad_id)
+    if job.preference.enabled:
+        from ..data.preference import PairCollator
+
+        return PairCollator(pad_id), PairCollator(pad_id)
     if not job.data.keeps_documents_apart:
         return PadCollator(pad_id), PadCollator(pad_id)
     return PackedCollator(pad_id, flatten=job.data.padding_free), PackedCollator(pad_id)
@@ -179,6 +189,9 @@ def _datasets(job: JobConfig, tokenizer):
         answers = ev is not None and causal_lm_format(ev.column_names, job.data).kind != "text"
         return None, ev and tokenize_causal_lm(ev, tokenizer, job.data, max_len, pack=_eval_packing(job)), None, answers
     splits = load_splits(job.data)
+    if job.preference.enabled:  # pairs: the loss and rewards on held-out pairs, no exact match
+        train, ev = pair_datasets(job, tokenizer, splits)
+        return train, ev, None, False
     if job.model.task == "reward":  # preference pairs: one row per pair
         train = tokenize_preference(splits["train"], tokenizer, job.data, max_len)
         ev = splits["eval"] and tokenize_preference(splits["eval"], tokenizer, job.data, max_len)
@@ -225,7 +238,11 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
     # fp16's current loss scale (1.0 when the scaler is off); scaling a one also starts the scaler
     amp_scale = float(scaler.scale(torch.ones((), device=device)))
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for i, batch in enumerate(micro):
+    extra = {}
+    if job.preference.enabled:  # micro-batches weighted by their pairs (hf_scale.train.preference)
+        extra = preference_step_values(job, model, micro, dp, amp_scale)
+        loss_sum += extra.pop("loss") / dp.degree  # the step's loss, every rank's; summed over dp below
+    for i, batch in enumerate(micro if not job.preference.enabled else []):
         share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
         with no_sync(model, enabled=i < len(micro) - 1):
             # gradients are averaged over dp ranks: each rank's share counts dp.degree times
@@ -243,7 +260,7 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
     if rank_world()[1] > 1:  # over every rank, tp and pp ranks included
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
-            "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens}
+            "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens, **extra}
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -274,6 +291,10 @@ def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, 
     def evaluate_at(step: int):
         if eval_ds is None:
             return None
+        if job.preference.enabled:  # the preference loss and rewards on held-out pairs
+            scores = evaluate_preference(job, model, eval_ds, collate, dp, device)
+            metrics.event(step, scores)
+            return scores
         scores = evaluate(model, eval_ds, collate, task=job.model.task, batch_size=job.train.eval_batch_size,
                           rank=dp.rank, world=dp.degree, group=dp.group, device=device,
                           exact_match=exact_match)

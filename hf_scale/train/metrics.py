@@ -31,6 +31,7 @@ from .trackers import Tracker
 
 METRICS_FILE = "metrics.jsonl"
 LOSS_CURVE = "loss_curve.png"
+PROGRESS_EXTRA = ("rewards/accuracies", "rewards/margins")  # shown on the progress line when present
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -80,12 +81,15 @@ class Metrics:
         elapsed = round(time.perf_counter() - self.start, 2)
         self._write({"step": step, **_rounded(values), "elapsed_s": elapsed})
         self._report(step, {**values, "elapsed_s": elapsed})
+        # preference training: TRL's reward accuracy and margin beside the loss
+        shown = {k.split("/")[1]: f"{values[k]:.3f}" for k in PROGRESS_EXTRA if k in values}
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{values['loss']:.4f}", tok_s=f"{values.get('tokens_per_s', 0):,.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(loss=f"{values['loss']:.4f}", **shown,
+                                 tok_s=f"{values.get('tokens_per_s', 0):,.0f}", refresh=False)
         elif "loss" in values:
-            log_rank0(f"step {step}  loss {values['loss']:.4f}  {values.get('tokens_per_s', 0):,.0f} tokens/s")
+            extra = "".join(f"  {k} {v}" for k, v in shown.items())
+            log_rank0(f"step {step}  loss {values['loss']:.4f}{extra}  {values.get('tokens_per_s', 0):,.0f} tokens/s")
 
     def event(self, step: int, values: dict) -> None:
         """Record evaluation (or other) values at ``step`` and print them."""
