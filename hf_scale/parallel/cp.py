@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HfScaleConfigError
+from . import cp_blocks
 
 ATTENTION = "hf_scale_cp"  # the attention function's name in transformers' registry
 PROBE = "hf_scale_cp_probe"  # the attention function of the tiny model that checks an architecture
@@ -74,6 +75,14 @@ def chunk_indices(length: int, cp: int, rank: int, layout: str) -> torch.Tensor:
     return torch.cat([torch.arange(rank * size, (rank + 1) * size), torch.arange(tail * size, (tail + 1) * size)])
 
 
+def chunks_held(cp: int, layout: str) -> list[list[int]]:
+    """For each rank, the global chunk indices it holds in local order (chunks of
+    ``length / (2 cp)`` tokens for ``head_tail``, of ``length / cp`` for ``contiguous``)."""
+    if layout == "contiguous":
+        return [[r] for r in range(cp)]
+    return [[r, 2 * cp - 1 - r] for r in range(cp)]
+
+
 def granule(cp: int, layout: str) -> int:
     """What a sequence length must be a multiple of (shorter ones are padded to it)."""
     return 2 * cp if layout == "head_tail" else cp
@@ -91,7 +100,11 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 class Forward:
     """One forward's split: this rank's global positions (``q_index``), those of the gathered
     keys in gather order (``kv_index``), the documents, the local shifted labels and the whole
-    batch's label count; masks are built once per window and reused by every layer."""
+    batch's label count; masks are built once per window and reused by every layer. ``chunks``
+    / ``chunk``: the global chunks each rank holds and their length; ``blocks``: whether plain
+    causal layers may attend in blocks without a mask (no packed documents: the padding the
+    split adds at the end is a document that no real token sees, and needs no mask);
+    ``stash``: gathered K / V a recomputed forward leaves for its backward (cp_blocks)."""
 
     group: Any
     q_index: torch.Tensor
@@ -99,7 +112,12 @@ class Forward:
     docs: torch.Tensor | None  # [batch, S] global document ids, or None (one document per row)
     shift_labels: torch.Tensor | None = None
     num_items: torch.Tensor | None = None
+    chunks: list = field(default_factory=list)
+    chunk: int = 0
+    blocks: bool = False
+    stash: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
+    block_calls: int = 0
     attention_calls: int = 0
     loss_calls: int = 0
 
@@ -158,6 +176,15 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             f"positions, a mask {'given' if attention_mask is not None else 'absent'})."
         )
     fwd.attention_calls += 1
+    length = fwd.kv_index.numel()
+    dropout = dropout if module.training else 0.0
+    if (fwd.blocks and softcap is None and not dropout and (sliding_window is None or sliding_window >= length)
+            and cp_blocks.supported(query, key, value)):
+        fwd.block_calls += 1
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = cp_blocks.block_attention(query, key, value, fwd.group, fwd.chunks, fwd.chunk, scale, fwd.stash,
+                                        id(module))
+        return out.transpose(1, 2).contiguous(), None
     kv = torch.cat([key, value], dim=-1).contiguous()
     kv = funcol.all_gather_single(kv, 2, fwd.group)  # [batch, kv_heads, S, dk + dv], autograd
     key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
@@ -165,7 +192,6 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     mask = fwd.mask(sliding_window)
-    dropout = dropout if module.training else 0.0
     if softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     else:  # logits soft-capped before the mask, as transformers' eager attention does
@@ -182,8 +208,8 @@ class ContextParallel:
     """What :func:`apply_cp` attaches to a model: the split (forward pre-hook), the checks after
     the forward, and the loss over the group. ``group``: the cp process group."""
 
-    def __init__(self, model: nn.Module, group, layout: str):
-        self.group, self.layout = group, layout
+    def __init__(self, model: nn.Module, group, layout: str, attention: str = "auto"):
+        self.group, self.layout, self.attention = group, layout, attention
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.signature = inspect.signature(model.forward)
         self.pad_id = getattr(model.config, "pad_token_id", None) or 0
@@ -217,6 +243,7 @@ class ContextParallel:
         if mask is not None and mask.dim() != 2:
             raise HfScaleConfigError(f"context parallel takes no {mask.dim()}-D attention mask. {_PACK}.")
         docs = document_ids(positions)
+        packed = docs is not None
         if mask is not None and docs is not None:
             raise HfScaleConfigError(
                 "the position_ids restart (packed documents) and an attention_mask is given: transformers then "
@@ -241,8 +268,11 @@ class ContextParallel:
         for name in SPLIT:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].index_select(1, index)
+        chunks = chunks_held(self.size, self.layout)
         fwd = Forward(self.group, index, torch.cat(every).to(device), docs,
-                      None if shift is None else shift.index_select(1, index), num_items)
+                      None if shift is None else shift.index_select(1, index), num_items,
+                      chunks=chunks, chunk=length // (self.size * len(chunks[0])),
+                      blocks=self.attention == "auto" and not packed)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd
         return (), kwargs
@@ -324,7 +354,7 @@ class ContextParallel:
         model.loss_function = loss
 
 
-def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail") -> ContextParallel:
+def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail", attention: str = "auto") -> ContextParallel:
     """Split ``model``'s sequences over the 1-D ``cp_mesh`` (see the module docstring); the
     model must have passed :func:`check_cp_model`. Apply after tensor parallel, before
     activation checkpointing and FSDP / DDP (which then reduce over ``dp x cp``)."""
@@ -334,7 +364,7 @@ def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail") -> ContextPar
     model.set_attn_implementation(ATTENTION)
     if model.config._attn_implementation != ATTENTION:
         raise HfScaleConfigError(f"{type(model).__name__} did not take the context-parallel attention function.")
-    cp = ContextParallel(model, cp_mesh.get_group(), layout)
+    cp = ContextParallel(model, cp_mesh.get_group(), layout, attention)
     model.register_forward_pre_hook(cp.split, with_kwargs=True)
     model.register_forward_hook(cp.finish, with_kwargs=True, always_call=True)
     cp.wrap_loss(model)
