@@ -13,12 +13,17 @@ every model whose attention goes through transformers' attention registry (no mo
   ignored (it changes nothing a real token sees). Layouts (``cp_layout``): ``head_tail`` (rank r
   holds chunks r and 2cp-1-r of 2cp: as much causal work on every rank) or ``contiguous``.
 * an attention function registered as ``"hf_scale_cp"`` in ``AttentionInterface`` and set as
-  the model's ``config._attn_implementation``: it all-gathers K and V over the cp group (one
-  all-gather of both per layer, autograd: the backward is a reduce-scatter of their gradients)
-  and attends this rank's queries to all keys under a mask built from GLOBAL indices: causal,
-  the layer's sliding window, packed documents (from the whole batch's ``position_ids``,
-  restarting per document, as transformers finds them), logit soft-capping where the model
-  passes it.
+  the model's ``config._attn_implementation``. Causal layers without a sliding window shorter
+  than the sequence or soft-capping attend WITHOUT a mask (:mod:`hf_scale.parallel.cp_blocks`,
+  ``cp_attention="auto"``, on the CPU): K and V all-gathered (one collective for both), this
+  rank's query chunks against them in blocks by chunk and packed document (earlier chunks with
+  no mask, the diagonal ``is_causal``), merged by their log-sum-exp; only this rank's part is
+  saved and K / V are gathered again in the backward, so every tensor a layer keeps is S/cp.
+  The other layers (sliding windows, soft-capping, other devices, ``cp_attention="masked"``)
+  all-gather K and V with autograd (the backward a reduce-scatter of their gradients) and attend
+  under a mask built from GLOBAL indices: causal, the layer's sliding window, packed documents
+  (from the whole batch's ``position_ids``, restarting per document, as transformers finds
+  them), logit soft-capping where the model passes it.
 * the loss: this rank's token sum over the WHOLE batch's label count, summed over the group (an
   all-reduce whose backward sums the gradients): every rank returns the whole sequence's
   token-weighted loss, and the gradients FSDP / DDP average over ``dp x cp`` are those of one
@@ -27,11 +32,12 @@ every model whose attention goes through transformers' attention registry (no mo
 Layout contract: parameters replicated (or FSDP-sharded) over cp; activations and the output
 ``logits`` hold this rank's positions only (:func:`local_positions`); the loss is global.
 
-Memory caveat (this is the core, not the long-context kernel): every layer holds the whole
-sequence's K and V (gathered, and repeated for grouped-query heads), and a dense boolean mask of
-``batch x S/cp x S`` per distinct window is built each forward; attention runs as SDPA (or an
-eager softmax with soft-capping) on ``S/cp x S`` scores. Mask-free kernels, ring or all-to-all
-(Ulysses) exchange are the next step (docs/context-parallel.md).
+Memory: in the block path a layer saves its S/cp queries, keys, values, output and log-sum-exp
+and nothing of size S (activation bytes saved per rank: 0.50x of one process at cp=2, 0.25x at
+cp=4, tests/distributed/test_cp_memory.py); the gathered K / V (S) and the blocks' scores exist
+only while a layer runs. The masked path keeps the gathered K / V (repeated for grouped-query
+heads) for backward and builds a dense boolean ``batch x S/cp x S`` mask per window and forward.
+Ring or all-to-all (Ulysses) exchanges are not implemented (docs/context-parallel.md).
 
 Usage::
 
@@ -101,10 +107,9 @@ class Forward:
     """One forward's split: this rank's global positions (``q_index``), those of the gathered
     keys in gather order (``kv_index``), the documents, the local shifted labels and the whole
     batch's label count; masks are built once per window and reused by every layer. ``chunks``
-    / ``chunk``: the global chunks each rank holds and their length; ``blocks``: whether plain
-    causal layers may attend in blocks without a mask (no packed documents: the padding the
-    split adds at the end is a document that no real token sees, and needs no mask);
-    ``stash``: gathered K / V a recomputed forward leaves for its backward (cp_blocks)."""
+    / ``chunk``: the global chunks each rank holds and their length; ``pieces``: this rank's
+    queries by chunk and document for the attention without a mask (``cp_blocks``; None: masked
+    attention only); ``stash``: gathered K / V a recomputed forward leaves for its backward."""
 
     group: Any
     q_index: torch.Tensor
@@ -114,7 +119,7 @@ class Forward:
     num_items: torch.Tensor | None = None
     chunks: list = field(default_factory=list)
     chunk: int = 0
-    blocks: bool = False
+    pieces: list | None = None
     stash: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
     block_calls: int = 0
@@ -178,12 +183,12 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     fwd.attention_calls += 1
     length = fwd.kv_index.numel()
     dropout = dropout if module.training else 0.0
-    if (fwd.blocks and softcap is None and not dropout and (sliding_window is None or sliding_window >= length)
+    if (fwd.pieces is not None and softcap is None and not dropout and (sliding_window is None or sliding_window >= length)
             and cp_blocks.supported(query, key, value)):
         fwd.block_calls += 1
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = cp_blocks.block_attention(query, key, value, fwd.group, fwd.chunks, fwd.chunk, scale, fwd.stash,
-                                        id(module))
+        out = cp_blocks.block_attention(query, key, value, fwd.group, fwd.chunks, fwd.chunk, fwd.pieces, scale,
+                                        fwd.stash, id(module))
         return out.transpose(1, 2).contiguous(), None
     kv = torch.cat([key, value], dim=-1).contiguous()
     kv = funcol.all_gather_single(kv, 2, fwd.group)  # [batch, kv_heads, S, dk + dv], autograd
@@ -215,6 +220,13 @@ class ContextParallel:
         self.pad_id = getattr(model.config, "pad_token_id", None) or 0
         self.current: Forward | None = None
         self.checked: set[bool] = set()  # training modes whose first batch was compared over the group
+        self.calls = {"blocks": 0, "masked": 0}  # attention calls by kind, over every forward so far
+
+    @staticmethod
+    def of(model: nn.Module) -> ContextParallel | None:
+        """The context parallel :func:`apply_cp` attached to ``model`` (its split hook's owner)."""
+        return next((h.__self__ for h in model._forward_pre_hooks.values()
+                     if isinstance(getattr(h, "__self__", None), ContextParallel)), None)
 
     def split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:  # positional arguments by name (the ** catch-all's contents merged in)
@@ -269,10 +281,15 @@ class ContextParallel:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].index_select(1, index)
         chunks = chunks_held(self.size, self.layout)
+        chunk = length // (self.size * len(chunks[0]))
+        pieces = None
+        if self.attention == "auto":  # the padding at the end is seen by no real token: no document of its own
+            starts = None if not packed else [[0, *torch.nonzero(torch.diff(row)).add(1).flatten().tolist()]
+                                              for row in docs.cpu()]
+            pieces = cp_blocks.plan_pieces(chunks[self.rank], chunk, starts)
         fwd = Forward(self.group, index, torch.cat(every).to(device), docs,
                       None if shift is None else shift.index_select(1, index), num_items,
-                      chunks=chunks, chunk=length // (self.size * len(chunks[0])),
-                      blocks=self.attention == "auto" and not packed)
+                      chunks=chunks, chunk=chunk, pieces=pieces)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd
         return (), kwargs
@@ -320,6 +337,9 @@ class ContextParallel:
 
     def finish(self, module: nn.Module, args, kwargs, output):
         fwd, self.current = self.current, None
+        if fwd is not None:
+            self.calls["blocks"] += fwd.block_calls
+            self.calls["masked"] += fwd.attention_calls - fwd.block_calls
         if output is None or fwd is None:
             return output
         if fwd.attention_calls == 0:
