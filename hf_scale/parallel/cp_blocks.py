@@ -157,8 +157,9 @@ class _BlockAttention(torch.autograd.Function):
                 past, past_m = _FORWARD(_grouped(q, kv_heads), gathered.key[p.rows, :, p.past],
                                         gathered.value[p.rows, :, p.past], 0.0, False, scale=scale)
                 past, past_m = _ungrouped(past, heads), _ungrouped(past_m, heads)
-                merged = torch.logaddexp(m, past_m)
-                o = o * (m - merged).exp().unsqueeze(-1).to(o.dtype) + past * (past_m - merged).exp().unsqueeze(-1).to(o.dtype)
+                merged = torch.logaddexp(m, past_m)  # fp32, as the kernels return it; the sum in fp32 too
+                o = (o.float() * (m - merged).exp().unsqueeze(-1)
+                     + past.float() * (past_m - merged).exp().unsqueeze(-1)).to(o.dtype)
                 m = merged
             out[p.rows, :, p.local] = o
             lse[p.rows, :, p.local] = m
