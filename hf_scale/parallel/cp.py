@@ -164,7 +164,8 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                  **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (``[batch, heads, seq, dim]`` in,
     ``[batch, seq, heads, dim]`` out) over the cp group: K and V all-gathered along the
-    sequence (one collective), this rank's queries against every key under the global mask."""
+    sequence (one collective), this rank's queries against every key they may see: in blocks
+    without a mask where the layer allows (:mod:`cp_blocks`), else under the global mask."""
     fwd = kwargs.get(FORWARD_KWARG)
     if not isinstance(fwd, Forward):
         raise HfScaleConfigError(
