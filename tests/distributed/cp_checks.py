@@ -4,6 +4,7 @@ the one-process reference the parent computes."""
 from __future__ import annotations
 
 import copy
+import os
 import traceback
 
 import torch
@@ -235,7 +236,7 @@ def saved_bytes_one_process(seq: int) -> dict:
 
 def saved_bytes_cp(seq: int, attention: str = "auto", layout: str = "head_tail") -> dict:
     """What each rank of a cp group (the whole world, DDP) saves for backward on the sequence."""
-    model = hf_scale.parallelize(memory_model(), {"strategy": "ddp", "cp": torch.distributed.get_world_size(),
+    model = hf_scale.parallelize(memory_model(), {"strategy": "ddp", "cp": int(os.environ["WORLD_SIZE"]),
                                                   "cp_attention": attention, "cp_layout": layout})
     batch = memory_batch(seq)
     model(**batch).loss.backward()  # the batch check over the group, outside the count

@@ -37,6 +37,10 @@ def test_saved_activations_fall_as_one_over_cp(measured, one_process):
             assert "error" not in case, case.get("error")
             assert abs(case["loss"] - one_process["loss"]) <= 1e-5 * one_process["loss"], (case, one_process)
         assert blocks["calls"]["masked"] == 0 and masked["calls"]["blocks"] == 0, (blocks, masked)
+        print(f"cp={cp} rank {rank}: saved for backward vs one process "
+              + ", ".join(f"{n} {c['bytes'] / one_process['bytes']:.3f}x"
+                          for n, c in (("blocks head_tail", blocks), ("blocks contiguous", contiguous),
+                                       ("masked", masked))))
         for name, case in (("head_tail", blocks), ("contiguous", contiguous)):
             ratio = case["bytes"] / one_process["bytes"]
             assert ratio <= BOUND[cp], f"rank {rank} ({name}) saves {ratio:.3f}x of one process at cp={cp}"
