@@ -8,8 +8,8 @@ must log the per-step losses and gradient norms, and save the weights, of one pr
 4 (fp32, 1e-5 relative). Evaluation gives one process's loss (from ``eval_step``: each rank holds
 its own positions' logits) and says why exact match is left out; sample generations of the live
 model are skipped with a line saying why (cp refuses generate's cache), and the saved export
-answers instead. A second run, padding-free (each micro-batch one flattened row), holds to the
-same kind of reference.
+answers instead. A second run, padding-free on top (each micro-batch one flattened row) under the
+contiguous layout, holds to the same reference.
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ def test_generations_are_skipped_with_a_reason_and_the_export_answers(cp_run):
     assert "reloaded" in log and "greedy answers" in log
 
 
-def test_cp2_padding_free_trains_like_one_process(tmp_path_factory):
-    recipe = tiny_recipe(tmp_path_factory.mktemp("cli-cp-flat"), steps=STEPS, data={"padding_free": True})
+def test_cp2_padding_free_trains_like_one_process(cp_run):
+    """Padding-free on top of the packed rows (each micro-batch's 4 rows flattened into one, which
+    changes no token's loss), contiguous layout: the same reference as the packed rows."""
+    recipe, _, _, reference = cp_run
     out = recipe.parent / "runs" / "cp2-flat"
     log = run_cli("finetune", str(recipe), "--parallel.cp", "2", "--parallel.cp_layout", "contiguous",
-                  "--train.output_dir", str(out), timeout=900).stdout
+                  "--data.padding_free", "true", "--train.output_dir", str(out), timeout=900).stdout
     assert "sequences split over cp=2 (contiguous)" in log, log[-3000:]
-    check_against_reference(out, plain_reference(recipe, batch_size=4))
+    check_against_reference(out, reference)
