@@ -25,7 +25,8 @@ rank, with full activation checkpointing and the chunked loss (the long-context 
     python scripts/bench_cp.py                                   # cp 1, 2, 4 at 1k, 2k, 4k tokens
     python scripts/bench_cp.py --lengths 2048 --cps 1,2 --attention masked
     python scripts/bench_cp.py --longest 300 --start 1024        # longest length under 300 MB/rank
-    python scripts/bench_cp.py --write docs/benchmarks.md        # into its section (bench:cp)
+    python scripts/bench_cp.py --write docs/benchmarks.md        # into its section (bench:cp;
+                                                                 # --longest: bench:cp-longest)
     python scripts/bench_cp.py --worker JSON OUT                 # one leg's rank (run by torchrun)
 """
 
@@ -210,6 +211,8 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker[0]), Path(args.worker[1]))
         return
+    if args.longest and args.section == "cp":
+        args.section = "cp-longest"  # its own table
     check_doc(args)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
