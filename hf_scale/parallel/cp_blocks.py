@@ -103,7 +103,7 @@ class _Gathered:
     def __init__(self, key: torch.Tensor, value: torch.Tensor, group, chunks: list[list[int]], chunk: int):
         self.dim = key.shape[-1]
         kv = torch.cat([key, value], dim=-1).contiguous()  # [batch, kv_heads, S/cp, 2 dim]: one collective
-        gathered = funcol.wait_tensor(funcol.all_gather_tensor(kv, 0, group))  # [cp * batch, ...]
+        gathered = funcol.wait_tensor(funcol.all_gather_single(kv, 0, group))  # [cp * batch, ...]
         self.order = _order(chunks)
         cp, per = len(chunks), len(chunks[0])
         b, h, _, d2 = kv.shape
@@ -212,6 +212,6 @@ class _BlockAttention(torch.autograd.Function):
         by_rank[:, :, ranks, local] = grad_kv.view(b, h, cp * per, chunk, d2).to(key.dtype)
         del grad_kv
         by_rank = by_rank.permute(2, 0, 1, 3, 4, 5).reshape(cp * b, h, per * chunk, d2)
-        mine = funcol.wait_tensor(funcol.reduce_scatter_tensor(by_rank, "sum", 0, group))
+        mine = funcol.wait_tensor(funcol.reduce_scatter_single(by_rank, "sum", 0, group))
         return (grad_q.to(query.dtype), mine[..., :dim], mine[..., dim:], None, None, None, None, None, None,
                 None)
