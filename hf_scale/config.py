@@ -56,6 +56,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 # how context parallel deals a sequence out: head_tail (rank r: chunks r and 2cp-1-r of 2cp, the
 # causal work balanced) or contiguous (rank r: chunk r of cp)
 CP_LAYOUTS = ("head_tail", "contiguous")
+CP_ATTENTIONS = ("auto", "masked")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 
 T = TypeVar("T")
@@ -131,6 +132,11 @@ class ParallelConfig:
         cp_layout: one of ``CP_LAYOUTS``: ``"head_tail"`` (rank r holds chunks r and 2cp-1-r of
             2cp: every rank has as much causal attention work) or ``"contiguous"`` (rank r holds
             chunk r of cp).
+        cp_attention: one of ``CP_ATTENTIONS``: ``"auto"`` (default): plain causal layers on the CPU
+            attend in blocks without a mask, K and V gathered per layer and freed (memory 1/cp,
+            :mod:`hf_scale.parallel.cp_blocks`), the rest (packed documents, sliding windows,
+            soft-capping, other devices) under a mask; ``"masked"``: the mask everywhere (the
+            gathered K / V kept for backward; to compare or to rule the blocks out).
         timeout_seconds: collective timeout when hf_scale creates the process group.
     """
 
@@ -155,6 +161,7 @@ class ParallelConfig:
     loss_labeled_only: bool = False
     cp: int = 1
     cp_layout: str = "head_tail"
+    cp_attention: str = "auto"
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -293,6 +300,7 @@ class ParallelConfig:
     def _check_cp(self) -> None:
         _check_positive_int("cp", self.cp, "(ranks a sequence is split over; 1 = no context parallel)", optional=False)
         _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
+        _check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
         if self.cp == 1:
             return
         others = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep") if getattr(self, name) > 1]

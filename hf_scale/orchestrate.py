@@ -306,7 +306,7 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config: Paralle
     batch and the loss over the group (:mod:`hf_scale.parallel.cp`)."""
     if topology.dims is None or not topology.dims.cp_enabled:
         return
-    apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout)
+    apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout, config.cp_attention)
 
 
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:

@@ -13,12 +13,17 @@ every model whose attention goes through transformers' attention registry (no mo
   ignored (it changes nothing a real token sees). Layouts (``cp_layout``): ``head_tail`` (rank r
   holds chunks r and 2cp-1-r of 2cp: as much causal work on every rank) or ``contiguous``.
 * an attention function registered as ``"hf_scale_cp"`` in ``AttentionInterface`` and set as
-  the model's ``config._attn_implementation``: it all-gathers K and V over the cp group (one
-  all-gather of both per layer, autograd: the backward is a reduce-scatter of their gradients)
-  and attends this rank's queries to all keys under a mask built from GLOBAL indices: causal,
-  the layer's sliding window, packed documents (from the whole batch's ``position_ids``,
-  restarting per document, as transformers finds them), logit soft-capping where the model
-  passes it.
+  the model's ``config._attn_implementation``. Causal layers without a sliding window shorter
+  than the sequence or soft-capping attend WITHOUT a mask (:mod:`hf_scale.parallel.cp_blocks`,
+  ``cp_attention="auto"``, on the CPU): K and V all-gathered (one collective for both), this
+  rank's query chunks against them in blocks by chunk and packed document (earlier chunks with
+  no mask, the diagonal ``is_causal``), merged by their log-sum-exp; only this rank's part is
+  saved and K / V are gathered again in the backward, so every tensor a layer keeps is S/cp.
+  The other layers (sliding windows, soft-capping, other devices, ``cp_attention="masked"``)
+  all-gather K and V with autograd (the backward a reduce-scatter of their gradients) and attend
+  under a mask built from GLOBAL indices: causal, the layer's sliding window, packed documents
+  (from the whole batch's ``position_ids``, restarting per document, as transformers finds
+  them), logit soft-capping where the model passes it.
 * the loss: this rank's token sum over the WHOLE batch's label count, summed over the group (an
   all-reduce whose backward sums the gradients): every rank returns the whole sequence's
   token-weighted loss, and the gradients FSDP / DDP average over ``dp x cp`` are those of one
@@ -27,11 +32,12 @@ every model whose attention goes through transformers' attention registry (no mo
 Layout contract: parameters replicated (or FSDP-sharded) over cp; activations and the output
 ``logits`` hold this rank's positions only (:func:`local_positions`); the loss is global.
 
-Memory caveat (this is the core, not the long-context kernel): every layer holds the whole
-sequence's K and V (gathered, and repeated for grouped-query heads), and a dense boolean mask of
-``batch x S/cp x S`` per distinct window is built each forward; attention runs as SDPA (or an
-eager softmax with soft-capping) on ``S/cp x S`` scores. Mask-free kernels, ring or all-to-all
-(Ulysses) exchange are the next step (docs/context-parallel.md).
+Memory: in the block path a layer saves its S/cp queries, keys, values, output and log-sum-exp
+and nothing of size S (activation bytes saved per rank: 0.50x of one process at cp=2, 0.25x at
+cp=4, tests/distributed/test_cp_memory.py); the gathered K / V (S) and the blocks' scores exist
+only while a layer runs. The masked path keeps the gathered K / V (repeated for grouped-query
+heads) for backward and builds a dense boolean ``batch x S/cp x S`` mask per window and forward.
+Ring or all-to-all (Ulysses) exchanges are not implemented (docs/context-parallel.md).
 
 Usage::
 
@@ -52,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HfScaleConfigError
+from . import cp_blocks
 
 ATTENTION = "hf_scale_cp"  # the attention function's name in transformers' registry
 PROBE = "hf_scale_cp_probe"  # the attention function of the tiny model that checks an architecture
@@ -74,6 +81,14 @@ def chunk_indices(length: int, cp: int, rank: int, layout: str) -> torch.Tensor:
     return torch.cat([torch.arange(rank * size, (rank + 1) * size), torch.arange(tail * size, (tail + 1) * size)])
 
 
+def chunks_held(cp: int, layout: str) -> list[list[int]]:
+    """For each rank, the global chunk indices it holds in local order (chunks of
+    ``length / (2 cp)`` tokens for ``head_tail``, of ``length / cp`` for ``contiguous``)."""
+    if layout == "contiguous":
+        return [[r] for r in range(cp)]
+    return [[r, 2 * cp - 1 - r] for r in range(cp)]
+
+
 def granule(cp: int, layout: str) -> int:
     """What a sequence length must be a multiple of (shorter ones are padded to it)."""
     return 2 * cp if layout == "head_tail" else cp
@@ -91,7 +106,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
 class Forward:
     """One forward's split: this rank's global positions (``q_index``), those of the gathered
     keys in gather order (``kv_index``), the documents, the local shifted labels and the whole
-    batch's label count; masks are built once per window and reused by every layer."""
+    batch's label count; masks are built once per window and reused by every layer. ``chunks``
+    / ``chunk``: the global chunks each rank holds and their length; ``pieces``: this rank's
+    queries by chunk and document for the attention without a mask (``cp_blocks``; None: masked
+    attention only); ``stash``: gathered K / V a recomputed forward leaves for its backward."""
 
     group: Any
     q_index: torch.Tensor
@@ -99,7 +117,12 @@ class Forward:
     docs: torch.Tensor | None  # [batch, S] global document ids, or None (one document per row)
     shift_labels: torch.Tensor | None = None
     num_items: torch.Tensor | None = None
+    chunks: list = field(default_factory=list)
+    chunk: int = 0
+    pieces: list | None = None
+    stash: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
+    block_calls: int = 0
     attention_calls: int = 0
     loss_calls: int = 0
 
@@ -141,7 +164,8 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                  **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (``[batch, heads, seq, dim]`` in,
     ``[batch, seq, heads, dim]`` out) over the cp group: K and V all-gathered along the
-    sequence (one collective), this rank's queries against every key under the global mask."""
+    sequence (one collective), this rank's queries against every key they may see: in blocks
+    without a mask where the layer allows (:mod:`cp_blocks`), else under the global mask."""
     fwd = kwargs.get(FORWARD_KWARG)
     if not isinstance(fwd, Forward):
         raise HfScaleConfigError(
@@ -158,6 +182,15 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
             f"positions, a mask {'given' if attention_mask is not None else 'absent'})."
         )
     fwd.attention_calls += 1
+    length = fwd.kv_index.numel()
+    dropout = dropout if module.training else 0.0
+    if (fwd.pieces is not None and softcap is None and not dropout and (sliding_window is None or sliding_window >= length)
+            and cp_blocks.supported(query, key, value)):
+        fwd.block_calls += 1
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = cp_blocks.block_attention(query, key, value, fwd.group, fwd.chunks, fwd.chunk, fwd.pieces, scale,
+                                        fwd.stash, id(module))
+        return out.transpose(1, 2).contiguous(), None
     kv = torch.cat([key, value], dim=-1).contiguous()
     kv = funcol.all_gather_single(kv, 2, fwd.group)  # [batch, kv_heads, S, dk + dv], autograd
     key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
@@ -165,7 +198,6 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     mask = fwd.mask(sliding_window)
-    dropout = dropout if module.training else 0.0
     if softcap is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     else:  # logits soft-capped before the mask, as transformers' eager attention does
@@ -182,13 +214,20 @@ class ContextParallel:
     """What :func:`apply_cp` attaches to a model: the split (forward pre-hook), the checks after
     the forward, and the loss over the group. ``group``: the cp process group."""
 
-    def __init__(self, model: nn.Module, group, layout: str):
-        self.group, self.layout = group, layout
+    def __init__(self, model: nn.Module, group, layout: str, attention: str = "auto"):
+        self.group, self.layout, self.attention = group, layout, attention
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.signature = inspect.signature(model.forward)
         self.pad_id = getattr(model.config, "pad_token_id", None) or 0
         self.current: Forward | None = None
         self.checked: set[bool] = set()  # training modes whose first batch was compared over the group
+        self.calls = {"blocks": 0, "masked": 0}  # attention calls by kind, over every forward so far
+
+    @staticmethod
+    def of(model: nn.Module) -> ContextParallel | None:
+        """The context parallel :func:`apply_cp` attached to ``model`` (its split hook's owner)."""
+        return next((h.__self__ for h in model._forward_pre_hooks.values()
+                     if isinstance(getattr(h, "__self__", None), ContextParallel)), None)
 
     def split(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if args:  # positional arguments by name (the ** catch-all's contents merged in)
@@ -217,6 +256,7 @@ class ContextParallel:
         if mask is not None and mask.dim() != 2:
             raise HfScaleConfigError(f"context parallel takes no {mask.dim()}-D attention mask. {_PACK}.")
         docs = document_ids(positions)
+        packed = docs is not None
         if mask is not None and docs is not None:
             raise HfScaleConfigError(
                 "the position_ids restart (packed documents) and an attention_mask is given: transformers then "
@@ -241,8 +281,16 @@ class ContextParallel:
         for name in SPLIT:
             if kwargs.get(name) is not None:
                 kwargs[name] = kwargs[name].index_select(1, index)
+        chunks = chunks_held(self.size, self.layout)
+        chunk = length // (self.size * len(chunks[0]))
+        pieces = None
+        if self.attention == "auto":  # the padding at the end is seen by no real token: no document of its own
+            starts = None if not packed else [[0, *torch.nonzero(torch.diff(row)).add(1).flatten().tolist()]
+                                              for row in docs.cpu()]
+            pieces = cp_blocks.plan_pieces(chunks[self.rank], chunk, starts)
         fwd = Forward(self.group, index, torch.cat(every).to(device), docs,
-                      None if shift is None else shift.index_select(1, index), num_items)
+                      None if shift is None else shift.index_select(1, index), num_items,
+                      chunks=chunks, chunk=chunk, pieces=pieces)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd
         return (), kwargs
@@ -290,6 +338,9 @@ class ContextParallel:
 
     def finish(self, module: nn.Module, args, kwargs, output):
         fwd, self.current = self.current, None
+        if fwd is not None:
+            self.calls["blocks"] += fwd.block_calls
+            self.calls["masked"] += fwd.attention_calls - fwd.block_calls
         if output is None or fwd is None:
             return output
         if fwd.attention_calls == 0:
@@ -324,7 +375,7 @@ class ContextParallel:
         model.loss_function = loss
 
 
-def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail") -> ContextParallel:
+def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail", attention: str = "auto") -> ContextParallel:
     """Split ``model``'s sequences over the 1-D ``cp_mesh`` (see the module docstring); the
     model must have passed :func:`check_cp_model`. Apply after tensor parallel, before
     activation checkpointing and FSDP / DDP (which then reduce over ``dp x cp``)."""
@@ -334,7 +385,7 @@ def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail") -> ContextPar
     model.set_attn_implementation(ATTENTION)
     if model.config._attn_implementation != ATTENTION:
         raise HfScaleConfigError(f"{type(model).__name__} did not take the context-parallel attention function.")
-    cp = ContextParallel(model, cp_mesh.get_group(), layout)
+    cp = ContextParallel(model, cp_mesh.get_group(), layout, attention)
     model.register_forward_pre_hook(cp.split, with_kwargs=True)
     model.register_forward_hook(cp.finish, with_kwargs=True, always_call=True)
     cp.wrap_loss(model)

@@ -512,12 +512,16 @@ class JobConfig:
                 "saved module is a full trained copy that tensor parallel would have to split. Use tp=1 (fsdp "
                 "shards the copies), or add those modules to peft.target_modules instead."
             )
-        if self.parallel.cp > 1:
+        if self.parallel.cp > 1 and self.model.task != "causal_lm":
             raise HfScaleConfigError(
-                f"parallel.cp={self.parallel.cp}: not yet in hf-scale finetune: its evaluation reads every row's "
-                "logits and its sample generations call generate, while under cp each rank holds its own positions' "
-                "logits only. Use the library in your own loop for now (hf_scale.parallelize with cp, then "
-                "train_step / eval_step: docs/context-parallel.md), or drop parallel.cp."
+                f"parallel.cp={self.parallel.cp} with model.task={self.model.task!r}: context parallel splits the "
+                "per-token loss of causal LMs only. Drop parallel.cp (fsdp / ddp over the ranks instead)."
+            )
+        if self.parallel.cp > 1 and not self.data.keeps_documents_apart:
+            raise HfScaleConfigError(
+                f"parallel.cp={self.parallel.cp} on padded rows: their attention mask cannot be split over the "
+                "ranks (each holds part of the keys). Pack the data (data.packing: bfd, or data.padding_free: "
+                "true: documents kept apart by position_ids, no mask), or drop parallel.cp."
             )
         self._check_packing()
         self._check_preference()

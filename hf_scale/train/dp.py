@@ -58,3 +58,13 @@ def pipeline_degree(model) -> int:
     """
     state = get_state(model)
     return 1 if state is None else int(getattr(state, "pp_degree", 1) or 1)
+
+
+def context_degree(model) -> int:
+    """How many context-parallel ranks split each sequence (1 without cp).
+
+    Under cp a rank holds its own positions' logits only (the loss is the whole sequence's), and
+    ``generate`` is refused: evaluation reports the loss only and sample generations are skipped,
+    as under pipeline parallel."""
+    state = get_state(model)
+    return 1 if state is None else int(getattr(state, "cp_degree", 1) or 1)

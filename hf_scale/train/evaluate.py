@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..parallel.step import eval_step, forward_options
-from .dp import pipeline_degree
+from .dp import context_degree, pipeline_degree
 from .loader import eval_batches
 from .reward import reward_scores
 
@@ -40,12 +40,13 @@ def evaluate(model: nn.Module, dataset, collate, *, task: str, batch_size: int, 
 
     ``rank`` / ``world`` are the data-parallel rank and degree and ``group`` their process
     group (None: the default group, right when every rank sees different data). Under pipeline
-    parallel no rank has the logits: the loss comes from ``hf_scale.eval_step`` and exact match
-    / accuracy are left out (the caller says so once).
+    parallel no rank has the logits, and under context parallel a rank has its own positions'
+    only: the loss then comes from ``hf_scale.eval_step`` and exact match / accuracy are left out
+    (the caller says so once).
     """
     was_training = model.training
     model.eval()
-    pipelined = pipeline_degree(model) > 1
+    pipelined = pipeline_degree(model) > 1 or context_degree(model) > 1  # the loss only
     # loss sum, loss count (tokens or examples), correct examples, examples
     totals = torch.zeros(4, dtype=torch.float64)
     for batch, weight in eval_batches(dataset, batch_size, rank, world, collate):

@@ -22,7 +22,7 @@ from ..parallel_state import get_state
 from ..ranks import gather, run_together
 from ..zoo import HUB_IDS
 from .config import JobConfig
-from .dp import pipeline_degree
+from .dp import context_degree, pipeline_degree
 from .metrics import LOSS_CURVE
 
 SUMMARY_FILE = "summary.json"
@@ -41,11 +41,14 @@ def finish_run(job: JobConfig, model_dir: Path | None, summary: dict, eval_ds, t
         prompts = held_out_prompts(eval_ds, tokenizer, job.train.sample_generations)
     live = None
     if model is not None and prompts:
-        pp = pipeline_degree(model)
+        pp, cp = pipeline_degree(model), context_degree(model)
+        then = "; the saved export's answers follow" if model_dir is not None else ""
         if pp > 1:
-            then = "; the saved export's answers follow" if model_dir is not None else ""
             log_rank0(f"sample generations of the trained model skipped: under pipeline parallel (pp={pp}) no "
                       f"stage can generate alone{then}")
+        elif cp > 1:
+            log_rank0(f"sample generations of the trained model skipped: context parallel (cp={cp}) splits whole "
+                      f"sequences and refuses generate's cache{then}")
         else:
             live = greedy_answers(model, prompts, tokenizer.pad_token_id)
     same_on_ranks = live is None or all(x == live for x in gather([live]))

@@ -50,7 +50,7 @@ from .data import (
     tokenize_causal_lm,
     tokenize_classification,
 )
-from .dp import DataParallel, pipeline_degree
+from .dp import DataParallel, context_degree, pipeline_degree
 from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
@@ -282,10 +282,14 @@ def _loss_items(batch: dict, task: str) -> float:
 
 def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, answers: bool):
     exact_match = job.train.exact_match and answers
-    pp = pipeline_degree(model)
+    pp, cp = pipeline_degree(model), context_degree(model)
     if eval_ds is not None and pp > 1 and (exact_match or job.model.task != "causal_lm"):
         log_rank0(f"evaluation under pipeline parallel (pp={pp}) reports the loss only: exact match and accuracy "
                   "need the whole model's logits, which no stage has alone")
+        exact_match = False
+    if eval_ds is not None and cp > 1 and exact_match:
+        log_rank0(f"evaluation under context parallel (cp={cp}) reports the loss only: exact match needs every "
+                  "position's logits, and each rank holds its own part of the sequence")
         exact_match = False
 
     def evaluate_at(step: int):

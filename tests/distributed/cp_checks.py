@@ -4,6 +4,7 @@ the one-process reference the parent computes."""
 from __future__ import annotations
 
 import copy
+import os
 import traceback
 
 import torch
@@ -12,7 +13,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hf_scale
+from hf_scale.parallel.cp import ContextParallel
 from hf_scale.parallel.optim import parameter_groups
+from hf_scale.parallel.saved_bytes import SavedBytes
 from hf_scale.train.dp import DataParallel
 from tests.tiny_models import slice_batch
 
@@ -111,25 +114,32 @@ def cp_run(case: dict) -> dict:
         losses.append(float(dp.all_reduce(torch.tensor(float(loss) * share, dtype=torch.float64))))
     params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
     return {"losses": losses, "norms": norms, "grads": grads, "params": params, "returned": returned,
-            "evaluated": evaluated,
+            "evaluated": evaluated, "calls": dict(ContextParallel.of(model).calls),
             "dp": (state.dp_rank, state.dp_degree, dp.degree), "cp": state.cp_degree}
 
 
-def comm_counts(arch: str = "llama", config: dict | None = None) -> dict:
+def comm_counts(arch: str = "llama", config: dict | None = None, packed: bool = True) -> dict:
     """Collectives of one training forward and its backward (after a first forward, whose batch
-    check over the group is not counted): the K/V all-gathers and their reduce-scatters."""
+    check over the group is not counted): the K/V all-gathers and their reduce-scatters, their
+    calls and bytes, and the K/V bytes of the whole sequence per layer they should move."""
     model = hf_scale.parallelize(cp_model(arch), config or {"strategy": "fsdp", "cp": 2})
-    batch = cp_batches(packed=True)[0]
+    batch = cp_batches(packed=packed)[0]
     model(**batch).loss.backward()
     model.zero_grad()
+    cp = ContextParallel.of(model)
+    before = dict(cp.calls)
     out = {}
     with CollectiveCounter() as comm:
         loss = model(**batch).loss
-    out["forward"] = comm.counts
+    out["forward"], out["forward_bytes"] = comm.counts, comm.bytes
     with CollectiveCounter() as comm:
         loss.backward()
-    out["backward"] = comm.counts
-    out["layers"] = model.config.num_hidden_layers
+    out["backward"], out["backward_bytes"] = comm.counts, comm.bytes
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    out["layers"] = c.num_hidden_layers
+    out["kv_bytes"] = BATCH * c.num_key_value_heads * SEQ * 2 * head_dim * 4  # K and V, fp32, whole sequence
+    out["blocks"] = cp.calls["blocks"] - before["blocks"]
     return out
 
 
@@ -140,13 +150,17 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}  # the bytes of each collective's larger side (gathered / scattered)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         namespace = func.namespace
+        out = func(*args, **(kwargs or {}))
         if namespace in ("c10d", "_c10d_functional"):
             name = f"{namespace.lstrip('_')}.{func.__name__.split('.')[0]}"
             self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+            sizes = [t.numel() * t.element_size() for t in (args[0], out) if isinstance(t, torch.Tensor)]
+            self.bytes[name] = self.bytes.get(name, 0) + max(sizes, default=0)
+        return out
 
 
 def refusals() -> dict:
@@ -191,4 +205,53 @@ def run_cp_cases(cases: list[dict]) -> list[dict]:
         except Exception:  # noqa: BLE001 - reported per case, the group goes on
             out.append({"error": traceback.format_exc()})
         out[-1]["seconds"] = time.perf_counter() - started
+    return out
+
+
+# ------------------------------------------------------------------ memory: bytes saved for backward
+
+MEMORY_MODEL = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=VOCAB, use_cache=False)
+
+
+def memory_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**MEMORY_MODEL)).float()
+
+
+def memory_batch(seq: int) -> dict:
+    g = torch.Generator().manual_seed(seq)
+    ids = torch.randint(2, VOCAB, (1, seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def saved_bytes_one_process(seq: int) -> dict:
+    """What one process saves for backward on the whole sequence (plain transformers, SDPA)."""
+    model = memory_model()
+    with SavedBytes(model) as saved:
+        loss = model(**memory_batch(seq)).loss
+    loss.backward()
+    return {"bytes": saved.total, "loss": float(loss.detach())}
+
+
+def saved_bytes_cp(seq: int, attention: str = "auto", layout: str = "head_tail") -> dict:
+    """What each rank of a cp group (the whole world, DDP) saves for backward on the sequence."""
+    model = hf_scale.parallelize(memory_model(), {"strategy": "ddp", "cp": int(os.environ["WORLD_SIZE"]),
+                                                  "cp_attention": attention, "cp_layout": layout})
+    batch = memory_batch(seq)
+    model(**batch).loss.backward()  # the batch check over the group, outside the count
+    model.zero_grad()
+    with SavedBytes(model) as saved:
+        loss = model(**batch).loss
+    loss.backward()
+    return {"bytes": saved.total, "calls": dict(ContextParallel.of(model).calls), "loss": float(loss)}
+
+
+def run_memory_cases(cases: list[dict]) -> list[dict]:
+    out = []
+    for case in cases:
+        try:
+            out.append(saved_bytes_cp(**case))
+        except Exception:  # noqa: BLE001 - reported per case
+            out.append({"error": traceback.format_exc()})
     return out

@@ -36,20 +36,35 @@ WORLD2 += [
     _case("gemma3_text", "contiguous", False, name="len13_padded", seq=13),
     _case("llama", "head_tail", True, {**FSDP, "activation_checkpointing": "full"}, "full_ac"),
     _case("mistral", "head_tail", True, {**FSDP, "activation_checkpointing": "selective"}, "selective_ac"),
+    _case("llama", "contiguous", False, {**FSDP, "activation_checkpointing": "selective"}, "selective_ac"),
     _case("qwen3", "head_tail", True, {**FSDP, "strategy": "zero2"}, "zero2"),
     _case("llama", "head_tail", True, DDP, "ddp"),
     _case("gemma3_text", "contiguous", True, DDP, "ddp"),
     _case("llama", "head_tail", True, {**FSDP, "loss_chunk_tokens": 8}, "chunked_loss"),
     _case("phi3", "head_tail", True, {**FSDP, "loss_labeled_only": True}, "labeled_only"),
+    _case("llama", "head_tail", True, {**FSDP, "cp_attention": "masked"}, "masked"),
+    _case("qwen3", "contiguous", False, {**FSDP, "cp_attention": "masked"}, "masked"),
 ]
+CP4 = {"strategy": "fsdp", "cp": 4}
 WORLD4 = [
     _case("llama", "head_tail", True, name="fsdp2"),
     _case("gemma3_text", "contiguous", False, {**FSDP, "activation_checkpointing": "full"}, "fsdp2_full_ac"),
     _case("qwen3", "head_tail", True, DDP, "ddp2"),
+    _case("llama", "head_tail", True, CP4, "cp4"),  # chunks of 2 tokens, documents across 3 ranks
+    _case("qwen3", "contiguous", False, CP4, "cp4"),
+    _case("gemma3_text", "head_tail", True, {**CP4, "activation_checkpointing": "full"}, "cp4_full_ac"),
+    _case("llama", "head_tail", False, {**CP4, "strategy": "ddp"}, "cp4_len13_padded", seq=13),
 ]
+OTHER4 = [dict(kind="comm", args={"config": CP4}, id="comm_cp4")]
 OTHER = [dict(kind="comm", id="comm"), dict(kind="refusals", id="refusals"),
          dict(kind="comm", args={"arch": "gemma3_text", "config": {**FSDP, "activation_checkpointing": "full"}},
-              id="comm_full_ac")]
+              id="comm_full_ac"),
+         dict(kind="comm", args={"config": {**FSDP, "cp_attention": "masked"}, "packed": False}, id="comm_masked"),
+         dict(kind="comm", args={"arch": "mistral"}, id="comm_mistral")]
+# which attention each architecture's layers take at 16 tokens: blocks without a mask for plain
+# causal layers, the mask for sliding windows shorter than the sequence and soft-capping
+KINDS = {"llama": {"masked"}, "qwen3": {"masked"}, "phi3": {"masked"}, "gemma3_text": set(),
+         "mistral": {"blocks"}, "gemma2": {"blocks"}}  # the kinds that must NOT be called
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +76,9 @@ def world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    results = run_ranks(run_cp_cases, 4, WORLD4, timeout=600)
-    return {c["id"]: [r[i] for r in results] for i, c in enumerate(WORLD4)}
+    cases = WORLD4 + OTHER4
+    results = run_ranks(run_cp_cases, 4, cases, timeout=600)
+    return {c["id"]: [r[i] for r in results] for i, c in enumerate(cases)}
 
 
 _REFERENCES: dict = {}
@@ -96,6 +112,10 @@ def check_cp_parity(case: dict, ranks: list[dict]) -> None:
     for group in range(dp_degree):
         members = [r for r in ranks if r["dp"][0] == group]
         assert len(members) == cp and all(m["returned"] == members[0]["returned"] for m in members)
+    # the attention the layers took: blocks where they apply, unless the config asks for the mask
+    never = {"blocks"} if case["config"].get("cp_attention") == "masked" else KINDS[case["arch"]]
+    for r in ranks:
+        assert all(r["calls"][kind] == 0 for kind in never) and sum(r["calls"].values()) > 0, r["calls"]
 
 
 @pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
@@ -116,20 +136,30 @@ def test_data_parallel_coordinate_leaves_cp_out(world2, world4):
     assert [r["dp"] for r in world4["qwen3-head_tail-packed-ddp2"]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("case", ["comm", "comm_full_ac"])
-def test_one_kv_all_gather_per_attention_layer(case, world2):
-    """Forward: one all-gather (K and V together) per attention layer and one all-reduce (the
-    loss); backward: one reduce-scatter per layer (the all-gather's gradient) and one all-reduce.
-    Under full activation checkpointing the backward gathers K and V again as it recomputes."""
-    for counts in world2[case]:
+@pytest.mark.parametrize("case", ["comm", "comm_full_ac", "comm_masked", "comm_mistral", "comm_cp4"])
+def test_one_kv_all_gather_per_attention_layer(case, world2, world4):
+    """Forward: one all-gather (K and V together, the whole sequence's bytes) per attention layer
+    and one all-reduce (the loss); backward: one reduce-scatter per layer (the K / V gradients,
+    the whole sequence's bytes) and one all-reduce. Layers attending in blocks gather K and V
+    again in the backward (they saved only their own part); masked layers saved the gathered
+    K / V and do not. Under full activation checkpointing every layer gathers once in the
+    backward, as it recomputes (the blocks' backward takes what the recomputation gathered)."""
+    results = (world4 if case.endswith("cp4") else world2)[case]
+    for counts in results:
         assert "error" not in counts, counts.get("error")
         layers, forward, backward = counts["layers"], counts["forward"], counts["backward"]
-        assert forward.get("c10d_functional.all_gather_into_tensor") == layers, forward
+        gather, scatter = "c10d_functional.all_gather_into_tensor", "c10d_functional.reduce_scatter_tensor"
+        assert forward.get(gather) == layers, forward
         assert forward.get("c10d.allreduce_") == 1, forward
-        assert backward.get("c10d_functional.reduce_scatter_tensor") == layers, backward
+        assert backward.get(scatter) == layers, backward
         assert backward.get("c10d.allreduce_") == 1, backward
-        recomputed = layers if case == "comm_full_ac" else None
-        assert backward.get("c10d_functional.all_gather_into_tensor") == recomputed, backward
+        blocks = {"comm_full_ac": 1, "comm_masked": 0, "comm_mistral": 0}.get(case, layers)
+        assert counts["blocks"] == blocks, counts
+        regathered = layers if case == "comm_full_ac" else blocks
+        assert backward.get(gather) == (regathered or None), backward
+        assert counts["forward_bytes"][gather] == layers * counts["kv_bytes"], counts
+        assert counts["backward_bytes"][scatter] == layers * counts["kv_bytes"], counts
+        assert counts["backward_bytes"].get(gather, 0) == regathered * counts["kv_bytes"], counts
 
 
 @pytest.mark.parametrize("attempt, message", [

@@ -170,13 +170,15 @@ def test_architectures_cp_cannot_split_are_refused(build, reason):
         assert verdict is not None and re.search(reason, verdict), verdict
 
 
-def test_finetune_and_the_planner_refuse_cp_until_they_are_wired():
-    """hf-scale finetune's evaluation reads whole rows' logits and generates samples; the planner
-    prices whole sequences per rank: both refuse cp rather than run it wrong."""
+def test_finetune_refuses_cp_on_padded_rows_and_the_planner_refuses_cp():
+    """hf-scale finetune runs cp on packed data only (padded rows carry a mask cp cannot split:
+    tests/unit/test_train_cp.py); the planner prices whole sequences per rank and refuses cp
+    rather than price it wrong."""
     from hf_scale.layout_search.simulate import as_layout
-    from hf_scale.train.config import JobConfig
+    from hf_scale.train.config import DataConfig, JobConfig
 
-    with pytest.raises(HfScaleConfigError, match="parallel.cp=2: not yet in hf-scale finetune"):
+    with pytest.raises(HfScaleConfigError, match="parallel.cp=2 on padded rows"):
         JobConfig(parallel=ParallelConfig(cp=2))
+    JobConfig(parallel=ParallelConfig(cp=2), data=DataConfig(packing="bfd"))
     with pytest.raises(HfScaleConfigError, match="the planner does not model context parallel yet"):
         as_layout(ParallelConfig(cp=2), world_size=4)

@@ -1,0 +1,233 @@
+"""Context parallel on CPU: training throughput and memory per rank at cp=1, 2, 4 and a few
+sequence lengths, and the longest sequence that trains under a fixed per-rank memory budget.
+
+Each leg trains one random-init Llama (``--model tiny``: 4 layers, hidden 256, 8 heads / 2 key-value
+heads; ``smollm2``: SmolLM2-135M's shape) on ONE sequence of ``LENGTH`` tokens per step, fp32,
+gloo, every rank of the cp group fed the same batch. cp=1 is one process running plain
+transformers (SDPA); cp>1 is ``hf_scale.parallelize(model, {"strategy": "ddp", "cp": N})`` over
+N processes (``--attention masked`` for the masked attention instead of the blocks). Per leg:
+
+* tokens/s: the sequence's tokens per measured AdamW step (forward, backward, step), the
+  group's throughput (not per rank);
+* saved bytes per rank: the activation bytes autograd keeps for backward in one training forward
+  (``hf_scale.parallel.saved_bytes.SavedBytes``, parameters left out), the largest over the ranks,
+  and its ratio to cp=1 at the same length (the issue's targets: <= 0.55x at cp=2, <= 0.30x at
+  cp=4);
+* peak RSS per rank: the process's resident set, sampled every 5 ms from before the model is
+  built to the end (the largest over the ranks), and the part of it above the RSS after the
+  model and optimizer were built (``step RSS``: activations, gradients, optimizer state and the
+  transient buffers of the step).
+
+``--longest BUDGET_MB``: for each cp, the longest length (doubling from ``--start``) whose step RSS
+(peak minus after-build, so the model's own weights are left out) stays under BUDGET_MB on every
+rank, with full activation checkpointing and the chunked loss (the long-context setting).
+
+    python scripts/bench_cp.py                                   # cp 1, 2, 4 at 1k, 2k, 4k tokens
+    python scripts/bench_cp.py --lengths 2048 --cps 1,2 --attention masked
+    python scripts/bench_cp.py --longest 300 --start 1024        # longest length under 300 MB/rank
+    python scripts/bench_cp.py --write docs/benchmarks.md        # into its section (bench:cp;
+                                                                 # --longest: bench:cp-longest)
+    python scripts/bench_cp.py --worker JSON OUT                 # one leg's rank (run by torchrun)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402
+    ROOT,
+    RssSampler,
+    add_write_arg,
+    check_doc,
+    launch_ranks,
+    markdown_table,
+    torchrun,
+    write_doc,
+)
+
+MODELS = {
+    "tiny": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=8192),
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+}
+LR = 1e-4
+
+
+def worker(spec: dict, out: Path) -> None:
+    """One rank of one leg: build, train ``steps`` measured steps after one warm-up, count the
+    bytes saved for backward in one more forward, write ``out/NAME.rankR.json``."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    torch.set_num_threads(1)
+    record = {"status": "ok", **spec}
+    sampler = RssSampler()
+    sampler.start()
+    try:
+        import transformers as tf
+
+        from hf_scale.parallel.saved_bytes import SavedBytes
+
+        torch.manual_seed(0)
+        config = tf.LlamaConfig(**MODELS[spec["model"]], max_position_embeddings=max(spec["length"], 2048),
+                                use_cache=False)
+        model = tf.LlamaForCausalLM(config).float()
+        if spec["cp"] > 1 or spec.get("long"):  # cp=1 long: one process, AC and chunked loss alone
+            import hf_scale
+
+            if spec["cp"] > 1:
+                dist.init_process_group("gloo")
+            parallel = {"strategy": "ddp", "cp": spec["cp"], "cp_attention": spec["attention"]}
+            if spec.get("long"):
+                parallel.update(activation_checkpointing="full", loss_chunk_tokens=1024)
+            model = hf_scale.parallelize(model, parallel)
+            optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=0.0)
+        else:  # one process, plain transformers
+            model.config._attn_implementation = "sdpa"
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+        model.train()
+        g = torch.Generator().manual_seed(spec["length"])
+        ids = torch.randint(2, config.vocab_size, (1, spec["length"]), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        built = sampler.process.memory_info().rss
+        times, losses = [], []
+        for step in range(1 + spec["steps"]):
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+            losses.append(float(loss.detach()))
+            times.append(time.perf_counter() - start)
+        with SavedBytes(model) as saved:
+            loss = model(**batch).loss
+        loss.backward()
+        optimizer.zero_grad(set_to_none=False)
+        step_time = sum(times[1:]) / max(len(times) - 1, 1)
+        peak = sampler.stop()
+        record.update(tokens_per_s=spec["length"] / step_time, step_s=step_time, saved_bytes=saved.total,
+                      peak_rss=peak, step_rss=peak - built, losses=losses)
+    except Exception as e:  # noqa: BLE001 - one reason per leg
+        import traceback
+
+        record["status"] = f"{type(e).__name__}: {str(e)[:300]}"
+        record["traceback"] = traceback.format_exc()[-3000:]
+        if "Out of memory" in str(e) or isinstance(e, MemoryError):
+            record["status"] = "out of memory"
+    (out / f"{spec['name']}.rank{rank}.json").write_text(json.dumps(record))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_leg(spec: dict, out: Path, timeout: float) -> tuple[dict | None, str | None]:
+    """Launch one leg (torchrun for cp > 1); the worst rank's numbers, or why not."""
+    spec = {**spec, "name": f"cp{spec['cp']}-{spec['attention']}-{spec['length']}{'-long' if spec.get('long') else ''}"}
+    cmd = (torchrun(__file__, spec["cp"], "--worker", json.dumps(spec), str(out)) if spec["cp"] > 1 else
+           [sys.executable, __file__, "--worker", json.dumps(spec), str(out)])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    results, error = launch_ranks(cmd, out, spec["name"], spec["cp"], timeout, env)
+    if error:
+        return None, error
+    worst = {key: max(r[key] for r in results) for key in ("saved_bytes", "peak_rss", "step_rss")}
+    return {**results[0], **worst, "tokens_per_s": min(r["tokens_per_s"] for r in results)}, None
+
+
+def table(args, out: Path) -> str:
+    rows, base = [], {}
+    for length in args.lengths:
+        for cp in args.cps:
+            for attention in (args.attention if cp > 1 else ["-"]):
+                spec = dict(model=args.model, length=length, cp=cp, attention=attention, steps=args.steps)
+                result, error = run_leg(spec, out, args.timeout)
+                name = [str(length), str(cp), attention]
+                if error:
+                    rows.append(name + [f"failed: {error}"])
+                    print(rows[-1], flush=True)
+                    continue
+                if cp == 1:
+                    base[length] = result
+                ref = base.get(length)
+                ratio = f"{result['saved_bytes'] / ref['saved_bytes']:.3f}x" if ref else "-"
+                rss_ratio = f"{result['step_rss'] / ref['step_rss']:.2f}x" if ref else "-"
+                loss = (f"{abs(result['losses'][0] - ref['losses'][0]) / ref['losses'][0]:.1e}" if ref else "-")
+                rows.append(name + [f"{result['tokens_per_s']:.0f}", f"{result['saved_bytes'] / 2**20:.1f}", ratio,
+                                    f"{result['peak_rss'] / 2**20:.0f}", f"{result['step_rss'] / 2**20:.0f}",
+                                    rss_ratio, loss])
+                print(rows[-1], flush=True)
+    header = ["tokens", "cp", "attention", "tokens/s (group)", "saved MB/rank", "saved vs cp=1",
+              "peak RSS MB/rank", "step RSS MB/rank", "step RSS vs cp=1", "first loss vs cp=1"]
+    return markdown_table(header, rows)
+
+
+def longest(args, out: Path) -> str:
+    rows = []
+    for cp in args.cps:
+        length, best, why = args.start, None, ""
+        while length <= args.max_length:
+            spec = dict(model=args.model, length=length, cp=cp, attention="auto", steps=1, long=True)
+            result, error = run_leg(spec, out, args.timeout)
+            if error or result["step_rss"] > args.longest * 2**20:
+                why = error or f"{length} tokens: step RSS {result['step_rss'] / 2**20:.0f} MB"
+                break
+            best = (length, result)
+            length *= 2
+        else:
+            why = f"--max-length {args.max_length} reached"
+        if best is None:
+            rows.append([str(cp), "none", "", "", why])
+        else:
+            rows.append([str(cp), str(best[0]), f"{best[1]['step_rss'] / 2**20:.0f}",
+                         f"{best[1]['tokens_per_s']:.0f}", why])
+        print(rows[-1], flush=True)
+    return markdown_table(["cp", "longest tokens", "its step RSS MB/rank", "tokens/s", "next length"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 2048, 4096])
+    parser.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    parser.add_argument("--attention", type=lambda s: s.split(","), default=["auto"],
+                        help="cp_attention of the cp>1 legs, comma-separated: auto (blocks), masked")
+    parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--longest", type=float, metavar="BUDGET_MB", help="find the longest length per cp instead")
+    parser.add_argument("--start", type=int, default=1024)
+    parser.add_argument("--max-length", type=int, default=65536)
+    add_write_arg(parser, "cp")
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker[0]), Path(args.worker[1]))
+        return
+    if args.longest and args.section == "cp":
+        args.section = "cp-longest"  # its own table
+    check_doc(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        if args.longest:
+            body = longest(args, out)
+            title = (f"Longest sequence per cp whose training step stays under {args.longest:.0f} MB of RSS per "
+                     f"rank above the built model ({args.model} Llama, fp32, full activation checkpointing, "
+                     f"chunked loss, lengths doubling from {args.start})")
+        else:
+            body = table(args, out)
+            title = (f"{args.model} Llama ({MODELS[args.model]}), fp32, one sequence per step, gloo on CPU "
+                     f"(OMP_NUM_THREADS=1 per rank), 1 warm-up + {args.steps} AdamW steps per leg")
+    print(body)
+    write_doc(args, f"{title}.\n\n{body}")
+
+
+if __name__ == "__main__":
+    main()
