@@ -42,6 +42,8 @@ NOT_RUN = {
         f"{TRAINS}; tests/distributed/test_packing.py and tests/unit/test_trackers.py test both options",
     "hf-scale finetune configs/chat-sft.yaml":
         f"{TRAINS}; tests/unit/test_chat_*.py test its data, tests/distributed/test_packing.py its packing",
+    "hf-scale finetune configs/long-context.yaml":
+        f"{TRAINS} (about 8 on 2 cores); tests/integration/test_cli_cp.py trains cp=2 on packed rows against one process",
     "hf-scale finetune configs/quickstart.yaml --resume latest":
         "needs a run's checkpoint, then trains: minutes; tests/integration/test_cli.py resumes mid-epoch",
     "hf-scale finetune configs/quickstart-lora.yaml":
