@@ -173,10 +173,13 @@ def tiny_tokenizer(chat_template: bool = True):
     return tok
 
 
-def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: int = 0) -> str:
-    """A tiny pretrained model + tokenizer saved as a Hub-format folder; returns its path."""
+def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: int = 0, **config_fields) -> str:
+    """A tiny pretrained model + tokenizer saved as a Hub-format folder; returns its path.
+    ``config_fields`` override the tiny config's (e.g. ``initializer_range=0.2``)."""
     torch.manual_seed(seed)
     config = tiny_config(arch)
+    for key, value in config_fields.items():
+        setattr(config, key, value)
     if hasattr(config, "max_position_embeddings"):  # room for chat-formatted examples
         config.max_position_embeddings = max(config.max_position_embeddings, 128)
     model = AUTO[head].from_config(config)
@@ -185,17 +188,20 @@ def save_tiny_checkpoint(folder, arch: str = "llama", head: str = CAUSAL, seed: 
     return str(folder)
 
 
-def tiny_recipe(root, steps: int = 4, **sections):
+def tiny_recipe(root, steps: int = 4, sharp: bool = False, **sections):
     """A fine-tuning recipe (YAML) for a tiny Llama on generated arithmetic; returns its path.
 
     ``sections`` update the recipe's sections, e.g. ``hub={"push": True, "repo_id": "o/r"}``.
+    ``sharp``: weights drawn 10x wider than the default, so that attention is sharp and a
+    document attending to another in a packed row changes the loss well beyond the tolerances
+    (at the default width the leak moves it by less than 1e-5).
     """
     from pathlib import Path
 
     import yaml
 
     root = Path(root)
-    model = save_tiny_checkpoint(root / "tiny-llama", "llama", CAUSAL)
+    model = save_tiny_checkpoint(root / "tiny-llama", "llama", CAUSAL, **({"initializer_range": 0.2} if sharp else {}))
     job = {
         "model": {"name_or_path": model},
         "data": {"path": "builtin:arithmetic", "max_train_samples": 48, "max_eval_samples": 10, "max_seq_len": 64},

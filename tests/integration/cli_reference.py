@@ -53,7 +53,9 @@ def plain_reference(recipe: Path, batch_size: int = 8) -> dict:
     for _ in range(train.max_steps):
         batch = next(batches)
         tokens += real_tokens(batch)
-        loss = model(**batch).loss
+        # use_cache=False: with a cache (the config's default) transformers does not look for the
+        # documents of a packed / padding-free row, and they attend to each other
+        loss = model(**batch, use_cache=False).loss
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm or float("inf"))))
         optimizer.step()

@@ -47,7 +47,7 @@ def reference(recipe) -> dict:
 
 @pytest.fixture(scope="module")
 def packed_recipe(tmp_path_factory) -> Path:
-    return tiny_recipe(tmp_path_factory.mktemp("packed"), steps=STEPS, data={"packing": "bfd"})
+    return tiny_recipe(tmp_path_factory.mktemp("packed"), steps=STEPS, sharp=True, data={"packing": "bfd", "max_seq_len": 128})
 
 
 @pytest.mark.parametrize("strategy, extra", [("fsdp", []), ("zero2", ["--data.padding_free", "true"])],

@@ -27,7 +27,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def cp_run(tmp_path_factory):
-    recipe = tiny_recipe(tmp_path_factory.mktemp("cli-cp"), steps=STEPS, data={"packing": "bfd"})
+    recipe = tiny_recipe(tmp_path_factory.mktemp("cli-cp"), steps=STEPS, sharp=True, data={"packing": "bfd", "max_seq_len": 128})
     out = recipe.parent / "runs" / "cp2"
     log = run_cli("finetune", str(recipe), "--parallel.cp", "2", "--train.output_dir", str(out), timeout=900).stdout
     return recipe, out, log, plain_reference(recipe, batch_size=4)
