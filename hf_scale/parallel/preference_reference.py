@@ -9,6 +9,9 @@ data-parallel group, so every rank ends with all of them (to add to the dataset 
 ``ref_chosen_logps`` / ``ref_rejected_logps``). No second model, no full copy of the weights:
 TRL's version of this crashes under FSDP2 (trl#6470); here the sharded model computes them.
 
+The reference can also be another model held beside the policy: :func:`frozen_reference_logps`
+gives one batch's values from it, step by step (``preference.reference: model``).
+
 Usage::
 
     ref = reference_logps(model, rows, PairCollator(pad_id), batch_size=8, rank=dp.rank, world=dp.degree,
@@ -57,6 +60,19 @@ def reference_logps(model: nn.Module, rows: Sequence, collate: Callable, batch_s
         dist.all_gather(every, out, group=group)
         out = torch.cat(every)
     return out[:n].cpu()
+
+
+def frozen_reference_logps(reference: nn.Module, batch: dict) -> torch.Tensor:
+    """``[rows]`` summed completion log-probs of an interleaved pair batch under a frozen
+    ``reference`` model held beside the policy (``preference.reference: model``), as fp32 on
+    the batch's device: what the batch's ``ref_logps`` would hold had they been precomputed.
+    Its FSDP units are resharded after the forward (a forward without backward leaves the root
+    gathered), so between forwards the reference holds only its shards."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    try:
+        return sequence_logps(reference, inputs).float().to(batch["input_ids"].device)
+    finally:
+        _reshard(reference)
 
 
 def _reshard(model: nn.Module) -> None:

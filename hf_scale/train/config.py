@@ -338,7 +338,7 @@ class AdapterConfig:
                     modules_to_save=self.modules_to_save, task_type="CAUSAL_LM")
 
 
-REFERENCES = ("auto", "adapter", "precompute")
+REFERENCES = ("auto", "adapter", "precompute", "model")
 
 
 @dataclass
@@ -358,8 +358,15 @@ class PreferenceConfig:
         simpo_gamma: simpo's target reward margin.
         reference: where the reference log-probs come from: ``adapter`` (LoRA: the base with the
             adapter disabled, one no-grad forward per step), ``precompute`` (one pass of the
-            policy over the pairs before the first step, in the training layout), or ``auto``
-            (adapter under LoRA, precompute otherwise). simpo and orpo need no reference.
+            policy over the pairs before the first step, in the training layout), ``model`` (a
+            frozen copy held beside the policy, one no-grad forward per micro-batch: TRL's
+            ``ref_model``; sharded like the policy under fsdp / zero2 / hsdp, resharded after each
+            forward, no gradients, no optimizer state), or ``auto`` (adapter under LoRA,
+            precompute otherwise). simpo and orpo need no reference.
+        reference_model: the reference's weights, when they are not the policy's starting point
+            (e.g. the SFT model a DPO run started from another checkpoint): a model folder, Hub id
+            or zoo name with the policy's vocabulary; null: the policy as loaded. Read by
+            ``reference: model`` (held through the run) and ``precompute`` (one pass, then freed).
     """
 
     loss: Optional[str] = None
@@ -368,11 +375,18 @@ class PreferenceConfig:
     rpo_alpha: Optional[float] = None
     simpo_gamma: float = 0.5
     reference: str = "auto"
+    reference_model: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("preference.reference", self.reference, REFERENCES)
         if self.loss is not None:
             self.knobs()  # checks the loss and its knobs
+        if self.reference_model is not None and self.reference not in ("model", "precompute"):
+            raise HfScaleConfigError(
+                f"preference.reference_model={self.reference_model!r} with preference.reference: {self.reference}: "
+                "a reference model is read by reference: model (held beside the policy) or reference: precompute "
+                "(one pass before training). Set one of them."
+            )
 
     @property
     def enabled(self) -> bool:
@@ -389,7 +403,7 @@ class PreferenceConfig:
             raise HfScaleConfigError(str(e).replace("preference ", "preference.", 1)) from None
 
     def reference_source(self, lora: bool) -> Optional[str]:
-        """``adapter``, ``precompute`` or None (a reference-free loss, or no preference training)."""
+        """``adapter``, ``precompute``, ``model`` or None (a reference-free loss, or no preference training)."""
         if not self.enabled or not self.knobs().needs_reference:
             return None
         if self.reference == "auto":
@@ -566,10 +580,39 @@ class JobConfig:
                 "pairs are padded, two rows per pair, and read whole (not yet packed or streamed). Set "
                 "data.packing: false, data.padding_free: false and data.streaming: false."
             )
-        if pref.reference_source(self.peft.enabled) == "adapter" and not self.peft.enabled:
+        source = pref.reference_source(self.peft.enabled)
+        if source == "adapter" and not self.peft.enabled:
             raise HfScaleConfigError(
                 "preference.reference: adapter takes the reference from the base with the LoRA adapter disabled, "
                 "but no adapter is trained (peft.r is not set): set peft.r, or preference.reference: precompute."
+            )
+        if pref.reference_model is not None and source is None:
+            raise HfScaleConfigError(
+                f"preference.reference_model={pref.reference_model!r}: preference.loss={pref.loss!r} needs no "
+                "reference. Remove preference.reference_model."
+            )
+        if source == "model":
+            self._check_reference_model()
+
+    def _check_reference_model(self) -> None:
+        """``preference.reference: model`` holds a second model in the layout: where it cannot."""
+        parallel = self.parallel
+        if parallel.pp > 1:
+            raise HfScaleConfigError(
+                f"preference.reference: model with parallel.pp={parallel.pp}: a frozen reference beside the "
+                "pipeline's stages is not supported yet. Use preference.reference: precompute (one pass of the "
+                "pipeline over the pairs before training; preference.reference_model names other weights)."
+            )
+        if parallel.ep > 1 and parallel.strategy in ("ddp", "zero1"):
+            raise HfScaleConfigError(
+                f"preference.reference: model with parallel.ep={parallel.ep} under strategy "
+                f"{parallel.strategy!r}: the reference would be a whole replica on every rank, experts included. "
+                "Use strategy fsdp / zero2 (the reference is sharded too), or preference.reference: precompute."
+            )
+        if self.model.trust_remote_code:
+            raise HfScaleConfigError(
+                "preference.reference: model with model.trust_remote_code: the reference is loaded as a "
+                "transformers class. Use preference.reference: precompute."
             )
 
     def _check_reward(self) -> None:

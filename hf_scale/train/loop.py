@@ -55,7 +55,7 @@ from .evaluate import evaluate
 from .finish import finish_run
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
-from .preference import add_reference, evaluate_preference, pair_datasets, preference_step_values
+from .preference import add_reference, evaluate_preference, load_reference_model, pair_datasets, preference_step_values
 from .reward import RewardCollator
 from .streaming_data import stream_eval, stream_source
 from .model import MODEL_SOURCES, load_config, load_model, load_tokenizer, meta_model, read_model_config
@@ -84,6 +84,7 @@ def run(job: JobConfig) -> dict:
     dp = DataParallel.of(model)  # ranks of one tensor-parallel group share a batch
     if job.preference.enabled:  # the reference's log-probs: the policy as loaded is the reference
         train_ds, eval_ds = add_reference(job, model, train_ds, eval_ds, dp, tokenizer.pad_token_id)
+    reference = load_reference_model(job, model) if job.preference.enabled else None  # reference: model
     collate, eval_collate = _collators(job, tokenizer.pad_token_id)
     batches = _batches(job, train_ds, tokenizer, collate, dp)
     total_steps = job.train.max_steps or max(1, math.ceil(job.train.epochs * len(batches) / job.train.grad_accum))
@@ -101,14 +102,14 @@ def run(job: JobConfig) -> dict:
     trackers = start_trackers(job, start_step=start)  # train.report_to's runs, on rank 0 ([] elsewhere)
     metrics = Metrics(job.train.output_dir, total_steps, enabled=rank == 0, progress=job.train.progress,
                       start_step=start, trackers=trackers)
-    evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics, answers)
+    evaluate_at = _evaluator(job, model, eval_ds, eval_collate, dp, device, metrics, answers, reference)
     before = evaluate_at(start) if start == 0 else None
     began, tokens_seen = time.perf_counter(), 0
     stream = iter(batches)
     scaler = torch.amp.GradScaler(device.type, enabled=job.parallel.mixed_precision == "fp16")
     for step in range(start + 1, total_steps + 1):
         lr = scheduler.get_last_lr()[0]  # the rate this step uses
-        values = {**_train_step(job, model, optimizer, scaler, stream, device, dp), "lr": lr}
+        values = {**_train_step(job, model, optimizer, scaler, stream, device, dp, reference), "lr": lr}
         scheduler.step()
         tokens_seen += values.pop("tokens")
         if step % job.train.log_every == 0 or step == total_steps:
@@ -212,8 +213,9 @@ def _eval_packing(job: JobConfig) -> str | None:
     return job.data.packing if job.data.packing != "wrapped" else None
 
 
-def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: DataParallel) -> dict:
-    """One optimizer step over ``grad_accum`` micro-batches; returns its metrics.
+def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: DataParallel, reference=None) -> dict:
+    """One optimizer step over ``grad_accum`` micro-batches; returns its metrics. ``reference``:
+    preference training's frozen reference model (``preference.reference: model``), else None.
 
     Each micro-batch goes through ``hf_scale.train_step`` (forward + backward; under pipeline
     parallel over the schedule's microbatches), one code path for every strategy. FSDP / DDP
@@ -231,23 +233,20 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
         batch = {k: v.to(device, non_blocking=True) for k, v in next(stream).items()}
         waited += time.perf_counter() - t
         micro.append(batch)
-    counts = torch.tensor([_loss_items(b, job.model.task) for b in micro] + [0.0], dtype=torch.float64)
-    counts[-1] = sum(real_tokens(b) for b in micro)
+    preference = job.preference.enabled
+    # the SFT loss's items per micro-batch (preference steps count their pairs themselves) and the
+    # real tokens, summed over the data-parallel ranks in one all-reduce
+    counts = torch.tensor([0.0 if preference else _loss_items(b, job.model.task) for b in micro]
+                          + [float(sum(real_tokens(b) for b in micro))], dtype=torch.float64)
     dp.all_reduce(counts)
-    label_total, tokens = float(counts[:-1].sum()), int(counts[-1])
+    tokens = int(counts[-1])
     # fp16's current loss scale (1.0 when the scaler is off); scaling a one also starts the scaler
     amp_scale = float(scaler.scale(torch.ones((), device=device)))
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    extra = {}
-    if job.preference.enabled:  # micro-batches weighted by their pairs (hf_scale.train.preference)
-        extra = preference_step_values(job, model, micro, dp, amp_scale)
-        loss_sum += extra.pop("loss") / dp.degree  # the step's loss, every rank's; summed over dp below
-    for i, batch in enumerate(micro if not job.preference.enabled else []):
-        share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
-        with no_sync(model, enabled=i < len(micro) - 1):
-            # gradients are averaged over dp ranks: each rank's share counts dp.degree times
-            loss = train_step(model, batch, loss_scale=share * dp.degree * amp_scale)
-        loss_sum += float(_local(loss)) * share  # the micro-batch's mean loss, unscaled
+    if preference:  # micro-batches weighted by their pairs (hf_scale.train.preference)
+        extra = preference_step_values(job, model, micro, dp, amp_scale, reference)
+        loss = extra.pop("loss")  # the step's loss, every rank's
+    else:
+        extra, loss = {}, _sft_loss(job, model, micro, dp, amp_scale, label_total=float(counts[:-1].sum()))
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model, job.train.max_grad_norm or float("inf"))
     scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
@@ -256,11 +255,25 @@ def _train_step(job: JobConfig, model, optimizer, scaler, stream, device, dp: Da
     elapsed = time.perf_counter() - started
     # the slowest rank's data wait and the largest peak memory are what limit the job
     worst = torch.tensor([waited / elapsed, peak_memory_gb(device)], dtype=torch.float64)
-    dp.all_reduce(loss_sum)
     if rank_world()[1] > 1:  # over every rank, tp and pp ranks included
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {"loss": float(loss_sum), "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
+    return {"loss": loss, "grad_norm": float(grad_norm), "tokens_per_s": tokens / elapsed,
             "data_wait": float(worst[0]), "peak_mem_gb": float(worst[1]), "tokens": tokens, **extra}
+
+
+def _sft_loss(job: JobConfig, model, micro: list[dict], dp: DataParallel, amp_scale: float, *,
+              label_total: float) -> float:
+    """Forward and backward of an SFT / classification step's micro-batches (``label_total``:
+    their loss items over every data-parallel rank); the step's loss, every rank's."""
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(micro):
+        share = _loss_items(batch, job.model.task) / max(label_total, 1.0)
+        with no_sync(model, enabled=i < len(micro) - 1):
+            # gradients are averaged over dp ranks: each rank's share counts dp.degree times
+            loss = train_step(model, batch, loss_scale=share * dp.degree * amp_scale)
+        loss_sum += float(_local(loss)) * share  # the micro-batch's mean loss, unscaled
+    dp.all_reduce(loss_sum)
+    return float(loss_sum)
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
@@ -280,7 +293,7 @@ def _loss_items(batch: dict, task: str) -> float:
     return float(batch["labels"].numel())
 
 
-def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, answers: bool):
+def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, answers: bool, reference=None):
     exact_match = job.train.exact_match and answers
     pp, cp = pipeline_degree(model), context_degree(model)
     if eval_ds is not None and pp > 1 and (exact_match or job.model.task != "causal_lm"):
@@ -296,7 +309,7 @@ def _evaluator(job, model, eval_ds, collate, dp: DataParallel, device, metrics, 
         if eval_ds is None:
             return None
         if job.preference.enabled:  # the preference loss and rewards on held-out pairs
-            scores = evaluate_preference(job, model, eval_ds, collate, dp, device)
+            scores = evaluate_preference(job, model, eval_ds, collate, dp, device, reference)
             metrics.event(step, scores)
             return scores
         scores = evaluate(model, eval_ds, collate, task=job.model.task, batch_size=job.train.eval_batch_size,

@@ -180,6 +180,33 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
     return parallelize(model, parallel)
 
 
+def load_reference(cfg: ModelConfig, parallel: ParallelConfig, device: torch.device):
+    """A frozen copy of the causal LM ``cfg`` names, for preference training's reference
+    (``preference.reference: model``), in eval mode with no parameter requiring a gradient.
+
+    Under the sharded strategies (fsdp, zero2, hsdp) it is loaded slice-wise into the policy's
+    layout as fsdp (zero2's policy keeps its gathered weights through backward; a reference
+    has no backward, so its units reshard after each forward): each rank holds 1/dp of its
+    weights between forwards, tensor-parallel slices under tp. Under ddp / zero1 the policy is
+    a whole replica on every rank and so is the reference: a plain model on ``device`` (DDP
+    refuses a model with nothing to train, and would have nothing to do)."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForCausalLM
+
+    dtype = TORCH_DTYPES[cfg.dtype]
+    if parallel.strategy in ("ddp", "zero1"):
+        path, kwargs = source(cfg)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs).to(device)
+    else:
+        layout = replace(parallel, strategy="fsdp" if parallel.strategy == "zero2" else parallel.strategy,
+                         reshard_after_forward=None)
+        model = from_pretrained(source(cfg)[0], layout, auto_class=AutoModelForCausalLM, dtype=dtype,
+                                revision=cfg.revision)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def meta_model(cfg: ModelConfig, adapter: AdapterConfig):
     """The job's causal LM on the meta device, in ``model.dtype``, with its LoRA adapters (what
     the planner sizes a LoRA run by: a frozen base and trainable adapters)."""

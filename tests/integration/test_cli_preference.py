@@ -25,7 +25,7 @@ STEPS = 3
 PREFERENCE = {"loss": "sigmoid", "beta": 0.5, "rpo_alpha": 0.5}
 
 
-def one_process(recipe, pairs_per_step: int) -> dict:
+def one_process(recipe, pairs_per_step: int, reference_model: str | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_scale.data.preference import PairCollator
@@ -42,7 +42,8 @@ def one_process(recipe, pairs_per_step: int) -> dict:
     train, _ = pair_datasets(job, tokenizer, load_splits(job.data))
     model = AutoModelForCausalLM.from_pretrained(job.model.name_or_path, dtype=torch.float32)
     collate = PairCollator(tokenizer.pad_token_id)
-    ref = reference_logps(model, train, collate, 4)
+    scorer = model if reference_model is None else AutoModelForCausalLM.from_pretrained(reference_model, dtype=torch.float32)
+    ref = reference_logps(scorer, train, collate, 4)
     train = train.add_column("ref_chosen_logps", ref[:, 0].tolist()).add_column("ref_rejected_logps", ref[:, 1].tolist())
     batches = iter(ShardedBatches(train, pairs_per_step, 0, 1, collate, seed=job.data.seed))
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -73,8 +74,41 @@ def dpo_run(tmp_path_factory):
 
 def test_steps_match_one_process(dpo_run):
     out, log, ref = dpo_run
+    _check_steps(out, ref)
     assert "global batch 8 (2 x 2 data-parallel ranks x 2 accumulation)" in log, log[-3000:]
-    assert "reference log-probs of 48 training pairs precomputed" in log
+    assert "reference log-probs of 48 training pairs precomputed with the policy before its first step" in log
+
+
+def test_a_held_reference_model_is_the_reference(dpo_run, tmp_path):
+    """``preference.reference: model`` with another model's weights, under zero2: a frozen copy
+    sharded beside the policy (fsdp units), scored per micro-batch. The run must be one process
+    whose reference log-probs are that other model's (not the policy's starting point: the
+    first step's margins and loss differ from the precomputed run's)."""
+    from tests.tiny_models import save_tiny_checkpoint
+
+    out, _, precomputed = dpo_run
+    recipe = out.parent.parent / "tiny.yaml"
+    other = save_tiny_checkpoint(tmp_path / "sft", seed=1, initializer_range=0.2)  # far from the policy
+    run = tmp_path / "held"
+    log = run_cli("finetune", str(recipe), "--parallel.strategy", "zero2", "--preference.reference", "model",
+                  "--preference.reference_model", other, "--train.output_dir", str(run), timeout=900).stdout
+    assert f"reference: {other} held frozen beside the policy (one no-grad forward per micro-batch, sharded" in log
+    assert "precomputed" not in log
+    ref = one_process(recipe, pairs_per_step=8, reference_model=other)
+    assert abs(ref["losses"][0] - precomputed["losses"][0]) > 0.1  # the other reference shows
+    _check_steps(run, ref)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["before"]["eval_rewards/margins"] != 0.0  # the policy is not its reference
+    # the same reference precomputed in one pass (one process, the same 8 pairs per step)
+    run = tmp_path / "precomputed-other"
+    log = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "4",
+                  "--preference.reference", "precompute", "--preference.reference_model", other,
+                  "--train.output_dir", str(run), timeout=900).stdout
+    assert f"reference log-probs of 48 training pairs precomputed with the reference model {other}" in log
+    _check_steps(run, ref)
+
+
+def _check_steps(out, ref) -> None:
     steps = logged_steps(out)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     np.testing.assert_allclose([r["loss"] for r in steps], ref["losses"], rtol=LOSS_RTOL, err_msg="loss")
