@@ -21,19 +21,24 @@ if not logger.handlers:
 _said: set[str] = set()
 
 
-class _TorchaoKernelFilter(logging.Filter):
-    """Drops torchao's "Failed to load .../torchao/_C_*.so" warnings. transformers imports
-    torchao (when installed: the ``qlora`` extra) in every ``from_pretrained``; the wheel's
-    optional compiled kernels (mxfp8, CUTLASS) are built for CUDA and cannot load against the
-    CPU build of torch. torchao runs without them, so the lines (one per kernel file, on every
-    rank, on stderr) say nothing a user can act on."""
+class _TorchaoImportFilter(logging.Filter):
+    """Drops the warnings importing torchao prints. transformers imports torchao (when
+    installed: the ``qlora`` extra) in every ``from_pretrained``, and on every rank it says, on
+    stderr: "Failed to load .../torchao/_C_*.so" (its optional kernels are built for CUDA and
+    cannot load against the CPU build of torch; torchao runs without them), and, through torch's
+    ``torch.utils._pytree`` logger, that registering its Enum types is deprecated. None of it is
+    something a user can act on."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        return not (message.startswith("Failed to load ") and "/torchao/_C" in message)
+        if record.name == "torchao":
+            return not (message.startswith("Failed to load ") and "/torchao/_C" in message)
+        return "is an Enum subclass and is now natively supported by torch.compile" not in message
 
 
-logging.getLogger("torchao").addFilter(_TorchaoKernelFilter())
+_quiet = _TorchaoImportFilter()
+logging.getLogger("torchao").addFilter(_quiet)
+logging.getLogger("torch.utils._pytree").addFilter(_quiet)
 
 
 def log_rank0(message: str, *, level: int = logging.INFO, once: bool = False) -> None:

@@ -1,8 +1,9 @@
 """Preference (DPO-family) training on N ranks against one process of the same model and pairs.
 
 A *case*: ``config`` (a ParallelConfig dict), ``loss`` (PreferenceLoss kwargs), ``lora``
-(train a LoRA adapter; the reference is the base with it disabled), ``steps`` (AdamW steps) and
-``arch``. The data are interleaved pairs (tests.tiny_models.pair_rows): prompts masked, chosen
+(train a LoRA adapter; the reference is the base with it disabled), ``held`` (the reference a
+frozen copy of the starting weights held beside the policy, loaded by the fine-tuning loop's
+``load_reference`` and scored per micro-batch), ``steps`` (AdamW steps) and ``arch``. The data are interleaved pairs (tests.tiny_models.pair_rows): prompts masked, chosen
 and rejected of different lengths, right padding. Data-parallel ranks take distinct pairs;
 the reference's log-probs (losses that need one, without LoRA) are precomputed under the
 case's own layout with ``reference_logps`` before the first step, as the fine-tuning loop does.
@@ -23,7 +24,7 @@ import hf_scale
 from hf_scale.data.preference import PairCollator
 from hf_scale.parallel.preference import PairTotals, pair_totals, preference_step, sequence_logps
 from hf_scale.parallel.preference_loss import PreferenceLoss
-from hf_scale.parallel.preference_reference import reference_logps
+from hf_scale.parallel.preference_reference import frozen_reference_logps, reference_logps
 from tests.tiny_models import pair_rows, tiny_model
 
 PAIRS = 4  # per step, global
@@ -96,8 +97,10 @@ def parallel_run(case: dict) -> dict:
     collate = PairCollator(0)
     steps = case.get("steps", 1)
     per_rank = PAIRS // state.dp_degree
-    refs = None
-    if knobs.needs_reference and not case.get("lora"):
+    refs, held = None, None
+    if case.get("held"):
+        held = held_reference(case, state.env.device)
+    elif knobs.needs_reference and not case.get("lora"):
         every = [row for s in range(steps) for row in step_rows(s)]
         refs = reference_logps(model, every, collate, batch_size=2, rank=state.dp_rank, world=state.dp_degree,
                                group=state.dp_group if state.dp_degree > 1 else None)
@@ -111,6 +114,8 @@ def parallel_run(case: dict) -> dict:
         mine = rows[state.dp_rank * per_rank:(state.dp_rank + 1) * per_rank]  # rank-distinct pairs
         accum = case.get("accum", 1)  # micro-batches of different lengths, gradient sync on the last
         micro = [collate(mine[i::accum]) for i in range(accum)]
+        for batch in micro if held is not None else []:
+            batch["ref_logps"] = frozen_reference_logps(held, batch)
         local = [pair_totals(b, knobs) for b in micro]
         counts = torch.tensor([sum(t.pairs for t in local), sum(t.nll_tokens for t in local)], dtype=torch.float64)
         if state.dp_degree > 1:
@@ -137,7 +142,32 @@ def parallel_run(case: dict) -> dict:
         out["losses"].append(float(values[0]))
         out["metrics"].append({n: float(v) / PAIRS for n, v in zip(names, values[1:])})
     out["params"] = {n: _full(p) for n, p in model.named_parameters()}
+    if held is not None:  # between forwards the reference holds its shards only, and trains nothing
+        from torch.distributed.tensor import DTensor
+
+        params = list(held.parameters())
+        out["held"] = {"frozen": not any(p.requires_grad or p.grad is not None for p in params),
+                       "sharded": all(isinstance(p, DTensor) for p in params),
+                       "local_share": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+                       / sum(p.numel() for p in params)}
     return out
+
+
+def held_reference(case: dict, device):
+    """The case's starting weights saved by rank 0 and loaded back on every rank as the
+    fine-tuning loop loads ``preference.reference: model``."""
+    import tempfile
+
+    from hf_scale.config import ParallelConfig
+    from hf_scale.train.config import ModelConfig
+    from hf_scale.train.model import load_reference
+
+    folder = [tempfile.mkdtemp(prefix="held-reference-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    if dist.get_rank() == 0:
+        make_model({**case, "lora": False}).save_pretrained(folder[0])
+    dist.barrier()
+    return load_reference(ModelConfig(name_or_path=folder[0]), ParallelConfig(**case["config"]), device)
 
 
 def expect_error(fn, *args) -> str:

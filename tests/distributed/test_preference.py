@@ -40,6 +40,11 @@ CASES = {
                           "steps": 2},
     "lora_pp2_sigmoid": {"config": {"strategy": "ddp", "pp": 2, "pp_microbatches": 2},
                          "loss": {"loss": "sigmoid", "beta": 0.5}, "lora": True},
+    # the reference a frozen copy held beside the policy (preference.reference: model)
+    "held_zero2_sigmoid_2steps": {"config": {"strategy": "zero2"}, "loss": {"loss": "sigmoid", "beta": 0.5},
+                                  "held": True, "steps": 2},
+    "held_tp2_ipo": {"config": {"strategy": "fsdp", "tp": 2}, "loss": {"loss": "ipo", "beta": 0.5}, "held": True,
+                     "arch": "qwen2"},
 }
 
 
@@ -72,7 +77,7 @@ def test_matches_one_process(name):
             assert sorted(g) == sorted(w)
             for key in w:
                 assert abs(g[key] - w[key]) <= RTOL * max(abs(w[key]), 1.0), f"step {step} {key}: {g[key]} vs {w[key]}"
-        if ref["refs"]:
+        if ref["refs"] and not CASES[name].get("held"):  # a held reference scores per micro-batch
             _close(got["refs"], torch.cat(ref["refs"]).numpy(), f"rank {rank} reference log-probs")
         assert got["grads"], "no gradient reported"
         for n, g in got["grads"].items():
@@ -86,6 +91,16 @@ def test_matches_one_process(name):
                 scale = np.linalg.norm(want)
                 err = float(np.linalg.norm(moved - want) / scale) if scale else float(np.abs(moved).max(initial=0.0))
                 assert err <= UPDATE_RTOL, f"rank {rank} {n}: update off by {err:.2e}"
+
+
+def test_a_held_reference_is_sharded_frozen_and_resharded_between_forwards():
+    """zero2's policy keeps its weights gathered through backward; its reference (no backward)
+    is loaded as fsdp, so after the steps each rank holds half of it; under tp=2 (dp 1) its
+    tensor-parallel slices, about half."""
+    for got in _world():
+        zero2, tp2 = got["held_zero2_sigmoid_2steps"]["held"], got["held_tp2_ipo"]["held"]
+        assert zero2["frozen"] and zero2["sharded"] and abs(zero2["local_share"] - 0.5) < 0.05, zero2
+        assert tp2["frozen"] and 0.45 < tp2["local_share"] < 0.6, tp2  # tp slices (norms whole)
 
 
 def test_pipeline_refuses_a_split_pair():
