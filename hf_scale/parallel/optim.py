@@ -38,6 +38,22 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def reshard_fsdp(model: nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its sharded parameters.
+
+    A forward without backward (evaluation, a reference pass, a generation) leaves units
+    gathered that reshard only in backward: the root always (it keeps its parameters for the
+    backward that follows), zero2's units too. While a unit is gathered, ``parameters()`` yields
+    its gathered copies; an optimizer built then holds those: it would step copies that are
+    thrown away, never zero the sharded gradients (they accumulate over steps), and see the
+    wrong norm."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def build_optimizer(
     model: nn.Module,
     lr: float = 2e-5,
@@ -59,6 +75,7 @@ def build_optimizer(
 
         optimizer = hf_scale.build_optimizer(model, lr=2e-5, weight_decay=0.1)
     """
+    reshard_fsdp(model)  # the sharded parameters, not the gathered copies a no-grad forward left
     groups = _split_by_kind(parameter_groups(model, weight_decay))
     if fused is None:
         fused = _fused_supported([p for g in groups for p in g["params"]])

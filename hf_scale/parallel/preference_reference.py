@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .optim import reshard_fsdp
 from .preference import sequence_logps
 
 
@@ -54,7 +55,7 @@ def reference_logps(model: nn.Module, rows: Sequence, collate: Callable, batch_s
             out[start:start + len(index)] = logps.view(-1, 2)[: len(index)]
     finally:
         model.train(was_training)
-        _reshard(model)
+        reshard_fsdp(model)
     if world > 1:
         every = [torch.empty_like(out) for _ in range(world)]
         dist.all_gather(every, out, group=group)
@@ -72,19 +73,7 @@ def frozen_reference_logps(reference: nn.Module, batch: dict) -> torch.Tensor:
     try:
         return sequence_logps(reference, inputs).float().to(batch["input_ids"].device)
     finally:
-        _reshard(reference)
-
-
-def _reshard(model: nn.Module) -> None:
-    """Every FSDP unit back to its sharded parameters. A forward without backward leaves the
-    root unit gathered, and while it is, ``model.parameters()`` yields the gathered copies: an
-    optimizer built after this pass (the fine-tuning loop builds it after) would step those and
-    never the sharded weights."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+        reshard_fsdp(reference)
 
 
 def _device(model: nn.Module) -> torch.device:

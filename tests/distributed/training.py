@@ -80,6 +80,14 @@ def parallel_run(case: dict) -> dict:
     model = _model(case["arch"], case["head"], case.get("use_cache"))
     model = _parallelize(model, case["config"])
     state = hf_scale.get_state(model)  # data goes by the data-parallel coordinate (tp ranks share it)
+    # a forward without backward before the optimizer is built, as the fine-tuning loop's first
+    # evaluation or a DPO reference pass does: it leaves FSDP units gathered, and the optimizer
+    # must still hold (and zero) the sharded parameters
+    first = next(iter(_batches(case["head"], 1, case.get("packed", False))))
+    model.eval()
+    with torch.no_grad():
+        model(**slice_batch(first, state.dp_rank, state.dp_degree))
+    model.train()
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
     losses, norms = [], []
     prefetches = _count_prefetches()
