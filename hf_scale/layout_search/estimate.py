@@ -112,6 +112,9 @@ class Layout:
     # expert parallel (MoE models): carved out of dp_shard, as ``ParallelDims`` does (each of ep
     # ranks holds 1/ep of the experts, FSDP-sharded over dp_shard / ep); not a factor of world_size
     ep: int = 1
+    # when a pipeline stage under FSDP reduces its gradients (``ParallelConfig.pp_grad_sync``):
+    # "last" (torch's: unsharded fp32 through the schedule) or "each" microbatch (kept sharded)
+    pp_grad_sync: str = "last"
 
     @property
     def world_size(self) -> int:
@@ -130,6 +133,8 @@ class Layout:
                 extra["blocks_per_unit"] = self.blocks_per_unit
             if self.prefetch:
                 extra["fsdp_prefetch"] = self.prefetch
+            if self.pp > 1:
+                extra["pp_grad_sync"] = self.pp_grad_sync
         if self.ep > 1:
             extra["ep"] = self.ep
         return ParallelConfig(
@@ -151,6 +156,8 @@ class Layout:
             bits.append(f"prefetch={self.prefetch}")
         if self.pp > 1:  # the microbatch count when not the default (one per stage)
             bits.append(self.pp_schedule + (f" m={self.pp_microbatches}" if self.pp_microbatches else ""))
+            if self.pp_grad_sync == "each":
+                bits.append("grads=each")
         return " ".join(bits)
 
 
@@ -368,13 +375,16 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += int(unsharded)
-        if layout.pp > 1:
+        if layout.pp > 1 and layout.pp_grad_sync != "each":
             # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
             # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
             # once after the last (perform_reduce_grad): by then the stage holds every parameter
             # gathered in the compute dtype and every gradient unsharded in fp32 (the simulation
             # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated);
-            # of each rank's own parameters, less the experts of its own MoE layers other ep ranks hold
+            # of each rank's own parameters, less the experts of its own MoE layers other ep ranks hold.
+            # pp_grad_sync="each" (hf_scale.parallel.pp_grads) reduce-scatters and reshards after
+            # every microbatch's backward: the stage is then held as without pp, its sharded
+            # gradients accumulating beside later microbatches' activations (``piped`` below)
             staged = [int(gathered(params * s, frozen * s) + 4 * train * s
                           - layers * (gathered(away, away_frozen) + 4 * (away - away_frozen)))
                       for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
