@@ -230,8 +230,9 @@ def test_pp_fsdp_shards_within_a_stage(world4):
 def test_pp_grad_sync_each_keeps_gradients_sharded(schedule, world4):
     """pp=2 x fsdp2, 4 microbatches: with pp_grad_sync='each' the gradient bytes a rank holds
     after every microbatch's backward (unsharded and sharded) are at most 1/dp + 5% of its
-    stage's fp32 gradient bytes; with 'last' (torch's) the whole stage's are held unsharded
-    from the first microbatch on, which the same measure sees. Parity: test_pp2_4ranks_parity."""
+    stage's fp32 gradient bytes and every FSDP unit is resharded; with 'last' (torch's) the whole
+    stage's gradients are held unsharded from the first microbatch on, and units stay gathered,
+    which the same measures see. Parity: test_pp2_4ranks_parity."""
     for mode in ("each", "last"):
         results = [r["parity"][_index(WORLD4, f"llama-{schedule}-fsdp2-{mode}")] for r in world4]
         for rank, result in enumerate(results):
@@ -239,10 +240,13 @@ def test_pp_grad_sync_each_keeps_gradients_sharded(schedule, world4):
             assert result["grad_sync"] == mode
             ratios = result["grad_ratios"]
             assert len(ratios) >= 4 * 3, f"rank {rank}: {len(ratios)} microbatch backwards measured"
+            gathered = result["gathered_units"]
             if mode == "each":
                 assert max(ratios) <= 1 / 2 + 0.05, f"rank {rank} {mode}: held {max(ratios):.3f} of the stage's gradients"
+                assert max(gathered) == 0, f"rank {rank} {mode}: FSDP units left gathered after a backward: {gathered}"
             else:
                 assert max(ratios) >= 0.95, f"rank {rank} {mode}: held only {max(ratios):.3f} of the stage's gradients"
+                assert min(gathered) > 0, f"rank {rank} {mode}: no FSDP unit kept gathered: {gathered}"
 
 
 def test_pp_grad_sync_auto_keeps_torchs_default_on_the_cpu(world4):
