@@ -41,9 +41,9 @@ def test_70b_pp4_fits_80gb_only_with_a_reduce_scatter_per_microbatch(facts, m):
     assert min(last) > 100, last  # the unsharded fp32 gradients of a quarter of 70B: ~66 GiB alone
     assert max(each) <= 75, each
     assert fitting_grad_sync(facts, pp4(m, "last"), work, BUDGET).pp_grad_sync == "each"
-    # the price: m reduce-scatters of the stage per step instead of one
+    # the price: the stage's reduce-scatter (fp32) and all-gathers (bf16) m times a step, not once
     slow, fast = step_cost(facts, pp4(m, "each"), work, H100, 8), step_cost(facts, pp4(m, "last"), work, H100, 8)
-    assert slow.comm_dp > 2 * fast.comm_dp and slow.total > fast.total
+    assert slow.comm_dp >= 0.9 * m * fast.comm_dp and slow.total > fast.total, (slow, fast)
 
 
 def test_where_torchs_reduction_fits_it_is_kept(facts):
