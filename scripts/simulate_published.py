@@ -5,7 +5,8 @@ Run (one process, no GPU; tens of seconds per 8B rank, about a minute per 70B ra
 
     python scripts/simulate_published.py
     python scripts/simulate_published.py --write docs/benchmarks.md
-    python scripts/simulate_published.py --parts gpu        # or: lora, cpu
+    python scripts/simulate_published.py --parts gpu        # or: pp, lora, moe, cpu
+    python scripts/simulate_published.py --parts pp --write docs/benchmarks.md --section simulate-pp
 
 For each row, :func:`hf_scale.layout_search.simulate.simulate` builds the model on fake tensors, runs
 ``hf_scale.parallelize`` as rank r of N (torch's fake process group: no communication), builds the
@@ -15,7 +16,8 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
 
 * ``gpu``: Llama-3-8B on 8 x 80 GB and Llama-3-70B on 64 x 80 GB (``scripts/plan_published.py``'s
   shapes: seq 4096 x batch 1 per rank), each with the layout the planner recommends there, first and
-  last rank; and pp=4 layouts of 70B (fsdp 16 x pp 4, bf16, full checkpointing, 1f1b, m microbatches of
+  last rank;
+* ``pp``: pp=4 layouts of 70B (fsdp 16 x pp 4, bf16, full checkpointing, 1f1b, m microbatches of
   one sequence per step), its first and last pipeline stage (ranks 0 and 63), where the rank runs its
   stage's real schedule and :mod:`hf_scale.layout_search.peers` stands in for the other stages'
   start-up messages: m=4 with torch's gradient reduction after the last microbatch
@@ -102,8 +104,7 @@ def row(name: str, result, low: float, high: float) -> list[str]:
 
 
 def gpu_rows() -> list[list[str]]:
-    from hf_scale.errors import HfScaleConfigError
-    from hf_scale.layout_search import H100, Layout, Workload, choose, model_facts, parse_memory
+    from hf_scale.layout_search import H100, Workload, choose, model_facts, parse_memory
     from hf_scale.layout_search.simulate import simulate_ranks
 
     cells = []
@@ -115,8 +116,17 @@ def gpu_rows() -> list[list[str]]:
         for result in simulate_ranks(config, best.layout, SEQ, BATCH):
             cells.append(row(f"{name}, {gpus} x 80 GB (recommended)", result, 0.9, 1.1))
             print(result.format(), flush=True)
-    # pipeline steps of m sequences per data-parallel rank, one per microbatch (1f1b), the first
-    # and the last stage: torch's gradient reduction after the last microbatch, and after each
+    return cells
+
+
+def pp_rows() -> list[list[str]]:
+    """Pipeline steps of m sequences per data-parallel rank, one per microbatch (1f1b), the first
+    and the last stage: torch's gradient reduction after the last microbatch, and after each."""
+    from hf_scale.errors import HfScaleConfigError
+    from hf_scale.layout_search import Layout
+    from hf_scale.layout_search.simulate import simulate_ranks
+
+    cells = []
     config = llama(LLAMA3["Llama-3-70B"])
     for m, sync in PP_ROWS:
         layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full", micro_batch=m, pp_microbatches=m,
@@ -286,7 +296,7 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
-    parser.add_argument("--parts", default="gpu,lora,moe,cpu", help="comma-separated: gpu, lora, moe, cpu")
+    parser.add_argument("--parts", default="gpu,pp,lora,moe,cpu", help="comma-separated: gpu, pp, lora, moe, cpu")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -296,8 +306,9 @@ def main() -> None:
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
     gpu_cells, cpu_cells = [], []
-    if parts & {"gpu", "lora", "moe"}:
-        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
+    if parts & {"gpu", "pp", "lora", "moe"}:
+        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
+                     + (lora_rows() if "lora" in parts else [])
                      + (moe_rows() if "moe" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if "moe" in parts:

@@ -23,7 +23,15 @@ from ..config import GRAD_SYNC_EACH_SCHEDULES, PP_SCHEDULES, ParallelConfig
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
-from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, estimate_stages, rank_blocks
+from .estimate import (
+    GiB,
+    Layout,
+    MemoryEstimate,
+    Workload,
+    estimate_memory,
+    estimate_stages,
+    rank_blocks,
+)
 from .experts import check_layout_ep, ep_degrees
 from .profile import ModelFacts
 

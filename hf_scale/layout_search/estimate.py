@@ -185,13 +185,19 @@ class MemoryEstimate:
     # later block's gradient, less its own gradients, not made yet (not under accumulation: there
     # ``backward`` holds both)
     first_block: int = 0
+    # pp_grad_sync="each": every microbatch's backward ends as a step's does (its root unit's
+    # gradient unsharded, the first block's backward, beside the sharded gradients), also when
+    # later forwards follow, and beside the other in-flight microbatches' activations
+    sync_each: bool = False
+    others_in_flight: int = 0
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched)
                     + (self.grads if self.accumulating else 0))
-        late = 0 if self.accumulating else self.grads + self.grad_buffers + self.first_block
+        late = 0 if self.accumulating and not self.sync_each else (
+            self.grads + self.grad_buffers + self.first_block + self.others_in_flight)
         return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
                 + max(backward, late))
 
@@ -420,6 +426,10 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # its first backward: the gradients then lie beside in-flight activations, as under accumulation
     _, inflight, microbatches = pipeline_shape(facts, layout)
     piped = layout.pp > 1 and microbatches > max(inflight)
+    # pp_grad_sync="each": a microbatch's backward ends with its root unit's gradient unsharded and
+    # the first block's backward beside the others in flight (gpipe / 1f1b: all but this one)
+    each = layout.pp > 1 and layout.pp_grad_sync == "each" and sharded and layout.dp > 1
+    others = int(acts.saved * (1 - 1 / inflight[acts.rank])) if each and inflight[acts.rank] > 1 else 0
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
     # (under ddp + ep of its own experts only)
@@ -433,7 +443,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
-                          prefetched=prefetched, first_block=first_block)
+                          prefetched=prefetched, first_block=first_block, sync_each=each,
+                          others_in_flight=others)
 
 
 def estimate_stages(facts: ModelFacts, layout: Layout, work: Workload) -> list[MemoryEstimate]:
