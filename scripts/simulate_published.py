@@ -17,7 +17,7 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
 * ``gpu``: Llama-3-8B on 8 x 80 GB and Llama-3-70B on 64 x 80 GB (``scripts/plan_published.py``'s
   shapes: seq 4096 x batch 1 per rank), each with the layout the planner recommends there, first and
   last rank;
-* ``pp``: pp=4 layouts of 70B (fsdp 16 x pp 4, bf16, full checkpointing, 1f1b, m microbatches of
+* ``pp`` (run on its own into the ``simulate-pp`` section, the command above): pp=4 layouts of 70B (fsdp 16 x pp 4, bf16, full checkpointing, 1f1b, m microbatches of
   one sequence per step), its first and last pipeline stage (ranks 0 and 63), where the rank runs its
   stage's real schedule and :mod:`hf_scale.layout_search.peers` stands in for the other stages'
   start-up messages: m=4 with torch's gradient reduction after the last microbatch
@@ -296,7 +296,8 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
-    parser.add_argument("--parts", default="gpu,pp,lora,moe,cpu", help="comma-separated: gpu, pp, lora, moe, cpu")
+    parser.add_argument("--parts", default="gpu,lora,moe,cpu",
+                        help="comma-separated: gpu, pp, lora, moe, cpu (pp has its own section: --section simulate-pp)")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
