@@ -199,6 +199,8 @@ def stage_parameters(model_config, layout: Layout, stages: tuple[int, ...]) -> i
 PIPELINES = {  # layout, world, rank, batch: the first, a middle and the last stage
     "pp2_first": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 0, 2),
     "pp2_last": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 7, 2),
+    "pp2_first_grads_each": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=4, pp_microbatches=4,
+                                    pp_grad_sync="each"), 8, 0, 4),
     "pp4_first_bf16_full_ac": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4, precision="bf16", ac="full"), 8, 1, 4),
     "pp4_middle": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4), 8, 2, 4),
     "pp4_last_tp2": (Layout("fsdp", pp=4, tp=2, micro_batch=4), 8, 7, 4),
