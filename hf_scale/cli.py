@@ -202,6 +202,9 @@ def plan(args: list[str]) -> int:
                              "parallel.pp_schedule, else 1f1b)")
     parser.add_argument("--pp-microbatches", type=int, default=None,
                         help="microbatches per batch under pp (default: the recipe's, else the number of stages)")
+    parser.add_argument("--pp-grad-sync", default=None, choices=("auto", "last", "each"),
+                        help="under pp with fsdp: reduce-scatter gradients after the last microbatch (torch's) or "
+                             "after each (sharded through the schedule); auto (default): by fit")
     parser.add_argument("--gpus", type=int, default=None,
                         help="auto-planner: rank every layout for this many GPUs (H100 numbers) and recommend one")
     parser.add_argument("--gpu-memory", default=None,
@@ -231,7 +234,8 @@ def plan(args: list[str]) -> int:
     ns = parser.parse_strict(args)
     flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("ep", ns.ep), ("pp", ns.pp),
                                 ("pp_schedule", ns.pp_schedule),
-                                ("pp_microbatches", ns.pp_microbatches)) if v is not None}
+                                ("pp_microbatches", ns.pp_microbatches),
+                                ("pp_grad_sync", ns.pp_grad_sync)) if v is not None}
     if ns.source.endswith((".yaml", ".yml")):
         job = load_job(ns.source, overrides)
         model_cfg, parallel, launch = job.model, job.parallel, job.launch
@@ -245,7 +249,8 @@ def plan(args: list[str]) -> int:
         if overrides:
             raise HfScaleConfigError(
                 f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a recipe (.yaml): use "
-                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, or plan a "
+                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, "
+                "--pp-grad-sync, or plan a "
                 "recipe."
             )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
@@ -259,14 +264,20 @@ def plan(args: list[str]) -> int:
         print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks, flags))
         return 0
     if ns.simulate and not parallel.auto:  # the layout of the flags (or the recipe), as planned below
+        from .layout_search import Workload, model_facts, parse_memory
+        from .layout_search.choose import fitting_grad_sync
         from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
         print(format_report(plan_report(config, parallel, world, nnodes, task)))
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         layout = as_layout(parallel, world, nnodes, micro_batch=batch)
+        budget = parse_memory(ns.gpu_memory or "80GB")
+        if parallel.pp_grad_sync == "auto":  # by fit, as the chooser decides it
+            work = Workload(seq=ns.seq or 1024, batch=batch, device="cuda")
+            layout = fitting_grad_sync(model_facts(config, task), layout, work, budget)
         print(format_simulations(simulate_ranks(config, layout, ns.seq or 1024, batch, ranks, task,
-                                                local_world_size=world // nnodes if given_nodes else None)))
+                                                local_world_size=world // nnodes if given_nodes else None), budget))
         return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text

@@ -58,6 +58,10 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 CP_LAYOUTS = ("head_tail", "contiguous")
 CP_ATTENTIONS = ("auto", "masked")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
+PP_GRAD_SYNCS = ("auto", "last", "each")
+# schedules whose every microbatch runs a full backward (not split into input and weight
+# backwards), where a per-microbatch reduce-scatter follows FSDP2's own post-backward hooks
+GRAD_SYNC_EACH_SCHEDULES = ("gpipe", "1f1b")
 
 T = TypeVar("T")
 
@@ -117,6 +121,17 @@ class ParallelConfig:
             divide the per-rank batch size.
         pp_split_points: first block index of every stage after the first (None: split so each
             stage's compute, head and embedding included, is balanced).
+        pp_grad_sync: when a pipeline stage under fsdp / zero2 / hsdp reduces its gradients
+            (:mod:`hf_scale.parallel.pp_grads`). ``"last"``: torch's default, once after the
+            last microbatch: until then the stage holds its parameters gathered and its
+            gradients unsharded in fp32 (the whole stage's, on every rank). ``"each"``: every
+            microbatch's backward reduce-scatters its gradients into the sharded gradient (they
+            accumulate there) and reshards, so memory stays sharded through the schedule, for
+            one reduce-scatter (and all-gather) of the stage per microbatch instead of one per
+            step; gpipe and 1f1b only. ``"auto"`` (default): ``"each"`` on a CUDA device where
+            the stage's unsharded fp32 gradients exceed half the device memory free once the
+            model is sharded onto it (on any rank: one choice for all), else ``"last"``; on
+            the CPU ``"last"``. An explicit value wins.
         loss_chunk_tokens: causal LMs only: compute output head + cross-entropy this many tokens
             at a time, so the full logits never exist (see ``hf_scale.parallel.loss``). Training
             forwards (labels given, gradients on) then return ``logits=None``.
@@ -157,6 +172,7 @@ class ParallelConfig:
     pp_stages_per_rank: int | None = None
     pp_microbatches: int | None = None
     pp_split_points: list[int] | None = None
+    pp_grad_sync: str = "auto"
     loss_chunk_tokens: int | None = None
     loss_labeled_only: bool = False
     cp: int = 1
@@ -296,6 +312,20 @@ class ParallelConfig:
                 )
         if self.pp_split_points is not None and self.pp == 1:
             raise HfScaleConfigError("pp_split_points is set but pp=1: set pp, or drop pp_split_points.")
+        _check_choice("pp_grad_sync", self.pp_grad_sync, PP_GRAD_SYNCS)
+        if self.pp_grad_sync == "each":
+            if self.pp == 1 or not (self.sharded or self.auto):
+                raise HfScaleConfigError(
+                    f"pp_grad_sync='each' with pp={self.pp} and strategy={self.strategy!r}: it reduce-scatters "
+                    "a pipeline stage's gradients per microbatch, so it needs pp > 1 and strategy 'fsdp', "
+                    "'zero2' or 'hsdp'. Drop pp_grad_sync, or set those."
+                )
+            if self.pp_schedule not in GRAD_SYNC_EACH_SCHEDULES:
+                raise HfScaleConfigError(
+                    f"pp_grad_sync='each' with pp_schedule={self.pp_schedule!r}: supported under "
+                    f"{', '.join(map(repr, GRAD_SYNC_EACH_SCHEDULES))} (their microbatches run whole "
+                    "backwards). Use one of those, or pp_grad_sync='last'."
+                )
 
     def _check_cp(self) -> None:
         _check_positive_int("cp", self.cp, "(ranks a sequence is split over; 1 = no context parallel)", optional=False)

@@ -43,6 +43,7 @@ from .parallel.ep import apply_experts, unsplit_parameters
 from .parallel.fsdp import shard_experts
 from .parallel.loss import is_fake
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
+from .parallel.pp_grads import choose_grad_sync, sync_each_microbatch
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
 from .parallel.step import eval_step, train_step
 from .parallel.tp_check import check_tp_forward
@@ -98,7 +99,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     apply_checkpointing(model, units, config)
     roots = apply_data_parallel(model, topology, units, keep_fp32, dtype, config, env)
     pipeline = attach_pipeline(model, topology, roots, resolved, config, env)
-    log_layout(config, topology, env, units, resolved)
+    log_layout(config, topology, env, units, resolved, pipeline.grad_sync if pipeline is not None else None)
     state = ParallelState(config, resolved, env, topology.dims, topology.mesh, pipeline)
     attach_state(model, state)
     return attach_state(outer, state)
@@ -389,6 +390,10 @@ def attach_pipeline(model: nn.Module, topology: Topology, roots: list[nn.Module]
     group = tie_group(mesh, layout, dims.pp) if ties else None
     pipeline = Pipeline(model, layout, list(topology.stages), roots, mesh["pp"].get_group(), env.device,
                         config.pp_schedule, config.pp_microbatches, group, ties)
+    pipeline.grad_sync = choose_grad_sync(config.pp_grad_sync, roots, env.device)
+    if pipeline.grad_sync == "each":  # per-microbatch reduce-scatter: gradients stay sharded
+        for root in roots:
+            sync_each_microbatch(root)
     held = ", ".join(str(s) for s in topology.stages)
 
     def refuse(module, args, kwargs):
@@ -403,7 +408,7 @@ def attach_pipeline(model: nn.Module, topology: Topology, roots: list[nn.Module]
 
 
 def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: list[nn.Module],
-               plan: ModelPlan) -> None:
+               plan: ModelPlan, pp_grad_sync: str | None = None) -> None:
     """One line (rank 0) saying what was applied."""
     if topology.dims is None:
         log_rank0("running in one process (no torchrun environment): only activation checkpointing, "
@@ -418,6 +423,7 @@ def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: 
         + (f"; tp plan from {plan.source.get('tp_plan', '?')}" if topology.tp is not None else "")
         + f"; precision {config.mixed_precision or 'fp32'}"
         + (f"; pipeline {config.pp_schedule}, stages {_describe(topology.pp)}" if topology.pp is not None else "")
+        + (f", gradients reduced {pp_grad_sync}" if pp_grad_sync else "")
         + (f"; sequences split over cp={config.cp} ({config.cp_layout})" if topology.dims.cp_enabled else "")
     )
 

@@ -5,7 +5,8 @@ Run (one process, no GPU; tens of seconds per 8B rank, about a minute per 70B ra
 
     python scripts/simulate_published.py
     python scripts/simulate_published.py --write docs/benchmarks.md
-    python scripts/simulate_published.py --parts gpu        # or: lora, cpu
+    python scripts/simulate_published.py --parts gpu        # or: pp, lora, moe, cpu
+    python scripts/simulate_published.py --parts pp --write docs/benchmarks.md --section simulate-pp
 
 For each row, :func:`hf_scale.layout_search.simulate.simulate` builds the model on fake tensors, runs
 ``hf_scale.parallelize`` as rank r of N (torch's fake process group: no communication), builds the
@@ -15,10 +16,13 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
 
 * ``gpu``: Llama-3-8B on 8 x 80 GB and Llama-3-70B on 64 x 80 GB (``scripts/plan_published.py``'s
   shapes: seq 4096 x batch 1 per rank), each with the layout the planner recommends there, first and
-  last rank; and a pp=4 layout of 70B (fsdp 16 x pp 4, full checkpointing, 4 microbatches of one
-  sequence per step, 1f1b), its first and last pipeline stage (ranks 0 and 63), where the rank runs its
+  last rank;
+* ``pp`` (run on its own into the ``simulate-pp`` section, the command above): pp=4 layouts of 70B (fsdp 16 x pp 4, bf16, full checkpointing, 1f1b, m microbatches of
+  one sequence per step), its first and last pipeline stage (ranks 0 and 63), where the rank runs its
   stage's real schedule and :mod:`hf_scale.layout_search.peers` stands in for the other stages'
-  start-up messages;
+  start-up messages: m=4 with torch's gradient reduction after the last microbatch
+  (``pp_grad_sync=last``: every stage gradient unsharded in fp32 through the schedule), and m=4 and
+  m=8 with a reduce-scatter after each (``pp_grad_sync=each``), which must peak at most 75 GiB;
 * ``lora``: torchtune's Llama 3.1 70B LoRA on 8 x A100 (27.6 GiB peak per GPU, published; the run
   and its sources are in ``plan_published.py``'s docstring): fsdp over 8 ranks, bf16, full
   checkpointing, micro-batch 2 x 2048 tokens, hf_scale's chunked loss at torchtune's chunk size;
@@ -66,7 +70,10 @@ from plan_published import (
 
 GiB = 2**30
 SEQ, BATCH = 4096, 1
-PP_BATCH = 4  # the pp=4 row: 4 microbatches of 1 sequence
+# the pp=4 rows: (microbatches of one sequence per step, pp_grad_sync); each must peak at most
+# PP_FIT_GIB per rank (issue 42), the estimate within +-10% of the simulation
+PP_ROWS = [(4, "last"), (4, "each"), (8, "each")]
+PP_FIT_GIB = 75
 GPU_CASES = [("Llama-3-8B", 8), ("Llama-3-70B", 64)]
 HEADER = ["shape", "layout", "rank", "estimate / simulated", "simulated peak (GiB)", "estimate less overhead (GiB)",
           "simulated: params / grads / optimizer / activations / temporaries (GiB)",
@@ -97,8 +104,7 @@ def row(name: str, result, low: float, high: float) -> list[str]:
 
 
 def gpu_rows() -> list[list[str]]:
-    from hf_scale.errors import HfScaleConfigError
-    from hf_scale.layout_search import H100, Layout, Workload, choose, model_facts, parse_memory
+    from hf_scale.layout_search import H100, Workload, choose, model_facts, parse_memory
     from hf_scale.layout_search.simulate import simulate_ranks
 
     cells = []
@@ -110,16 +116,42 @@ def gpu_rows() -> list[list[str]]:
         for result in simulate_ranks(config, best.layout, SEQ, BATCH):
             cells.append(row(f"{name}, {gpus} x 80 GB (recommended)", result, 0.9, 1.1))
             print(result.format(), flush=True)
-    # a pipeline step of PP_BATCH sequences per data-parallel rank, one per microbatch (1f1b's default:
-    # as many microbatches as stages); the first and the last stage
-    layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full", micro_batch=PP_BATCH)
-    name = f"Llama-3-70B, 64 x 80 GB, pp=4 ({PP_BATCH} x {SEQ} per step)"
-    try:
-        for result in simulate_ranks(llama(LLAMA3["Llama-3-70B"]), layout, SEQ, PP_BATCH):
-            cells.append(row(name, result, 0.9, 1.1))
-            print(result.format(), flush=True)
-    except HfScaleConfigError as e:
-        cells.append([name, layout.describe(), *["-"] * 8, f"not simulated: {str(e).split('. ')[0]}"])
+    return cells
+
+
+def pp_rows() -> list[list[str]]:
+    """Pipeline steps of m sequences per data-parallel rank, one per microbatch (1f1b), the first
+    and the last stage: torch's gradient reduction after the last microbatch, and after each."""
+    from hf_scale.errors import HfScaleConfigError
+    from hf_scale.layout_search import Layout
+    from hf_scale.layout_search.simulate import simulate_ranks
+
+    cells = []
+    config = llama(LLAMA3["Llama-3-70B"])
+    for m, sync in PP_ROWS:
+        layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full", micro_batch=m, pp_microbatches=m,
+                        pp_grad_sync=sync)
+        name = f"Llama-3-70B, 64 x 80 GB, pp=4 ({m} x {SEQ} per step, pp_grad_sync={sync})"
+        try:
+            for result in simulate_ranks(config, layout, SEQ, m):
+                cells.append(pp_row(name, result, sync))
+                print(result.format(), flush=True)
+        except HfScaleConfigError as e:
+            cells.append([name, layout.describe(), *["-"] * 8, f"not simulated: {str(e).split('. ')[0]}"])
+    return cells
+
+
+def pp_row(name: str, result, sync: str) -> list[str]:
+    """A pp=4 row: the estimate within +-10% of the simulation; under pp_grad_sync=each also the
+    peak (tracked bytes plus the process overhead) at most PP_FIT_GIB; under last, whether it fits."""
+    cells = row(name, result, 0.9, 1.1)
+    peak = (result.peak["total"] + result.estimate.overhead) / GiB
+    if sync == "each":
+        ok = cells[-1].startswith("PASS") and peak <= PP_FIT_GIB
+        cells[-1] = (f"{'PASS' if ok else 'FAIL'} (estimate within 0.90-1.10x of the simulation, peak with overhead "
+                     f"{peak:.1f} GiB <= {PP_FIT_GIB} GiB)")
+    else:
+        cells[-1] += f"; peak with overhead {peak:.1f} GiB: {'fits' if peak <= 80e9 / GiB else 'does not fit'} 80 GB"
     return cells
 
 
@@ -248,7 +280,9 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
         elif c[3] == "-":
             lines.append(f"FAIL: {c[0]} ({c[1]}): {c[-1]}")
         else:
-            lines.append(f"{c[-1][:4]}: {c[0]} rank {c[2]}: estimate / simulated {c[3]} (need 0.90-1.10)")
+            peak = re.search(r"peak with overhead [^;)]*", c[-1])  # the pp=4 rows: the fit, too
+            lines.append(f"{c[-1][:4]}: {c[0]} rank {c[2]}: estimate / simulated {c[3]} (need 0.90-1.10)"
+                         + (f"; {peak.group(0)}" if peak else ""))
     judged = [c for c in cpu_cells if c[-1].startswith(("PASS", "FAIL"))]
     if judged:
         ratios = [float(c[3]) for c in judged]
@@ -262,7 +296,8 @@ def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> lis
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
-    parser.add_argument("--parts", default="gpu,lora,moe,cpu", help="comma-separated: gpu, lora, moe, cpu")
+    parser.add_argument("--parts", default="gpu,lora,moe,cpu",
+                        help="comma-separated: gpu, pp, lora, moe, cpu (pp has its own section: --section simulate-pp)")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -272,8 +307,9 @@ def main() -> None:
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
     gpu_cells, cpu_cells = [], []
-    if parts & {"gpu", "lora", "moe"}:
-        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (lora_rows() if "lora" in parts else [])
+    if parts & {"gpu", "pp", "lora", "moe"}:
+        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
+                     + (lora_rows() if "lora" in parts else [])
                      + (moe_rows() if "moe" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if "moe" in parts:

@@ -110,7 +110,10 @@ def search_space(fixed: Mapping, world_size: int, nodes: int = 1, micro_batch: i
     space.setdefault("precisions", (None,))
     if micro_batch is not None:
         space["micro_batches"] = (micro_batch,)
-    for field, key in (("pp_schedule", "pp_schedules"), ("pp_microbatches", "pp_microbatches")):
+    if rest.get("pp_grad_sync", "auto") == "auto":  # "auto": the chooser tries both (by fit)
+        rest.pop("pp_grad_sync", None)
+    for field, key in (("pp_schedule", "pp_schedules"), ("pp_microbatches", "pp_microbatches"),
+                       ("pp_grad_sync", "pp_grad_syncs")):
         if field in rest:
             space[key] = (rest.pop(field),)
     degrees = {k: rest.pop(k) for k in ("dp_replicate", "dp_shard") if k in rest}

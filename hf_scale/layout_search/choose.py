@@ -16,14 +16,22 @@ Usage::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
-from ..config import PP_SCHEDULES, ParallelConfig
+from ..config import GRAD_SYNC_EACH_SCHEDULES, PP_SCHEDULES, ParallelConfig
 from ..errors import HfScaleConfigError, HfScaleError
 from ..mesh import ParallelDims
 from .cost import Device, StepCost, step_cost
-from .estimate import GiB, Layout, MemoryEstimate, Workload, estimate_memory, rank_blocks
+from .estimate import (
+    GiB,
+    Layout,
+    MemoryEstimate,
+    Workload,
+    estimate_memory,
+    estimate_stages,
+    rank_blocks,
+)
 from .experts import check_layout_ep, ep_degrees
 from .profile import ModelFacts
 
@@ -67,14 +75,17 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                       acs=(None, "selective", "full"), precisions=(None, "bf16"), offloads=(False, True),
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
                       ranks_per_node: int | None = None, keep=None, pp_schedules=PP_SCHEDULES,
-                      pp_microbatches=None, units=(1,), prefetches=(None,), eps=(1,)) -> list[Layout]:
+                      pp_microbatches=None, units=(1,), prefetches=(None,), eps=(1,),
+                      pp_grad_syncs=("last", "each")) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
     ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines try each
     of ``pp_schedules`` with each of ``pp_microbatches`` microbatches (None: 1, 2 and 4 per
     stage, those that split the micro-batch). ``units``: blocks per FSDP unit to try, and
     ``prefetches``: FSDP prefetch depths (None: FSDP2's default), both for sharded strategies
     over more than one rank only. ``eps``: expert-parallel degrees (MoE models; 1: none), each
-    tried where the engine accepts it (:func:`_ep_accepted`)."""
+    tried where the engine accepts it (:func:`_ep_accepted`). ``pp_grad_syncs``: when an FSDP
+    pipeline stage reduces its gradients, each tried under the schedules that allow it (the
+    chooser then takes "each", slower, only where "last" does not fit)."""
     per_node = ranks_per_node or world_size
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
@@ -101,7 +112,7 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                     continue  # offload, unit size and prefetch are FSDP's (one process has nothing to offload to)
                 if chunk and chunk >= mb * work.seq:
                     continue  # one chunk: the same as no chunking
-                for pipe, ep in product(_pipelines(pp, mb, pp_schedules, pp_microbatches), eps):
+                for pipe, ep in product(_pipelines(pp, mb, pp_schedules, pp_microbatches, fsdp, pp_grad_syncs), eps):
                     if ep > 1 and not _ep_accepted(strategy, rep, shard, tp, pp, ep):
                         continue
                     layout = Layout(strategy, rep, shard, tp, pp, ac, prec, off, mb, chunk, **pipe, blocks_per_unit=k,
@@ -123,19 +134,22 @@ def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int)
     return strategy == "ddp" and tp == pp == 1 and rep % ep == 0
 
 
-def _pipelines(pp: int, micro_batch: int, schedules, microbatches) -> list[dict]:
+def _pipelines(pp: int, micro_batch: int, schedules, microbatches, fsdp: bool = False,
+               grad_syncs=("last",)) -> list[dict]:
     """The schedule and microbatch count of each pipeline to try for ``pp`` ranks (no pipeline:
     one empty choice). The default count (None) is one microbatch per stage; 2 and 4 per stage
     are tried where they split ``micro_batch`` (a smaller bubble, paid for in fixed costs per
-    microbatch)."""
+    microbatch). Stages under FSDP over more than one rank (``fsdp``) also try each of
+    ``grad_syncs`` their schedule allows."""
     if pp == 1:
         return [{}]
     pipes = []
     for schedule in schedules:
         stages = pp * ParallelConfig(pp=pp, pp_schedule=schedule).stages_per_rank
+        syncs = [g for g in grad_syncs if g == "last" or (fsdp and schedule in GRAD_SYNC_EACH_SCHEDULES)]
         for m in microbatches or (None, 2 * stages, 4 * stages):
             if m is None or micro_batch % m == 0:
-                pipes.append({"pp_schedule": schedule, "pp_microbatches": m})
+                pipes += [{"pp_schedule": schedule, "pp_microbatches": m, "pp_grad_sync": g} for g in syncs]
     return pipes
 
 
@@ -169,6 +183,21 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
             f"needs {memory.device_total / GiB:.2f} GiB > {usable / GiB:.2f} GiB usable "
             f"({budget / GiB:.2f} GiB less {margin:.0%})"))
     return Candidate(layout, memory, cost)
+
+
+def fitting_grad_sync(facts: ModelFacts, layout: Layout, work: Workload, budget: int,
+                      margin: float = MARGIN) -> Layout:
+    """``layout`` with the ``pp_grad_sync`` the chooser would take for it: ``"last"`` (fewer
+    collectives) where every pp rank's estimate fits ``budget`` less ``margin``, else ``"each"``
+    (gradients sharded through the schedule) where the schedule allows it; what
+    ``pp_grad_sync="auto"`` means to the planner and ``hf-scale plan --simulate``."""
+    last = replace(layout, pp_grad_sync="last")
+    fsdp = layout.strategy in ("fsdp", "zero2", "hsdp") and layout.dp > 1
+    if layout.pp == 1 or not fsdp or layout.pp_schedule not in GRAD_SYNC_EACH_SCHEDULES:
+        return last
+    if max(e.device_total for e in estimate_stages(facts, last, work)) <= budget * (1 - margin):
+        return last
+    return replace(layout, pp_grad_sync="each")
 
 
 def rank(candidates: list[Candidate]) -> list[Candidate]:

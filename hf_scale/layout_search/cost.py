@@ -291,7 +291,11 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     # ep: the experts (1/ep of them here) are FSDP units of their own, over the dp_shard / ep ranks
     # holding the same ones; the rest of the model as without ep
     moved, expert_units = _ep_experts(facts, layout, params)
-    comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), micro, units, dp_link, device)
+    # pp_grad_sync="each": a stage reduce-scatters its gradients after every microbatch's backward
+    # (and, resharded, gathers its parameters again for the next): m times a step's reductions
+    each = layout.pp > 1 and layout.pp_grad_sync == "each"
+    comm_dp = _dp_seconds(layout, gather_bytes * (1 - moved), train * (1 - moved), runs if each else micro, units,
+                          dp_link, device, syncs=runs if each else 1)
     replicated_ep = layout.ep > 1 and layout.strategy == "ddp"  # the experts out of DDP's all-reduce
     ddp_fsdp_experts = expert_units if replicated_ep and layout.dp_replicate > layout.ep else 0
     if ddp_fsdp_experts:

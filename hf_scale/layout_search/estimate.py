@@ -112,6 +112,9 @@ class Layout:
     # expert parallel (MoE models): carved out of dp_shard, as ``ParallelDims`` does (each of ep
     # ranks holds 1/ep of the experts, FSDP-sharded over dp_shard / ep); not a factor of world_size
     ep: int = 1
+    # when a pipeline stage under FSDP reduces its gradients (``ParallelConfig.pp_grad_sync``):
+    # "last" (torch's: unsharded fp32 through the schedule) or "each" microbatch (kept sharded)
+    pp_grad_sync: str = "last"
 
     @property
     def world_size(self) -> int:
@@ -130,6 +133,8 @@ class Layout:
                 extra["blocks_per_unit"] = self.blocks_per_unit
             if self.prefetch:
                 extra["fsdp_prefetch"] = self.prefetch
+            if self.pp > 1:
+                extra["pp_grad_sync"] = self.pp_grad_sync
         if self.ep > 1:
             extra["ep"] = self.ep
         return ParallelConfig(
@@ -151,6 +156,8 @@ class Layout:
             bits.append(f"prefetch={self.prefetch}")
         if self.pp > 1:  # the microbatch count when not the default (one per stage)
             bits.append(self.pp_schedule + (f" m={self.pp_microbatches}" if self.pp_microbatches else ""))
+            if self.pp_grad_sync == "each":
+                bits.append("grads=each")
         return " ".join(bits)
 
 
@@ -178,13 +185,19 @@ class MemoryEstimate:
     # later block's gradient, less its own gradients, not made yet (not under accumulation: there
     # ``backward`` holds both)
     first_block: int = 0
+    # pp_grad_sync="each": every microbatch's backward ends as a step's does (its root unit's
+    # gradient unsharded, the first block's backward, beside the sharded gradients), also when
+    # later forwards follow, and beside the other in-flight microbatches' activations
+    sync_each: bool = False
+    others_in_flight: int = 0
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched)
                     + (self.grads if self.accumulating else 0))
-        late = 0 if self.accumulating else self.grads + self.grad_buffers + self.first_block
+        late = 0 if self.accumulating and not self.sync_each else (
+            self.grads + self.grad_buffers + self.first_block + self.others_in_flight)
         return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
                 + max(backward, late))
 
@@ -368,13 +381,16 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += int(unsharded)
-        if layout.pp > 1:
+        if layout.pp > 1 and layout.pp_grad_sync != "each":
             # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
             # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
             # once after the last (perform_reduce_grad): by then the stage holds every parameter
             # gathered in the compute dtype and every gradient unsharded in fp32 (the simulation
             # of Llama-3-70B at pp=4 shows it: 122 GiB on stage 0, where 32 GiB were estimated);
-            # of each rank's own parameters, less the experts of its own MoE layers other ep ranks hold
+            # of each rank's own parameters, less the experts of its own MoE layers other ep ranks hold.
+            # pp_grad_sync="each" (hf_scale.parallel.pp_grads) reduce-scatters and reshards after
+            # every microbatch's backward: the stage is then held as without pp, its sharded
+            # gradients accumulating beside later microbatches' activations (``piped`` below)
             staged = [int(gathered(params * s, frozen * s) + 4 * train * s
                           - layers * (gathered(away, away_frozen) + 4 * (away - away_frozen)))
                       for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
@@ -410,6 +426,10 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # its first backward: the gradients then lie beside in-flight activations, as under accumulation
     _, inflight, microbatches = pipeline_shape(facts, layout)
     piped = layout.pp > 1 and microbatches > max(inflight)
+    # pp_grad_sync="each": a microbatch's backward ends with its root unit's gradient unsharded and
+    # the first block's backward beside the others in flight (gpipe / 1f1b: all but this one)
+    each = layout.pp > 1 and layout.pp_grad_sync == "each" and sharded and layout.dp > 1
+    others = int(acts.saved * (1 - 1 / inflight[acts.rank])) if each and inflight[acts.rank] > 1 else 0
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
     # (under ddp + ep of its own experts only)
@@ -423,7 +443,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
-                          prefetched=prefetched, first_block=first_block)
+                          prefetched=prefetched, first_block=first_block, sync_each=each,
+                          others_in_flight=others)
 
 
 def estimate_stages(facts: ModelFacts, layout: Layout, work: Workload) -> list[MemoryEstimate]:

@@ -78,6 +78,8 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
                  + (f", ep={lay.ep}" if lay.ep > 1 else "")
                  + (f", pp_schedule={lay.pp_schedule}, pp_microbatches={lay.pp_microbatches}"
                     if lay.pp > 1 else "")
+                 + (f", pp_grad_sync={lay.pp_grad_sync}" if lay.pp > 1 and lay.strategy in ("fsdp", "zero2", "hsdp")
+                    else "")
                  + f"; micro-batch {lay.micro_batch} (grad_accum "
                  f"{max(1, work.batch // lay.micro_batch)})")
     return "\n".join(lines)

@@ -190,7 +190,10 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
                   pp=dims.pp, micro_batch=micro_batch, ac=config.activation_checkpointing, precision=config.mixed_precision,
                   cpu_offload=config.cpu_offload, loss_chunk_tokens=config.loss_chunk_tokens,
                   pp_schedule=config.pp_schedule, pp_microbatches=config.pp_microbatches,
-                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep)
+                  blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep,
+                  # "auto" decides on the device's free memory, which fake CUDA has not: torch's
+                  # "last" here (``choose.fitting_grad_sync`` decides it by the estimate instead)
+                  pp_grad_sync="last" if config.pp_grad_sync == "auto" else config.pp_grad_sync)
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
@@ -548,4 +551,24 @@ def format_simulations(results: list[Simulation], budget: int | None = None) -> 
         lines.append("ranks differ: " + ", ".join(f"rank {k} {v / GiB:.2f} GiB" for k, v in totals.items()))
     misplaced = sum(len(r.misplaced) for r in results)
     lines.append(f"placement: {'every tensor on its rank' + chr(39) + 's device' if not misplaced else f'{misplaced} tensor(s) MISPLACED'}")
+    if budget:
+        lines.append(fit_verdict(results, budget))
     return "\n".join(lines)
+
+
+def fit_verdict(results: list[Simulation], budget: int) -> str:
+    """One plain line: whether the simulated ranks fit ``budget`` bytes each (their tracked peak
+    plus the process overhead), and if not, the worst rank and what to try."""
+    worst = max(results, key=lambda r: r.peak["total"] + r.estimate.overhead)
+    need = worst.peak["total"] + worst.estimate.overhead
+    if need <= budget:
+        return f"verdict: fits: at most {need / GiB:.1f} GiB per rank (rank {worst.rank}) <= {budget / GiB:.1f} GiB"
+    lay = worst.layout
+    tries = []
+    if lay.pp > 1 and lay.pp_grad_sync != "each" and lay.strategy in ("fsdp", "zero2", "hsdp") and lay.dp > 1:
+        tries.append("pp_grad_sync=each (gradients sharded through the pipeline schedule; gpipe / 1f1b)")
+    if lay.ac != "full":
+        tries.append("activation_checkpointing=full")
+    tries.append("more ranks to shard over, or fewer sequences per step")
+    return (f"verdict: does not fit: {need / GiB:.1f} GiB on rank {worst.rank} > {budget / GiB:.1f} GiB; "
+            f"try {', or '.join(tries)}")

@@ -69,6 +69,8 @@ class Pipeline:
         self._scale = 1.0
         self._row_loss = None  # run_rows: the loss of a microbatch from the last stage's output
         self.holds_last = layout.num_stages - 1 in stages
+        # when an FSDP stage reduces its gradients: "last" (torch's) or "each" microbatch (pp_grads.py)
+        self.grad_sync = "last"
 
     # ------------------------------------------------------------------ public
     def train_step(self, batch: dict, loss_scale: float = 1.0) -> torch.Tensor:

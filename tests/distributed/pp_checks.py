@@ -113,12 +113,85 @@ def _dp_mean(value: torch.Tensor, tokens: int, state) -> float:
     return float(pair[0] / pair[1])
 
 
+def _param_groups(stage: torch.nn.Module) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [group for module in stage.modules() if isinstance(module, FSDPModule)
+            for group in module._get_fsdp_state()._fsdp_param_groups]
+
+
+def gathered_units(stage: torch.nn.Module) -> int:
+    """FSDP units of the stage whose parameters are gathered (unsharded) now."""
+    return sum(group.is_unsharded for group in _param_groups(stage))
+
+
+def held_grad_bytes(stage: torch.nn.Module) -> int:
+    """Gradient bytes an FSDP stage holds now: its units' unsharded gradients (autograd's, and
+    FSDP2's fp32 accumulators) and its sharded gradients (this rank's shard)."""
+    held = 0
+    for group in _param_groups(stage):
+        for fp in group.fsdp_params:
+            unsharded = getattr(fp, "_unsharded_param", None)
+            for grad in (getattr(unsharded, "grad", None), fp.unsharded_accumulated_grad):
+                if grad is not None:
+                    held += grad.numel() * grad.element_size()
+            grad = fp.sharded_param.grad
+            if grad is not None:
+                local = grad._local_tensor
+                held += local.numel() * local.element_size()
+    return held
+
+
+class GradBytesAfterBackward:
+    """While entered, records after every microbatch's backward on this rank's pipeline stage the
+    gradient bytes it holds (:func:`held_grad_bytes`) over the stage's whole fp32 gradient bytes,
+    and its FSDP units left gathered (:func:`gathered_units`)."""
+
+    def __enter__(self):
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        from hf_scale.parallel.pp_grads import unsharded_grad_bytes
+
+        self.ratios: list[float] = []
+        self.gathered: list[int] = []
+        self.cls, self.original = _PipelineStageBase, _PipelineStageBase.backward_one_chunk
+        ratios, gathered, original = self.ratios, self.gathered, self.original
+
+        def measured(stage, *args, **kwargs):
+            out = original(stage, *args, **kwargs)
+            ratios.append(held_grad_bytes(stage.submod) / unsharded_grad_bytes(stage.submod))
+            gathered.append(gathered_units(stage.submod))
+            return out
+
+        _PipelineStageBase.backward_one_chunk = measured
+        return self
+
+    def __exit__(self, *exc):
+        self.cls.backward_one_chunk = self.original
+
+
 def pp_run(case: dict) -> dict:
     """Train ``case`` on this rank with ``train_step``; return the global losses, the raw
-    per-rank step losses, the eval loss, this rank's own parameters and its stage facts."""
+    per-rank step losses, the eval loss, this rank's own parameters and its stage facts (with
+    ``measure_grads``: the gradient bytes held after each microbatch's backward, over the
+    stage's, in ``grad_ratios``; and the mode the pipeline ran)."""
+    import contextlib
+
     model = hf_scale.parallelize(pp_model(case["arch"]), case["config"])
     state = hf_scale.get_state(model)
     optimizer = hf_scale.build_optimizer(model, lr=LR, weight_decay=WEIGHT_DECAY)
+    measure = GradBytesAfterBackward() if case.get("measure_grads") else contextlib.nullcontext()
+    with measure:
+        losses, raw = _train(model, state, optimizer, case)
+    local = slice_batch(eval_batch(), state.dp_rank, state.dp_degree)
+    eval_loss = _dp_mean(model.eval_step(local), label_tokens(local), state)
+    extra = {"grad_ratios": measure.ratios, "gathered_units": measure.gathered} if case.get("measure_grads") else {}
+    return {"losses": losses, "raw_losses": raw, "eval_loss": eval_loss, "params": full_params(model),
+            "grad_sync": state.pipeline.grad_sync if state.pipeline is not None else None,
+            **extra, **stage_facts(model)}
+
+
+def _train(model, state, optimizer, case: dict) -> tuple[list[float], list[float]]:
     losses, raw = [], []
     for batch in batches(case.get("steps", STEPS)):
         local = slice_batch(batch, state.dp_rank, state.dp_degree)
@@ -131,10 +204,7 @@ def pp_run(case: dict) -> dict:
         optimizer.zero_grad()
         raw.append(float(loss))
         losses.append(_dp_mean(loss, mine, state))
-    local = slice_batch(eval_batch(), state.dp_rank, state.dp_degree)
-    eval_loss = _dp_mean(model.eval_step(local), label_tokens(local), state)
-    return {"losses": losses, "raw_losses": raw, "eval_loss": eval_loss, "params": full_params(model),
-            **stage_facts(model)}
+    return losses, raw
 
 
 def stage_facts(model) -> dict:

@@ -69,6 +69,10 @@ WORLD4 = [
     _case("gpt2", "1f1b-tp2", pp_schedule="1f1b", tp=2),
     _case("llama", "1f1b-fsdp2-full_ac-bf16", pp_schedule="1f1b", activation_checkpointing="full", mixed_precision="bf16"),
     _case("llama", "zbv-tp2", pp_schedule="zbv", tp=2),
+    # per-microbatch gradient reduce-scatter (pp_grad_sync): 4 microbatches of one row per rank,
+    # the gradient bytes held after each microbatch's backward measured; "last" beside it
+    *[{**_case("llama", f"{s}-fsdp2-{m}", pp_schedule=s, strategy="fsdp", pp_microbatches=4, pp_grad_sync=m),
+       "measure_grads": True} for s in ("1f1b", "gpipe") for m in ("each", "last")],
 ]
 
 # name -> (function of pp_checks, args, kwargs): each returns this rank's error message
@@ -220,6 +224,35 @@ def test_pp_fsdp_shards_within_a_stage(world4):
         assert sorted(r["dp_rank"] for r in ranks) == [0, 1]
         assert ranks[0]["held_blocks"] == ranks[1]["held_blocks"]
         assert ranks[0]["raw_losses"] != ranks[1]["raw_losses"], "both data-parallel ranks trained on the same slice"
+
+
+@pytest.mark.parametrize("schedule", ("1f1b", "gpipe"))
+def test_pp_grad_sync_each_keeps_gradients_sharded(schedule, world4):
+    """pp=2 x fsdp2, 4 microbatches: with pp_grad_sync='each' the gradient bytes a rank holds
+    after every microbatch's backward (unsharded and sharded) are at most 1/dp + 5% of its
+    stage's fp32 gradient bytes and every FSDP unit is resharded; with 'last' (torch's) the whole
+    stage's gradients are held unsharded from the first microbatch on, and units stay gathered,
+    which the same measures see. Parity: test_pp2_4ranks_parity."""
+    for mode in ("each", "last"):
+        results = [r["parity"][_index(WORLD4, f"llama-{schedule}-fsdp2-{mode}")] for r in world4]
+        for rank, result in enumerate(results):
+            assert "error" not in result, f"rank {rank}: {result.get('error')}"
+            assert result["grad_sync"] == mode
+            ratios = result["grad_ratios"]
+            assert len(ratios) >= 4 * 3, f"rank {rank}: {len(ratios)} microbatch backwards measured"
+            gathered = result["gathered_units"]
+            if mode == "each":
+                assert max(ratios) <= 1 / 2 + 0.05, f"rank {rank} {mode}: held {max(ratios):.3f} of the stage's gradients"
+                assert max(gathered) == 0, f"rank {rank} {mode}: FSDP units left gathered after a backward: {gathered}"
+            else:
+                assert max(ratios) >= 0.95, f"rank {rank} {mode}: held only {max(ratios):.3f} of the stage's gradients"
+                assert min(gathered) > 0, f"rank {rank} {mode}: no FSDP unit kept gathered: {gathered}"
+
+
+def test_pp_grad_sync_auto_keeps_torchs_default_on_the_cpu(world4):
+    """'auto' (the default) picks 'each' only on a CUDA device short of memory: 'last' here."""
+    for result in (r["parity"][_index(WORLD4, "llama-1f1b-fsdp2")] for r in world4):
+        assert result["grad_sync"] == "last"
 
 
 EXPECTED2 = {  # error -> words its message must hold

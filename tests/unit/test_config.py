@@ -108,6 +108,10 @@ def test_shipped_parallel_recipes_load():
     ({"pp": 0}, r"pp=0: must be a positive integer"),
     ({"pp": None}, r"pp=None: must be a positive integer \(1 = no pipeline parallel\)"),
     ({"pp_microbatches": 2.0}, r"pp_microbatches=2.0: must be a positive integer or None \(the default\)"),
+    ({"pp": 2, "pp_grad_sync": "every"}, r"pp_grad_sync='every'.*'auto', 'last', 'each'"),
+    ({"pp_grad_sync": "each"}, r"pp_grad_sync='each' with pp=1 .*needs pp > 1"),
+    ({"pp": 2, "strategy": "ddp", "pp_grad_sync": "each"}, r"pp_grad_sync='each' .*strategy='ddp'.*'fsdp'"),
+    ({"pp": 2, "pp_schedule": "zbv", "pp_grad_sync": "each"}, r"pp_grad_sync='each' with pp_schedule='zbv': supported under 'gpipe', '1f1b'"),
 ])
 def test_pipeline_settings_torch_would_reject_are_refused_here(fields, message):
     with pytest.raises(HfScaleConfigError, match=message):

@@ -89,6 +89,23 @@ def test_gradient_accumulation_and_a_parallel_config(config):
     placed(result, result.layout)
 
 
+def test_micro_batches_run_as_separate_forwards_with_no_sync_accumulation(config):
+    """batch 2 as 2 micro-batches of 1 (two forwards, gradients accumulated unsharded under
+    no_sync, reduced once) against one forward of the 2 sequences: the micro-batches' activation
+    peak is about half, and their gradient peak holds the unsharded fp32 accumulators (a
+    reduce-scatter per micro-batch would hold only the shards). A simulation that ran the batch in
+    one forward whatever the micro-batch, or dropped no_sync, fails here."""
+    seq = 256  # activations well above the fixed costs
+    peaks = {}
+    for micro in (1, 2):
+        layout = Layout("fsdp", dp_shard=8, micro_batch=micro)
+        peaks[micro] = simulate(config, world_size=8, rank=0, parallel=layout, seq=seq, batch=2).peak
+    assert peaks[1]["activations"] < 0.7 * peaks[2]["activations"], peaks
+    # the accumulators: the whole model's fp32 gradients, ~8x this rank's fp32 parameter shards
+    # (measured 92672 vs 14848 bytes; reduced each micro-batch instead, 12800: the shards)
+    assert peaks[1]["grads"] > 3 * peaks[1]["params"], peaks
+
+
 def test_lora_adapters(config):
     peft = pytest.importorskip("peft")
     from hf_scale.layout_preview import meta_model
@@ -182,6 +199,8 @@ def stage_parameters(model_config, layout: Layout, stages: tuple[int, ...]) -> i
 PIPELINES = {  # layout, world, rank, batch: the first, a middle and the last stage
     "pp2_first": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 0, 2),
     "pp2_last": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=2), 8, 7, 2),
+    "pp2_first_grads_each": (Layout("fsdp", dp_shard=4, pp=2, micro_batch=4, pp_microbatches=4,
+                                    pp_grad_sync="each"), 8, 0, 4),
     "pp4_first_bf16_full_ac": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4, precision="bf16", ac="full"), 8, 1, 4),
     "pp4_middle": (Layout("fsdp", dp_shard=2, pp=4, micro_batch=4), 8, 2, 4),
     "pp4_last_tp2": (Layout("fsdp", pp=4, tp=2, micro_batch=4), 8, 7, 4),
