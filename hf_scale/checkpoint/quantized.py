@@ -12,11 +12,14 @@ tensor quantized and split (:mod:`hf_scale.quantize.nf4`).
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..errors import HfScaleConfigError
 from ..log import log_rank0
 from ..model_plans.adapters import adapter_host
 from ..model_plans.quantize import nf4_targets
@@ -47,12 +50,24 @@ def place_nf4(model: nn.Module, parts: int) -> list[str]:
         weight = getattr(module, leaf)
         placeholder = quantize_rows(torch.empty_like(weight, device="meta"), torch.empty((), device="meta"))
         module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
+        lora_layer = host.get_submodule(owner.rpartition(".")[0])
+        lora_layer.merge = types.MethodType(_refuse_merge, lora_layer)  # this instance only
     if kept:
         first = next(iter(kept.items()))
         log_rank0(f"quantize nf4: {len(kept)} LoRA base weight(s) stay in the compute dtype, their slices "
                   f"cannot hold whole NF4 groups (e.g. {first[0]}: {first[1]})", once=True)
     log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s) each", once=True)
     return chosen
+
+
+def _refuse_merge(self, *args, **kwargs) -> None:
+    """peft's merge on a LoRA layer over an NF4 base: refused, with what to do instead."""
+    raise HfScaleConfigError(
+        "merging a LoRA adapter into an NF4 (4-bit) base weight is not supported: the merged weight "
+        "would be quantized again, losing the update (peft's add_ on an NF4Tensor fails). Save the "
+        "adapter (hf_scale.save_pretrained) and merge it into the full-precision base, reloaded: "
+        "hf-scale export --merge ADAPTER OUT (hf_scale.merge_adapter)."
+    )
 
 
 @torch.no_grad()

@@ -147,7 +147,60 @@ def parallel_run(folder: str, config: dict) -> dict:
     return out
 
 
-def world_checks(folder: str, cases: list[dict], root: str) -> dict:
+def resume_run(folder: str, root: str) -> dict:
+    """Two steps under fsdp, ``save_state`` (adapter-only: the NF4 base is not saved), a new
+    quantized model resumes (its adapters zeroed first: they must come from the files) under
+    ddp and takes the third step. Returns the three losses, the saved files, the final LoRA."""
+    model = hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA, quantize="nf4")
+    set_adapters(model.get_base_model(), init_lora)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR)
+    losses = _steps(model, optimizer, batches()[:2])
+    hf_scale.save_state(model, optimizer, root=root, step=2)
+    model = hf_scale.from_pretrained(folder, {"strategy": "ddp"}, adapter=LORA, quantize="nf4")
+    set_adapters(model.get_base_model(), lambda name, shape: torch.zeros(shape))
+    optimizer = hf_scale.build_optimizer(model, lr=LR)
+    step = hf_scale.load_state(model, optimizer, path=f"{root}/latest")
+    losses += _steps(model, optimizer, batches()[2:])
+    files = sorted(str(p.relative_to(root)) for p in __import__("pathlib").Path(root).rglob("*.safetensors"))
+    lora = {n: v for n, v in full_params(model.get_base_model()).items() if "lora_" in n}
+    del state
+    return {"losses": losses, "step": step, "files": files, "lora": lora}
+
+
+def _steps(model, optimizer, chunk) -> list[float]:
+    state = hf_scale.get_state(model)
+    losses = []
+    for batch in chunk:
+        loss = model.train_step(slice_batch(batch, state.dp_rank, state.dp_degree)).detach()
+        hf_scale.clip_grad_norm_(model, MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        if state.dp_degree > 1:
+            dist.all_reduce(loss, group=state.dp_group)
+        losses.append(float(loss) / state.dp_degree)
+    return losses
+
+
+def bad_inputs(folder: str) -> dict:
+    """Each refusal's error on this rank: layouts NF4 does not take, quantize without an adapter,
+    an unknown scheme, peft's merge into NF4."""
+    from tests.distributed.adapter_checks import expect_error
+
+    out = {}
+    for name, config in (("tp", {"strategy": "zero2", "tp": 2}), ("pp", {"strategy": "ddp", "pp": 2}),
+                         ("zero1", {"strategy": "zero1"})):
+        out[name] = expect_error(lambda c: hf_scale.from_pretrained(folder, c, adapter=LORA, quantize="nf4"), config)
+    out["no_adapter"] = expect_error(lambda: hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, quantize="nf4"))
+    out["unknown"] = expect_error(lambda: hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA,
+                                                                   quantize="int3"))
+    model = hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA, quantize="nf4")
+    out["merge"] = expect_error(model.merge_and_unload)
+    dist.barrier()  # the group is still usable: every rank raised before any collective
+    return out
+
+
+def world_checks(folder: str, cases: list[dict], root: str, extra: bool = False) -> dict:
     """Every case of one world size in one process group; a failing case reports its error."""
     out = {"parity": []}
     for case in cases:
@@ -155,4 +208,10 @@ def world_checks(folder: str, cases: list[dict], root: str) -> dict:
             out["parity"].append(parallel_run(folder, case["config"]))
         except Exception:  # noqa: BLE001 - one case's failure is that test's, not the group's
             out["parity"].append({"error": traceback.format_exc()})
+    if extra:
+        for name, fn, args in (("resume", resume_run, (folder, f"{root}/ckpt")), ("bad", bad_inputs, (folder,))):
+            try:
+                out[name] = fn(*args)
+            except Exception:  # noqa: BLE001
+                out[name] = {"error": traceback.format_exc()}
     return out

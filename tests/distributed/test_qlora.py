@@ -42,7 +42,8 @@ def base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def world2(base, tmp_path_factory):
-    return run_ranks(qlora_checks.world_checks, 2, base, WORLD2, str(tmp_path_factory.mktemp("q2")), timeout=900)
+    return run_ranks(qlora_checks.world_checks, 2, base, WORLD2, str(tmp_path_factory.mktemp("q2")), True,
+                     timeout=900)
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +138,31 @@ def test_frozen_bytes_per_parameter(layout, parts, world2, world4):
             assert len(nf4["names"]) == 10
         else:
             assert nf4["kept"] == [] and len(nf4["names"]) == 14
+
+
+def test_adapter_only_checkpoint_resumes(world2, base):
+    """save_state under fsdp writes the adapter alone (the NF4 base is re-quantized at load);
+    resumed under ddp, the third step gives the uninterrupted run's loss and adapters."""
+    got = world2[0]["resume"]
+    assert "error" not in got, got.get("error")
+    ref = reference(base, 2)
+    assert got["step"] == 2
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
+    assert got["files"] and all("adapter_model" in f for f in got["files"]), got["files"]
+    init = {n: qlora_checks.init_lora(n, v.shape).numpy() for n, v in ref["lora"].items()}
+    for name, want in ref["lora"].items():
+        update = want.numpy() - init[name]
+        assert _rel(got["lora"][name] - init[name], update) <= UPDATE_RTOL, f"{name} after resume"
+
+
+def test_refusals_on_every_rank(world2):
+    for result in world2:
+        bad = result["bad"]
+        assert "error" not in bad, bad.get("error")
+        for name in ("tp", "pp", "zero1"):
+            assert bad[name].startswith("HfScaleConfigError") and "quantize='nf4' with" in bad[name], bad[name]
+        assert "tp=2" in bad["tp"] and "pp=2" in bad["pp"] and "zero1" in bad["zero1"]
+        assert bad["no_adapter"].startswith("HfScaleConfigError") and "adapter=" in bad["no_adapter"]
+        assert bad["unknown"].startswith("HfScaleConfigError") and "'nf4'" in bad["unknown"]
+        assert bad["merge"].startswith("HfScaleConfigError") and "export --merge" in bad["merge"], bad["merge"]
+    assert len({tuple(sorted(r["bad"].items())) for r in world2}) == 1, "ranks raised different errors"
