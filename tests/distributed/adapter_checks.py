@@ -199,7 +199,7 @@ def world_checks(parity_cases: list[dict], root: str, extra: bool) -> dict:
         except Exception:  # noqa: BLE001 - one case's failure is that test's, not the group's
             out["parity"].append({"error": traceback.format_exc()})
     out["round_trip"] = {}
-    for name, config, adapter_name in ROUND_TRIPS[dist.get_world_size()]:
+    for name, config, adapter_name in ROUND_TRIPS[int(os.environ["WORLD_SIZE"])]:
         out["round_trip"][name] = adapter_round_trip(config, f"{root}/adapter_{name}", adapter_name)
     if extra:
         out["resume_fsdp_to_tp"] = resume_run({"strategy": "fsdp"}, {"strategy": "zero2", "tp": 2}, f"{root}/ckpt_a")

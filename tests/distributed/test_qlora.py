@@ -97,6 +97,13 @@ def test_qlora_parity_world4(case, world4, base):
     check_parity(case, world4, base)
 
 
+def _world(layout: str, request):
+    """(the ranks' results, the cases) of the world size that ran ``layout``."""
+    if layout in {c["id"] for c in WORLD4}:
+        return request.getfixturevalue("world4"), WORLD4
+    return request.getfixturevalue("world2"), WORLD2
+
+
 def _whole_q_proj(base: str):
     from safetensors.torch import load_file
     from torchao.quantization import to_nf4
@@ -106,10 +113,10 @@ def _whole_q_proj(base: str):
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp4", "hsdp"])
-def test_slice_quantization_equals_whole(layout, world2, world4, base):
+def test_slice_quantization_equals_whole(layout, base, request):
     """Each rank's NF4 inner tensors of q_proj are torchao's whole-tensor quantization split as
     FSDP splits it (dp = 1: ddp, 2: fsdp and hsdp's shards, 4: fsdp4)."""
-    ranks, cases = (world4, WORLD4) if layout in ("fsdp4", "hsdp") else (world2, WORLD2)
+    ranks, cases = _world(layout, request)
     case = next(c for c in cases if c["id"] == layout)
     whole = _whole_q_proj(base)
     parts = case["parts"]
@@ -124,10 +131,10 @@ def test_slice_quantization_equals_whole(layout, world2, world4, base):
 
 
 @pytest.mark.parametrize("layout,parts", [("fsdp", 2), ("ddp", 1), ("fsdp4", 4)])
-def test_frozen_bytes_per_parameter(layout, parts, world2, world4):
+def test_frozen_bytes_per_parameter(layout, parts, request):
     """The NF4 weights store 4.127 bits a parameter on every rank (the inner tensors counted,
-    not element_size()); at 4 slices k / v (2 groups each) stay fp32 and are said to."""
-    ranks, cases = (world4, WORLD4) if layout == "fsdp4" else (world2, WORLD2)
+    not element_size()); at 4 slices k / v (2 groups each) stay fp32."""
+    ranks, cases = _world(layout, request)
     case = next(c for c in cases if c["id"] == layout)
     for result in ranks:
         nf4 = result["parity"][cases.index(case)]["nf4"]
