@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("torchao")
 
-from hf_scale.errors import HfScaleConfigError  # noqa: E402
-from hf_scale.quantize import nf4  # noqa: E402
+from hf_scale.errors import HfScaleConfigError
+from hf_scale.quantize import nf4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
