@@ -44,6 +44,7 @@ def from_pretrained(
     revision: str | None = None,
     adapter=None,
     adapter_seed: int = 0,
+    quantize: str | None = None,
 ) -> nn.Module:
     """Load a pretrained model straight into a parallel layout; call it on every rank.
 
@@ -67,6 +68,10 @@ def from_pretrained(
     slice-wise like the base) or a ``LoraConfig`` / its fields as a dict (a new adapter,
     initialised as peft does, the same on every rank, from ``adapter_seed``). The result is a ``PeftModel`` in the
     layout; its base weights keep ``dtype``, its adapters fp32 (peft's default).
+
+    ``quantize="nf4"`` (QLoRA, with ``adapter``): the base Linear weights LoRA targets are held
+    in torchao's NF4 (4.13 bits a parameter); each rank quantizes only the slice it holds, as the
+    whole tensor would be (:mod:`hf_scale.checkpoint.quantized`). Under fsdp, zero2, hsdp, ddp.
 
     Usage::
 
@@ -94,6 +99,13 @@ def from_pretrained(
 
         model, adapter_folder = attach_adapter(model, adapter, seed=adapter_seed)
     parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
+    if quantize is not None:
+        from ..distributed import init_distributed
+        from ..model_plans.quantize import check_quantize
+        from .quantized import place_nf4, shard_parts
+
+        check_quantize(quantize, parallel, adapter)
+        place_nf4(model, shard_parts(parallel, init_distributed().world_size))
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
     if sharded:
@@ -183,9 +195,14 @@ def _load_weights(model: nn.Module, folder: Path, device: torch.device, verify_c
             check_adapter_config(model, adapter_folder)
             adapter_map = adapter_weight_map(adapter_folder)
         names = adapter_load_names(model, base_map, adapter_map)
-        assign_from_files(adapter_host(model), folder, {**base_map, **(adapter_map or {})}, device, names)
+        return assign_from_files(adapter_host(model), folder, {**base_map, **(adapter_map or {})}, device, names)
 
-    run_together(read)
+    pending = run_together(read)
+    if pending:  # NF4 weights: each rank quantizes its blocks, with each weight's mean agreed
+        from ..model_plans.adapters import adapter_host
+        from .quantized import quantize_loaded
+
+        quantize_loaded(adapter_host(model), pending)
 
 
 def weight_map_of(folder: Path) -> dict[str, Path]:
@@ -232,7 +249,7 @@ def _verify_checksums(folder: Path, weight_map: dict[str, Path]) -> None:
 
 @torch.no_grad()
 def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path], device: torch.device,
-                      names: dict[str, str] | None = None) -> None:
+                      names: dict[str, str] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Give each meta parameter (sharded or not) its local block of the files, as transformers does.
 
     On the CPU an FSDP shard in the checkpoint's dtype is one contiguous byte range: it becomes a
@@ -243,12 +260,15 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     the sharded storage. Real buffers keep their values; tied parameters are tied again. Not
     collective: from_pretrained calls it through :func:`hf_scale.ranks.run_together`.
     ``names`` (state key -> checkpoint name) restricts and renames what is read (an adapter
-    model: base weights from the base's files, adapters from the adapter's file).
+    model: base weights from the base's files, adapters from the adapter's file). Returns the
+    NF4 placeholders' blocks, read in the compute dtype and set aside for
+    :func:`hf_scale.checkpoint.quantized.quantize_loaded` (state key -> (block, placeholder)).
     """
     from ..model_plans import find_tied_parameters
+    from ..quantize.nf4 import is_nf4
 
     ties = find_tied_parameters(model)
-    new = {}
+    new, pending = {}, {}
     blocks = list(_blocks(model, folder, weight_map, names))
     maps_left = map_budget(len(blocks))
     for key, target, reads, local_shape in blocks:
@@ -269,6 +289,9 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
                 for path, start, dtype, shape, boxes in reads:
                     _read_block(path, start, dtype, shape, local, boxes)
             local = local.to(device)
+        if is_nf4(target):
+            pending[key] = (local, target)
+            continue
         if isinstance(target, DTensor):
             local = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                                        shape=target.shape, stride=target.stride())
@@ -277,9 +300,11 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     for target, source in ties:
         owner, _, attr = target.rpartition(".")
         setattr(model.get_submodule(owner), attr, model.get_parameter(source))
-    left = [name for name, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+    left = [name for name, p in model.named_parameters(remove_duplicate=False)
+            if p.is_meta and name not in pending]
     if left:
         raise HfScaleCheckpointError(f"{folder} left {left[:5]} of {type(model).__name__} unset (on the meta device).")
+    return pending
 
 
 def map_budget(wanted: int) -> int:

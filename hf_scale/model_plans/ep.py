@@ -117,6 +117,16 @@ def check_ep(layout: ExpertsLayout, model: nn.Module, plan: ModelPlan, ep: int) 
             "parallel exchanges by all-to-all. Train it without ep: fsdp shards its experts, tp leaves "
             "them whole on every tp rank."
         )
+    wrapped = sorted(n for n, m in model.named_modules()
+                     if type(getattr(m, "base_layer", None)).__name__.endswith("Experts"))
+    if not layout.is_moe and wrapped:
+        raise HfScalePlanError(
+            f"ep={ep}: the experts of {name} ({wrapped[0]}, ...) carry peft adapters on their "
+            "parameters (LoRA target_parameters, or target_modules='all-linear', which peft applies to "
+            "experts), which expert parallel does not split. Leave the experts out of the LoRA targets "
+            "(target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']), or train without ep (fsdp "
+            "shards them)."
+        )
     if not layout.is_moe:
         raise HfScalePlanError(
             f"ep={ep} but {name} (model_type={plan.model_type!r}) has no mixture-of-experts layers: "

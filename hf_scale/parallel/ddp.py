@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed._composable.replicate import replicate
 
+from ..quantize.nf4 import is_nf4
+
 
 def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25, ignored: list[nn.Module] = ()) -> None:
     """Replicate ``model`` over ``dp_mesh`` with DistributedDataParallel, in place.
@@ -21,5 +23,10 @@ def apply_ddp(model: nn.Module, dp_mesh, *, bucket_cap_mb: int = 25, ignored: li
     # The mesh's process group, not the mesh: given a mesh sliced from a larger one, replicate
     # turns every DTensor parameter (the ignored experts too) into a plain attribute after each
     # forward (its DDP + TP workaround), and the experts would lose their parameters.
+    # Frozen NF4 weights (QLoRA) are left out too: DDP's initial broadcast would copy_ a plain
+    # buffer into each NF4Tensor, which re-quantizes it from dequantized values (a changed
+    # weight); every rank loaded the same weights and they never train.
+    ignored = list(ignored) + [m for m in model.modules()
+                               if any(is_nf4(p) for p in m.parameters(recurse=False))]
     replicate(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_cap_mb,
-              ignored_modules=list(ignored) or None)
+              ignored_modules=ignored or None)

@@ -45,6 +45,9 @@ class ModelConfig:
         dtype: dtype of the master weights (mixed precision is ``parallel.mixed_precision``).
         revision: Hub revision (branch, tag or commit).
         trust_remote_code: run code from the model repository (off unless you ask).
+        quantize: ``nf4`` (QLoRA, with ``peft.enabled``): the base Linear weights LoRA targets
+            are held in 4-bit NF4 (torchao; ``pip install 'hf-scale[qlora]'``), each rank
+            quantizing its own slice as it loads; under fsdp, zero2, hsdp or ddp. None: not quantized.
     """
 
     name_or_path: str = "zoo:smollm2"
@@ -52,10 +55,15 @@ class ModelConfig:
     dtype: str = "float32"
     revision: Optional[str] = None
     trust_remote_code: bool = False
+    quantize: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("model.task", self.task, TASKS)
         _check_choice("model.dtype", self.dtype, DTYPES)
+        if self.quantize is not None:
+            from ..model_plans.quantize import QUANTIZE_CHOICES
+
+            _check_choice("model.quantize", self.quantize, QUANTIZE_CHOICES)
 
 
 @dataclass

@@ -28,22 +28,33 @@ MAX_NORM = 1.0
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear", "init_lora_weights": False}
 
 
-def lora_model(base_dtype=torch.float32, **lora):
-    """The tiny Llama with LoRA adapters (fp32 adapters on a ``base_dtype`` base), seeded."""
+def base_model(arch: str = "llama"):
+    """The tiny causal ``arch`` model (tests.tiny_models; ``qwen3_moe``: the MoE tests' model)."""
+    if arch == "qwen3_moe":
+        from tests.distributed.moe_checks import moe_model
+
+        return moe_model(arch)
+    return tiny_model(arch, "causal")
+
+
+def lora_model(base_dtype=torch.float32, arch: str = "llama", adapter_name: str = "default", **lora):
+    """The tiny ``arch`` model with LoRA adapters (fp32 adapters on a ``base_dtype`` base), seeded.
+    Archs beside Llama: ``phi3_mha`` (packed ``qkv_proj`` / ``gate_up_proj``), ``gpt2`` (Conv1D,
+    packed ``c_attn``), ``qwen3_moe`` (frozen experts' parameters)."""
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model("llama", "causal").to(base_dtype)
+    model = base_model(arch).to(base_dtype)
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(**{**LORA, **lora}))
+    return get_peft_model(model, LoraConfig(**{**LORA, **lora}), adapter_name=adapter_name)
 
 
 def batches(steps: int = STEPS):
     return [tiny_batch("causal", GLOBAL_BATCH, seed=300 + s) for s in range(steps)]
 
 
-def reference_run(base_dtype=torch.float32) -> dict:
+def reference_run(base_dtype=torch.float32, arch: str = "llama", **lora) -> dict:
     """The ground truth: the peft model in one process, whole batches, AdamW on the adapters."""
-    model = lora_model(base_dtype)
+    model = lora_model(base_dtype, arch, **lora)
     host = model.get_base_model()
     initial = {n: p.detach().float().clone() for n, p in host.named_parameters()}
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
@@ -59,10 +70,10 @@ def reference_run(base_dtype=torch.float32) -> dict:
     return {"losses": losses, "norms": norms, "initial": initial, "params": final}
 
 
-def parallel_run(config: dict, base_dtype=torch.float32) -> dict:
+def parallel_run(config: dict, base_dtype=torch.float32, arch: str = "llama", **lora) -> dict:
     """The same training under ``config``: losses (mean over data-parallel ranks), gradient
     norms, this rank's whole parameters (pp: its stages'), and what frozen weights carried."""
-    model = hf_scale.parallelize(lora_model(base_dtype), config)
+    model = hf_scale.parallelize(lora_model(base_dtype, arch, **lora), config)
     state = hf_scale.get_state(model)
     host = model.get_base_model()
     optimizer = hf_scale.build_optimizer(model, lr=LR)
@@ -104,10 +115,10 @@ def set_adapters(host, fill) -> None:
             p.copy_(full)
 
 
-def adapter_round_trip(config: dict, folder: str) -> dict:
+def adapter_round_trip(config: dict, folder: str, adapter_name: str = "default") -> dict:
     """Save rank-distinct adapters under ``config``, zero them, read them back (hf_scale), and
     report every LoRA tensor that differs from what was saved (each rank its slices)."""
-    model = hf_scale.parallelize(lora_model(), config)
+    model = hf_scale.parallelize(lora_model(adapter_name=adapter_name), config)
     host = model.get_base_model()
     set_adapters(host, pattern)
     hf_scale.save_pretrained(model, folder)
@@ -164,8 +175,18 @@ def bad_inputs(folder: str) -> dict:
     out["modules_to_save_tp"] = expect_error(
         hf_scale.parallelize, lora_model(modules_to_save=["lm_head"]), {"strategy": "zero2", "tp": 2})
     out["not_an_adapter"] = expect_error(hf_scale.load_adapter, small, os.path.dirname(folder))
+    out["lora_experts_ep"] = expect_error(hf_scale.parallelize, lora_model(arch="qwen3_moe"), {"ep": 2})
     dist.barrier()  # the group is still usable: every rank raised before any collective
     return out
+
+
+# (folder name, layout, adapter name) saved, zeroed and read back, per world size
+ROUND_TRIPS = {
+    2: (("fsdp", {"strategy": "fsdp"}, "default"), ("tp2", {"strategy": "zero2", "tp": 2}, "default"),
+        ("pp2", {"strategy": "ddp", "pp": 2}, "default"), ("ddp", {"strategy": "ddp"}, "default"),
+        ("fsdp_named", {"strategy": "fsdp"}, "mine")),
+    4: (("tp2_fsdp2", {"strategy": "fsdp", "tp": 2}, "default"),),
+}
 
 
 def world_checks(parity_cases: list[dict], root: str, extra: bool) -> dict:
@@ -173,14 +194,14 @@ def world_checks(parity_cases: list[dict], root: str, extra: bool) -> dict:
     out = {"parity": []}
     for case in parity_cases:
         try:
-            out["parity"].append(parallel_run(case["config"], getattr(torch, case.get("base_dtype", "float32"))))
+            out["parity"].append(parallel_run(case["config"], getattr(torch, case.get("base_dtype", "float32")),
+                                              case.get("arch", "llama"), **case.get("lora", {})))
         except Exception:  # noqa: BLE001 - one case's failure is that test's, not the group's
             out["parity"].append({"error": traceback.format_exc()})
+    out["round_trip"] = {}
+    for name, config, adapter_name in ROUND_TRIPS[int(os.environ["WORLD_SIZE"])]:
+        out["round_trip"][name] = adapter_round_trip(config, f"{root}/adapter_{name}", adapter_name)
     if extra:
-        out["round_trip"] = {}
-        for name, config in (("fsdp", {"strategy": "fsdp"}), ("tp2", {"strategy": "zero2", "tp": 2}),
-                             ("pp2", {"strategy": "ddp", "pp": 2}), ("ddp", {"strategy": "ddp"})):
-            out["round_trip"][name] = adapter_round_trip(config, f"{root}/adapter_{name}")
         out["resume_fsdp_to_tp"] = resume_run({"strategy": "fsdp"}, {"strategy": "zero2", "tp": 2}, f"{root}/ckpt_a")
         out["resume_tp_to_pp"] = resume_run({"strategy": "zero2", "tp": 2}, {"strategy": "ddp", "pp": 2},
                                             f"{root}/ckpt_b")

@@ -29,6 +29,9 @@ UPDATE_RTOL = 2e-4
 BF16_RTOL = 2e-2
 BF16_UPDATE_RTOL = 0.5
 
+# LoRA on the attention of a MoE model, its experts frozen (peft's all-linear would wrap the
+# experts' parameters, which ep refuses)
+MOE_LORA = {"target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 WORLD2 = [
     {"id": "ddp", "config": {"strategy": "ddp"}},
     {"id": "zero1", "config": {"strategy": "zero1"}},
@@ -40,12 +43,18 @@ WORLD2 = [
     {"id": "pp2", "config": {"strategy": "ddp", "pp": 2}},
     {"id": "fsdp_bf16_base", "config": {"strategy": "fsdp"}, "base_dtype": "bfloat16"},
     {"id": "tp2_bf16_base", "config": {"strategy": "zero2", "tp": 2}, "base_dtype": "bfloat16"},
+    # packed bases under tp: Phi-3's qkv_proj / gate_up_proj, GPT-2's Conv1D c_attn
+    {"id": "tp2_phi3_packed", "config": {"strategy": "zero2", "tp": 2}, "arch": "phi3_mha"},
+    {"id": "tp2_gpt2_conv1d", "config": {"strategy": "zero2", "tp": 2}, "arch": "gpt2"},
+    # frozen experts under expert parallel
+    {"id": "ep2_qwen3_moe", "config": {"strategy": "ddp", "ep": 2}, "arch": "qwen3_moe", "lora": MOE_LORA},
 ]
 WORLD4 = [
     {"id": "tp2_fsdp2", "config": {"strategy": "fsdp", "tp": 2}},
     {"id": "hsdp", "config": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}},
     {"id": "pp2_fsdp2", "config": {"strategy": "fsdp", "pp": 2}},
     {"id": "tp2_fsdp2_bf16_base", "config": {"strategy": "fsdp", "tp": 2}, "base_dtype": "bfloat16"},
+    {"id": "ep2_fsdp2_qwen3_moe", "config": {"strategy": "fsdp", "ep": 2}, "arch": "qwen3_moe", "lora": MOE_LORA},
 ]
 
 
@@ -60,18 +69,21 @@ def world2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters4")
-    return run_ranks(adapter_checks.world_checks, 4, WORLD4, str(root), False, timeout=900)
+    results = run_ranks(adapter_checks.world_checks, 4, WORLD4, str(root), False, timeout=900)
+    results[0]["root"] = str(root)
+    return results
 
 
 _REFERENCES: dict = {}
 
 
-def _reference(base_dtype: str) -> dict:
-    if base_dtype not in _REFERENCES:
+def _reference(base_dtype: str, arch: str = "llama", lora: dict | None = None) -> dict:
+    key = (base_dtype, arch, repr(lora))
+    if key not in _REFERENCES:
         import torch
 
-        _REFERENCES[base_dtype] = adapter_checks.reference_run(getattr(torch, base_dtype))
-    return _REFERENCES[base_dtype]
+        _REFERENCES[key] = adapter_checks.reference_run(getattr(torch, base_dtype), arch, **(lora or {}))
+    return _REFERENCES[key]
 
 
 def check_parity(case: dict, ranks: list[dict]) -> dict:
@@ -82,7 +94,7 @@ def check_parity(case: dict, ranks: list[dict]) -> dict:
         assert "error" not in result, result.get("error")
     result = results[0]
     base_dtype = case.get("base_dtype", "float32")
-    ref = _reference(base_dtype)
+    ref = _reference(base_dtype, case.get("arch", "llama"), case.get("lora"))
     low = base_dtype != "float32"
     tol, update_tol = (BF16_RTOL, BF16_UPDATE_RTOL) if low else (FP32_RTOL, UPDATE_RTOL)
     for step, (got, want) in enumerate(zip(result["losses"], ref["losses"])):
@@ -133,31 +145,36 @@ def test_parity_check_fails_on_a_stale_adapter():
         check_parity(WORLD2[0], ranks)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp2", "pp2", "ddp"])
-def test_rank_distinct_adapter_round_trip(layout, world2):
+@pytest.mark.parametrize("layout", ["fsdp", "tp2", "pp2", "ddp", "fsdp_named", "tp2_fsdp2"])
+def test_rank_distinct_adapter_round_trip(layout, world2, world4):
     """Every rank's slice of every LoRA tensor holds its own values; saved, zeroed, loaded back:
     every element returns, on every rank (the files hold all ranks' slices, not rank 0's)."""
-    for rank, result in enumerate(world2):
+    ranks = world4 if layout == "tp2_fsdp2" else world2
+    for rank, result in enumerate(ranks):
         got = result["round_trip"][layout]
         assert got["lora_tensors"] > 0
         assert got["wrong"] == [], f"rank {rank}: {got['wrong'][:4]} did not come back"
-    assert world2[0]["round_trip"][layout]["files"] == ["adapter_config.json", "adapter_model.safetensors",
+    assert ranks[0]["round_trip"][layout]["files"] == ["adapter_config.json", "adapter_model.safetensors",
                                                        "checksums.sha256"]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp2", "pp2"])
-def test_peft_reads_the_saved_adapter(layout, world2):
-    """peft itself (PeftModel.from_pretrained, one process) reads what the ranks wrote."""
+@pytest.mark.parametrize("layout", ["fsdp", "tp2", "pp2", "fsdp_named", "tp2_fsdp2"])
+def test_peft_reads_the_saved_adapter(layout, world2, world4):
+    """peft itself (PeftModel.from_pretrained, one process) reads what the ranks wrote: the only
+    reader that shares no code with hf_scale's writer (a 2-D slice at the wrong offset under
+    tp2 x fsdp2; an adapter not named "default")."""
     import torch
     from peft import PeftModel
 
-    folder = f"{world2[0]['root']}/adapter_{layout}"
+    ranks = world4 if layout == "tp2_fsdp2" else world2
+    folder = f"{ranks[0]['root']}/adapter_{layout}"
     model = PeftModel.from_pretrained(adapter_checks.tiny_model("llama", "causal"), folder)
     lora = {n: p for n, p in model.get_base_model().named_parameters() if "lora_" in n}
-    holders = world2 if layout == "pp2" else world2[:1]  # a pipeline rank holds its stage's tensors
-    assert len(lora) == sum(r["round_trip"][layout]["lora_tensors"] for r in holders)
+    holders = ranks if layout == "pp2" else ranks[:1]  # a pipeline rank holds its stage's tensors
+    assert len(lora) == sum(r["round_trip"][layout]["lora_tensors"] for r in holders) > 0
+    saved_as = ".mine." if layout == "fsdp_named" else ".default."  # peft loads it as "default"
     for name, p in lora.items():
-        assert torch.equal(p.detach(), adapter_checks.pattern(name, p.shape)), name
+        assert torch.equal(p.detach(), adapter_checks.pattern(name.replace(".default.", saved_as), p.shape)), name
 
 
 @pytest.mark.parametrize("which", ["resume_fsdp_to_tp", "resume_tp_to_pp"])
@@ -185,4 +202,5 @@ def test_bad_inputs_fail_on_every_rank(world2):
         assert bad["modules_to_save_tp"].startswith("HfScalePlanError") and "modules_to_save" in bad["modules_to_save_tp"]
         assert "lm_head" in bad["modules_to_save_tp"] and "tp=1" in bad["modules_to_save_tp"]
         assert bad["not_an_adapter"].startswith("HfScaleCheckpointError") and "not a peft adapter folder" in bad["not_an_adapter"]
+        assert bad["lora_experts_ep"].startswith("HfScalePlanError") and "carry peft adapters" in bad["lora_experts_ep"], bad
     assert len({tuple(sorted(r["bad"].items())) for r in world2}) == 1, "ranks raised different errors"

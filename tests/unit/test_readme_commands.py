@@ -48,6 +48,8 @@ NOT_RUN = {
         "needs a run's checkpoint, then trains: minutes; tests/integration/test_cli.py resumes mid-epoch",
     "hf-scale finetune configs/quickstart-lora.yaml":
         f"{TRAINS}; tests/integration/test_real_models.py runs this recipe end to end",
+    "hf-scale finetune configs/quickstart-qlora.yaml":
+        f"{TRAINS}; tests/integration/test_cli_qlora.py runs a tiny recipe with model.quantize: nf4 on 2 ranks",
     "hf-scale finetune configs/quickstart-pp2.yaml":
         f"{TRAINS}; tests/integration/test_pp_real.py trains SmolLM2 at pp=2 against one process",
     "hf-scale generate zoo:smollm2 --tp 3 --prompt 'What is 12 + 30?' --max-new-tokens 32":

@@ -1,0 +1,100 @@
+"""NF4 bases loaded slice-wise: each rank quantizes only the slice it holds (QLoRA under
+data parallel), never the whole model on one rank.
+
+Before the layout is applied, :func:`place_nf4` turns each chosen meta weight into a meta
+``NF4Tensor`` of the whole shape, so that FSDP2 registers its 4-bit all-gather hooks and
+shards its inner tensors (ddp: it stays whole). The load reads each such weight's local block
+in the compute dtype (:func:`hf_scale.checkpoint.load.assign_from_files` sets it aside);
+:func:`quantize_loaded` then agrees each weight's mean block absmax (one all-reduce of every
+weight's sum and count together) and quantizes each rank's slice with it, exactly as the whole
+tensor quantized and split (:mod:`hf_scale.quantize.nf4`).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..errors import HfScaleConfigError
+from ..log import log_rank0
+from ..model_plans.adapters import adapter_host
+from ..model_plans.quantize import nf4_targets
+from ..ranks import run_together
+
+
+def shard_parts(config, world_size: int) -> int:
+    """Dim-0 slices each weight is split in under ``config`` (a resolved ParallelConfig)."""
+    if not config.sharded or world_size == 1:
+        return 1
+    from ..mesh import ParallelDims
+
+    return ParallelDims.resolve(config, world_size).dp_shard
+
+
+@torch.no_grad()
+def place_nf4(model: nn.Module, parts: int) -> list[str]:
+    """Replace the weights :func:`nf4_targets` chooses (``model`` on the meta device) by meta
+    ``NF4Tensor`` s; say once which stay in the compute dtype and why. Returns their names."""
+    from ..quantize.nf4 import quantize_rows, torchao_nf4
+
+    torchao_nf4()  # a missing torchao fails here, before any work
+    host = adapter_host(model)
+    chosen, kept = nf4_targets(host, parts)
+    for name in chosen:
+        owner, _, leaf = name.rpartition(".")
+        module = host.get_submodule(owner)
+        weight = getattr(module, leaf)
+        placeholder = quantize_rows(torch.empty_like(weight, device="meta"), torch.empty((), device="meta"))
+        module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
+        lora_layer = host.get_submodule(owner.rpartition(".")[0])
+        lora_layer.merge = types.MethodType(_refuse_merge, lora_layer)  # this instance only
+    if kept:
+        first = next(iter(kept.items()))
+        log_rank0(f"quantize nf4: {len(kept)} LoRA base weight(s) stay in the compute dtype, their slices "
+                  f"cannot hold whole NF4 groups (e.g. {first[0]}: {first[1]})", once=True)
+    log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s) each", once=True)
+    return chosen
+
+
+def _refuse_merge(self, *args, **kwargs) -> None:
+    """peft's merge on a LoRA layer over an NF4 base: refused, with what to do instead."""
+    raise HfScaleConfigError(
+        "merging a LoRA adapter into an NF4 (4-bit) base weight is not supported: the merged weight "
+        "would be quantized again, losing the update (peft's add_ on an NF4Tensor fails). Save the "
+        "adapter (hf_scale.save_pretrained) and merge it into the full-precision base, reloaded: "
+        "hf-scale export --merge ADAPTER OUT (hf_scale.merge_adapter)."
+    )
+
+
+@torch.no_grad()
+def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Collective (every rank holds the same NF4 weights, in the same order): ``pending`` (state
+    key -> (this rank's block in the compute dtype, the meta NF4 target)) quantized and put in
+    place. The mean block absmax of each weight: one all-reduce of every weight's (sum, count)."""
+    from ..quantize.nf4 import block_absmax, quantize_rows
+
+    keys = sorted(pending)
+    stats = torch.zeros(len(keys), 2, dtype=torch.float64)
+    for i, key in enumerate(keys):
+        scalers = block_absmax(pending[key][0])
+        stats[i] = torch.tensor([scalers.double().sum().item(), scalers.numel()])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)  # replicas (hsdp, ddp) count their slices equally often: the mean holds
+
+    def quantize() -> None:
+        new = {}
+        for i, key in enumerate(keys):
+            local, target = pending[key]
+            whole = tuple(target.shape)
+            nf4 = quantize_rows(local, stats[i, 0] / stats[i, 1], whole)
+            if isinstance(target, DTensor):
+                nf4 = DTensor.from_local(nf4, target.device_mesh, target.placements, run_check=False,
+                                         shape=target.shape, stride=target.stride())
+            new[key] = nf4
+        model.load_state_dict(new, strict=False, assign=True)
+
+    run_together(quantize)

@@ -1,0 +1,217 @@
+"""QLoRA runs for tests/distributed/test_qlora.py: a tiny Llama saved as a Hub folder, loaded
+with ``hf_scale.from_pretrained(..., adapter=LORA, quantize="nf4")`` on N ranks, against the
+same model in one process with its LoRA base weights quantized whole by torchao's ``to_nf4``.
+
+The model is wider than the other tiny models (hidden 256, 4 heads, 2 KV heads): its q / o /
+MLP weights hold 4 to 8 NF4 groups of 16,384 elements, k / v 2 (at 4 slices those stay fp32, the
+case of a slice that cannot hold whole groups). The adapters start from rank-independent
+non-zero values (:func:`init_lora`), so every LoRA factor gets a gradient in the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import hf_scale
+from tests.distributed.adapter_checks import set_adapters
+from tests.distributed.training import full_params
+from tests.tiny_models import slice_batch, tiny_batch
+
+STEPS = 3
+LR = 1e-3
+GLOBAL_BATCH = 8
+MAX_NORM = 1.0
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": "all-linear"}
+
+
+def save_base(folder: str) -> None:
+    """The tiny wide Llama, seeded, as a Hub-format folder (one process)."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+                            pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def init_lora(name: str, shape) -> torch.Tensor:
+    """Each LoRA tensor's start: small seeded values from its name (the same on every rank)."""
+    seed = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+def batches(steps: int = STEPS):
+    return [tiny_batch("causal", GLOBAL_BATCH, seed=500 + s) for s in range(steps)]
+
+
+def reference_model(folder: str, parts: int):
+    """One process: the model from ``folder``, LoRA on, its LoRA base weights quantized whole by
+    torchao (those :func:`nf4_targets` keeps in fp32 at ``parts`` slices stay fp32)."""
+    from peft import LoraConfig, get_peft_model
+    from torchao.quantization import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.model_plans.quantize import nf4_targets
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**LORA))
+    host = model.get_base_model()
+    chosen, _ = nf4_targets(host, parts)
+    for name in chosen:
+        owner, _, leaf = name.rpartition(".")
+        module = host.get_submodule(owner)
+        module.register_parameter(leaf, torch.nn.Parameter(to_nf4(getattr(module, leaf).detach(), 64, 256),
+                                                           requires_grad=False))
+    set_adapters(host, init_lora)
+    return model
+
+
+def train(model, dp_rank: int = 0, dp_degree: int = 1, group=None, parallel: bool = False) -> dict:
+    """Three AdamW steps on the adapters; losses, gradient norms, the first step's LoRA
+    gradients (whole), the final LoRA factors (whole)."""
+    host = model.get_base_model()
+    lora = [p for n, p in host.named_parameters() if "lora_" in n]
+    optimizer = hf_scale.build_optimizer(model, lr=LR) if parallel else torch.optim.AdamW(lora, lr=LR, weight_decay=0.0)
+    losses, norms, grads = [], [], {}
+    for step, batch in enumerate(batches()):
+        if parallel:
+            loss = model.train_step(slice_batch(batch, dp_rank, dp_degree))
+        else:
+            loss = model(**batch).loss
+            loss.backward()
+        if step == 0:
+            for n, p in host.named_parameters():
+                if "lora_" in n:
+                    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    grads[n] = g.detach().clone()
+        norms.append(float(hf_scale.clip_grad_norm_(model, MAX_NORM) if parallel
+                           else torch.nn.utils.clip_grad_norm_(lora, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        if dp_degree > 1:
+            dist.all_reduce(loss, group=group)
+        losses.append(float(loss) / dp_degree)
+    final = {n: v for n, v in (full_params(host) if parallel else
+                               {n: p.detach().clone() for n, p in host.named_parameters()}).items() if "lora_" in n}
+    return {"losses": losses, "norms": norms, "grads": grads, "lora": final}
+
+
+def reference_run(folder: str, parts: int) -> dict:
+    return train(reference_model(folder, parts))
+
+
+def nf4_report(model) -> dict:
+    """What this rank holds: NF4 weights (count, elements, stored bytes), fp32 LoRA base
+    weights kept, and the inner tensors of one NF4 weight (to compare with torchao's split)."""
+    from hf_scale.quantize.nf4 import INNER, is_nf4, nf4_nbytes
+
+    host = model.get_base_model()
+    nf4 = {n: p for n, p in host.named_parameters() if is_nf4(p)}
+    elements = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in nf4.values())
+    probe = nf4.get("model.layers.0.self_attn.q_proj.base_layer.weight")
+    local = probe._local_tensor if isinstance(probe, DTensor) else probe
+    return {"names": sorted(nf4), "elements": elements, "bytes": sum(nf4_nbytes(p) for p in nf4.values()),
+            "kept": sorted(n for n, p in host.named_parameters() if "base_layer" in n and not is_nf4(p)),
+            "q_proj": {k: getattr(local, k).clone() for k in (*INNER, "scaler_mean")} if probe is not None else None,
+            "requires_grad": sorted(n for n, p in nf4.items() if p.requires_grad)}
+
+
+def no_grad_twice(model) -> bool:
+    """Two no_grad forwards (eval mode) give identical logits: no in-place weight repacking."""
+    batch = tiny_batch("causal", 2, seed=9)
+    model.eval()
+    with torch.no_grad():
+        a = model(input_ids=batch["input_ids"]).logits.clone()
+        b = model(input_ids=batch["input_ids"]).logits.clone()
+    model.train()
+    return bool(torch.equal(a, b))
+
+
+def parallel_run(folder: str, config: dict) -> dict:
+    model = hf_scale.from_pretrained(folder, config, adapter=LORA, quantize="nf4")
+    set_adapters(model.get_base_model(), init_lora)
+    state = hf_scale.get_state(model)
+    out = {"nf4": nf4_report(model)}
+    out.update(train(model, state.dp_rank, state.dp_degree, state.dp_group, parallel=True))
+    frozen = [n for n, p in model.get_base_model().named_parameters() if not p.requires_grad and p.grad is not None]
+    out["frozen_grads"] = frozen
+    # after training: a no_grad forward of the parallel model before train_step leaves later
+    # steps' gradients wrong (seen with and without quantize: an issue of its own, reported)
+    out["no_grad_equal"] = no_grad_twice(model)
+    return out
+
+
+def resume_run(folder: str, root: str) -> dict:
+    """Two steps under fsdp, ``save_state`` (adapter-only: the NF4 base is not saved), a new
+    quantized model resumes (its adapters zeroed first: they must come from the files) under
+    ddp and takes the third step. Returns the three losses, the saved files, the final LoRA."""
+    model = hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA, quantize="nf4")
+    set_adapters(model.get_base_model(), init_lora)
+    state = hf_scale.get_state(model)
+    optimizer = hf_scale.build_optimizer(model, lr=LR)
+    losses = _steps(model, optimizer, batches()[:2])
+    hf_scale.save_state(model, optimizer, root=root, step=2)
+    model = hf_scale.from_pretrained(folder, {"strategy": "ddp"}, adapter=LORA, quantize="nf4")
+    set_adapters(model.get_base_model(), lambda name, shape: torch.zeros(shape))
+    optimizer = hf_scale.build_optimizer(model, lr=LR)
+    step = hf_scale.load_state(model, optimizer, path=f"{root}/latest")
+    losses += _steps(model, optimizer, batches()[2:])
+    files = sorted(str(p.relative_to(root)) for p in __import__("pathlib").Path(root).rglob("*.safetensors"))
+    lora = {n: v for n, v in full_params(model.get_base_model()).items() if "lora_" in n}
+    del state
+    return {"losses": losses, "step": step, "files": files, "lora": lora}
+
+
+def _steps(model, optimizer, chunk) -> list[float]:
+    state = hf_scale.get_state(model)
+    losses = []
+    for batch in chunk:
+        loss = model.train_step(slice_batch(batch, state.dp_rank, state.dp_degree)).detach()
+        hf_scale.clip_grad_norm_(model, MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        if state.dp_degree > 1:
+            dist.all_reduce(loss, group=state.dp_group)
+        losses.append(float(loss) / state.dp_degree)
+    return losses
+
+
+def bad_inputs(folder: str) -> dict:
+    """Each refusal's error on this rank: layouts NF4 does not take, quantize without an adapter,
+    an unknown scheme, peft's merge into NF4."""
+    from tests.distributed.adapter_checks import expect_error
+
+    out = {}
+    for name, config in (("tp", {"strategy": "zero2", "tp": 2}), ("pp", {"strategy": "ddp", "pp": 2}),
+                         ("zero1", {"strategy": "zero1"})):
+        out[name] = expect_error(lambda c: hf_scale.from_pretrained(folder, c, adapter=LORA, quantize="nf4"), config)
+    out["no_adapter"] = expect_error(lambda: hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, quantize="nf4"))
+    out["unknown"] = expect_error(lambda: hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA,
+                                                                   quantize="int3"))
+    model = hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, adapter=LORA, quantize="nf4")
+    out["merge"] = expect_error(model.merge_and_unload)
+    dist.barrier()  # the group is still usable: every rank raised before any collective
+    return out
+
+
+def world_checks(folder: str, cases: list[dict], root: str, extra: bool = False) -> dict:
+    """Every case of one world size in one process group; a failing case reports its error."""
+    out = {"parity": []}
+    for case in cases:
+        try:
+            out["parity"].append(parallel_run(folder, case["config"]))
+        except Exception:  # noqa: BLE001 - one case's failure is that test's, not the group's
+            out["parity"].append({"error": traceback.format_exc()})
+    if extra:
+        for name, fn, args in (("resume", resume_run, (folder, f"{root}/ckpt")), ("bad", bad_inputs, (folder,))):
+            try:
+                out[name] = fn(*args)
+            except Exception:  # noqa: BLE001
+                out[name] = {"error": traceback.format_exc()}
+    return out

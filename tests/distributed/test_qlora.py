@@ -1,0 +1,175 @@
+"""QLoRA (an NF4 base under LoRA) under data-parallel layouts: parity with one process running
+the same quantized model, slice-wise quantization equal to torchao's whole-tensor one, stored
+bytes, no in-place weight mutation, and the layouts refused.
+
+Parity (fp32 compute, 3 AdamW steps, clipping on) against tests.distributed.qlora_checks.
+reference_run, the peft model with its LoRA base weights quantized whole by torchao: losses,
+gradient norms and the first step's LoRA gradients within 1e-5 relative; each LoRA factor's
+update within 2e-4 of its norm (as test_adapters). Ranks are spawned once per world size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.distributed import qlora_checks
+from tests.harness import run_ranks
+
+pytest.importorskip("torchao")
+
+RTOL = 1e-5
+UPDATE_RTOL = 2e-4
+
+WORLD2 = [
+    {"id": "fsdp", "config": {"strategy": "fsdp"}, "parts": 2},
+    {"id": "zero2", "config": {"strategy": "zero2"}, "parts": 2},
+    {"id": "ddp", "config": {"strategy": "ddp"}, "parts": 1},
+    {"id": "fsdp_full_ac", "config": {"strategy": "fsdp", "activation_checkpointing": "full"}, "parts": 2},
+]
+WORLD4 = [
+    {"id": "hsdp", "config": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}, "parts": 2},
+    {"id": "fsdp4", "config": {"strategy": "fsdp"}, "parts": 4},  # k / v slices too small: kept fp32
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qlora_base")
+    qlora_checks.save_base(str(folder))
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def world2(base, tmp_path_factory):
+    return run_ranks(qlora_checks.world_checks, 2, base, WORLD2, str(tmp_path_factory.mktemp("q2")), True,
+                     timeout=900)
+
+
+@pytest.fixture(scope="module")
+def world4(base, tmp_path_factory):
+    return run_ranks(qlora_checks.world_checks, 4, base, WORLD4, str(tmp_path_factory.mktemp("q4")), timeout=900)
+
+
+_REFERENCES: dict = {}
+
+
+def reference(base: str, parts: int) -> dict:
+    if parts not in _REFERENCES:
+        _REFERENCES[parts] = qlora_checks.reference_run(base, parts)
+    return _REFERENCES[parts]
+
+
+def _rel(got, want) -> float:
+    got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check_parity(case: dict, ranks: list[dict], base: str) -> None:
+    cases = WORLD2 if len(ranks) == 2 else WORLD4
+    results = [r["parity"][[c["id"] for c in cases].index(case["id"])] for r in ranks]
+    for result in results:
+        assert "error" not in result, result.get("error")
+    got, ref = results[0], reference(base, case["parts"])
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
+    np.testing.assert_allclose(got["norms"], ref["norms"], rtol=RTOL)
+    assert set(got["grads"]) == set(ref["grads"]) and got["grads"]
+    for name, want in ref["grads"].items():
+        assert _rel(got["grads"][name], want.numpy()) <= RTOL, f"{name}: first-step gradient differs"
+    init = {n: qlora_checks.init_lora(n, v.shape).numpy() for n, v in ref["lora"].items()}
+    for name, want in ref["lora"].items():
+        update = want.numpy() - init[name]
+        assert np.linalg.norm(update) > 0
+        assert _rel(got["lora"][name] - init[name], update) <= UPDATE_RTOL, f"{name}: update differs"
+    for r in results:
+        assert r["frozen_grads"] == [], r["frozen_grads"][:4]
+        assert r["no_grad_equal"], "two no_grad forwards gave different logits"
+        assert r["nf4"]["requires_grad"] == []
+
+
+@pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
+def test_qlora_parity_world2(case, world2, base):
+    check_parity(case, world2, base)
+
+
+@pytest.mark.parametrize("case", WORLD4, ids=[c["id"] for c in WORLD4])
+def test_qlora_parity_world4(case, world4, base):
+    check_parity(case, world4, base)
+
+
+def _world(layout: str, request):
+    """(the ranks' results, the cases) of the world size that ran ``layout``."""
+    if layout in {c["id"] for c in WORLD4}:
+        return request.getfixturevalue("world4"), WORLD4
+    return request.getfixturevalue("world2"), WORLD2
+
+
+def _whole_q_proj(base: str):
+    from safetensors.torch import load_file
+    from torchao.quantization import to_nf4
+
+    weight = load_file(f"{base}/model.safetensors")["model.layers.0.self_attn.q_proj.weight"]
+    return to_nf4(weight, 64, 256)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp4", "hsdp"])
+def test_slice_quantization_equals_whole(layout, base, request):
+    """Each rank's NF4 inner tensors of q_proj are torchao's whole-tensor quantization split as
+    FSDP splits it (dp = 1: ddp, 2: fsdp and hsdp's shards, 4: fsdp4)."""
+    ranks, cases = _world(layout, request)
+    case = next(c for c in cases if c["id"] == layout)
+    whole = _whole_q_proj(base)
+    parts = case["parts"]
+    pieces = whole.split(whole.shape[0] // parts) if parts > 1 else [whole]
+    shard_of = (lambda r: r % parts)  # hsdp: (replicate, shard) with shard the fast dimension
+    for rank, result in enumerate(ranks):
+        held = result["parity"][cases.index(case)]["nf4"]["q_proj"]
+        want = pieces[shard_of(rank)]
+        for name, value in held.items():
+            np.testing.assert_array_equal(value, getattr(want, name).float().numpy() if name != "quantized_data"
+                                          else getattr(want, name).numpy(), err_msg=f"rank {rank} {name}")
+
+
+@pytest.mark.parametrize("layout,parts", [("fsdp", 2), ("ddp", 1), ("fsdp4", 4)])
+def test_frozen_bytes_per_parameter(layout, parts, request):
+    """The NF4 weights store 4.127 bits a parameter on every rank (the inner tensors counted,
+    not element_size()); at 4 slices k / v (2 groups each) stay fp32."""
+    ranks, cases = _world(layout, request)
+    case = next(c for c in cases if c["id"] == layout)
+    for result in ranks:
+        nf4 = result["parity"][cases.index(case)]["nf4"]
+        bits = nf4["bytes"] * 8 / nf4["elements"]
+        assert abs(bits - (4 + 8 / 64 + 32 / 16384)) < 1e-9, bits
+        if parts == 4:
+            assert nf4["kept"] and all(".k_proj." in n or ".v_proj." in n for n in nf4["kept"])
+            assert len(nf4["names"]) == 10
+        else:
+            assert nf4["kept"] == [] and len(nf4["names"]) == 14
+
+
+def test_adapter_only_checkpoint_resumes(world2, base):
+    """save_state under fsdp writes the adapter alone (the NF4 base is re-quantized at load);
+    resumed under ddp, the third step gives the uninterrupted run's loss and adapters."""
+    got = world2[0]["resume"]
+    assert "error" not in got, got.get("error")
+    ref = reference(base, 2)
+    assert got["step"] == 2
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=RTOL)
+    assert got["files"] and all("adapter_model" in f for f in got["files"]), got["files"]
+    init = {n: qlora_checks.init_lora(n, v.shape).numpy() for n, v in ref["lora"].items()}
+    for name, want in ref["lora"].items():
+        update = want.numpy() - init[name]
+        assert _rel(got["lora"][name] - init[name], update) <= UPDATE_RTOL, f"{name} after resume"
+
+
+def test_refusals_on_every_rank(world2):
+    for result in world2:
+        bad = result["bad"]
+        assert "error" not in bad, bad.get("error")
+        for name in ("tp", "pp", "zero1"):
+            assert bad[name].startswith("HfScaleConfigError") and "quantize='nf4' with" in bad[name], bad[name]
+        assert "tp=2" in bad["tp"] and "pp=2" in bad["pp"] and "zero1" in bad["zero1"]
+        assert bad["no_adapter"].startswith("HfScaleConfigError") and "adapter=" in bad["no_adapter"]
+        assert bad["unknown"].startswith("HfScaleConfigError") and "'nf4'" in bad["unknown"]
+        assert bad["merge"].startswith("HfScaleConfigError") and "export --merge" in bad["merge"], bad["merge"]
+    assert len({tuple(sorted(r["bad"].items())) for r in world2}) == 1, "ranks raised different errors"
