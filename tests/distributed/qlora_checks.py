@@ -138,12 +138,12 @@ def parallel_run(folder: str, config: dict) -> dict:
     set_adapters(model.get_base_model(), init_lora)
     state = hf_scale.get_state(model)
     out = {"nf4": nf4_report(model)}
+    # before training, as the fine-tuning loop's first evaluation: the optimizer built after it
+    # must still hold the sharded adapters (hf_scale.build_optimizer reshards first)
+    out["no_grad_equal"] = no_grad_twice(model)
     out.update(train(model, state.dp_rank, state.dp_degree, state.dp_group, parallel=True))
     frozen = [n for n, p in model.get_base_model().named_parameters() if not p.requires_grad and p.grad is not None]
     out["frozen_grads"] = frozen
-    # after training: a no_grad forward of the parallel model before train_step leaves later
-    # steps' gradients wrong (seen with and without quantize: an issue of its own, reported)
-    out["no_grad_equal"] = no_grad_twice(model)
     return out
 
 
