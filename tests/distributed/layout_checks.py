@@ -134,12 +134,15 @@ def reduce_scatter_collective_facts() -> dict:
         flat = torch.randn(world * 37, generator=g).to(dtype)  # 37: every chunk a different size than a tidy one
         for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG),
                          ("premul", dist.ReduceOp.PREMUL_SUM(1 / 3))):
-            got, want = torch.empty(37, dtype=dtype), torch.empty(37, dtype=dtype)
+            got, want, exact = torch.empty(37, dtype=dtype), torch.empty(37, dtype=dtype), torch.empty(37)
             comm(got, flat.clone(), group, op)
-            dist.reduce_scatter_tensor(want, flat.clone(), op=dist.ReduceOp.SUM if name == "premul" else op)
+            native = dist.ReduceOp.SUM if name == "premul" else op
+            dist.reduce_scatter_tensor(want, flat.clone(), op=native)
+            dist.reduce_scatter_tensor(exact, flat.float(), op=native)  # the same data summed in fp32
             if name == "premul":
-                want = want * (1 / 3)
+                want, exact = want * (1 / 3), exact * (1 / 3)
             facts[f"{name}_{str(dtype)[6:]}"] = _worst({0: got.float()}, {0: want.float()})
+            facts[f"{name}_{str(dtype)[6:]}_vs_fp32"] = _worst({0: got.float()}, {0: exact})
     return facts
 
 
