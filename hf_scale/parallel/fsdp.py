@@ -95,15 +95,13 @@ def apply_fsdp(
         for module in fp32_modules:
             fully_shard(module, mp_policy=keep, reshard_after_forward=reshard_after_forward, **common)
     groups = [list(units[i : i + blocks_per_unit]) for i in range(0, len(units), blocks_per_unit)]
-    for group in groups:
-        # The last unit too is resharded after forward (its backward gathers it again first
-        # thing): kept gathered, it sat beside the logits and their gradient at the step's peak
-        # (SmolLM2 fp32 on 2 ranks: +6 MB peak RSS against torch's plain fully_shard, to save
-        # one all-gather of one block).
+    for index, group in enumerate(groups):
+        # The last unit's parameters are needed first in backward: keep them gathered.
+        last = index == len(groups) - 1
         fully_shard(
             group[0] if len(group) == 1 else group,
             mp_policy=mp_policy,
-            reshard_after_forward=reshard_after_forward,
+            reshard_after_forward=reshard_after_forward and not last,
             **common,
         )
     # The root's parameters (embeddings, head) are needed again as soon as backward starts.
