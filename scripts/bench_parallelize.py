@@ -331,10 +331,31 @@ def _chunk_check(rows: dict, tag: str, chunked: str, base: str, base_label: str)
             f"({'same' if same else 'DIFFERENT'} within 1e-3 relative)")
 
 
-def checks(rows: dict) -> list[str]:
+def rounds(runs: list[tuple[str, dict]], a: str = "hf_fsdp", b: str = "torch_fsdp") -> list[str]:
+    """Issue 42's target, per round of alternating legs (``--legs hf_fsdp,torch_fsdp,hf_fsdp,
+    torch_fsdp``: the i-th ``a`` against the i-th ``b``, both under about the same load): (f)
+    ``a`` >= 1.1x ``b`` in tokens/s with the same last loss (1e-4 relative) and peak RSS <= 1.0x,
+    in every round."""
+    pairs = list(zip(*([row for name, row in runs if name == leg and row["status"] == "ok"] for leg in (a, b))))
+    if not pairs:
+        return []
+    lines, passed = [], True
+    for i, (x, y) in enumerate(pairs, 1):
+        tok, peak = x["tok_s"] / y["tok_s"], x["peak"] / y["peak"]
+        same = abs(x["loss"] - y["loss"]) <= 1e-4 * abs(y["loss"])
+        passed &= tok >= 1.1 and peak <= 1.0 and same
+        lines.append(f"    round {i}: {x['tok_s']:.1f} / {y['tok_s']:.1f} tok/s = {tok:.3f}x, peak RSS {peak:.3f}x, "
+                     f"last loss {x['loss']:.5f} / {y['loss']:.5f}, other load {x['other_load']:.2f} / "
+                     f"{y['other_load']:.2f}")
+    head = (f"(f) {'PASS' if passed else 'FAIL'}: {CONTENDERS[a][0]} against {CONTENDERS[b][0]} per round "
+            "(need >= 1.1x tok/s, peak RSS <= 1.0x, same last loss, every round)")
+    return [head + "\n" + "\n".join(lines)]
+
+
+def checks(rows: dict, runs: list[tuple[str, dict]] = ()) -> list[str]:
     """The targets whose rows ran as PASS/FAIL lines (n/a, with why, when one of them failed)."""
     verdict = lambda passed: "PASS" if passed else "FAIL"
-    anchors, out = _anchors(rows, SHORT), []
+    anchors, out = _anchors(rows, SHORT), rounds(list(runs))
     if _ok(rows, "hf_fsdp") and anchors:
         tok = rows["hf_fsdp"]["tok_s"] / max(a["tok_s"] for a in anchors)
         peak = rows["hf_fsdp"]["peak"] / min(a["peak"] for a in anchors)
@@ -397,9 +418,10 @@ def main() -> None:
     title = (f"SmolLM2-135M fp32, AdamW lr {LR}, {WORLD} gloo ranks, {args.warmup} warm-up + "
              f"{args.steps} timed steps, malloc {malloc}; hf_scale at {revision()}")
     print(f"{title}; logs in {out_dir}", flush=True)
-    start, rows = time.perf_counter(), {}
-    for name in names:
+    start, rows, runs = time.perf_counter(), {}, []
+    for name in names:  # a leg named twice runs twice: the table shows its last run, (f) each round
         row = rows[name] = launch(name, args, out_dir)
+        runs.append((name, row))
         shown = row["status"]
         if _ok(rows, name):
             shown = (f"{row['tok_s']:.0f} tok/s, peak {row['peak']:.3f} GB, "
@@ -407,7 +429,7 @@ def main() -> None:
         print(f"  {CONTENDERS[name][0]}: {shown} ({row['wall']:.0f} s)", flush=True)
     if revision() != title.rsplit(" at ", 1)[1]:  # a commit or an edit landed during the run
         title += f" at the start, {revision()} at the end"
-    result = f"{table(rows)}\n\n```\n" + "\n".join(checks(rows)) + "\n```"
+    result = f"{table(rows)}\n\n```\n" + "\n".join(checks(rows, runs)) + "\n```"
     print(f"\n{result}\n\ntotal wall time {time.perf_counter() - start:.0f} s")
     shared = max((r["other_load"] for r in rows.values() if r["status"] == "ok"), default=0.0)
     note = (f"Other processes used up to {shared:.2f} CPU cores during the timed steps: tok/s and "

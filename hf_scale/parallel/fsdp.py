@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -14,6 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .ep import divide_gradients, unsplit_parameters
+from .reduce_scatter import install_reduce_scatter
 
 
 def apply_fsdp(
@@ -70,6 +72,10 @@ def apply_fsdp(
             of the enclosing units): FSDP would only copy them whole into its buffers and back
             every step; a gradient hook does the division.
 
+    On gloo every unit reduce-scatters its gradients with an all-to-all and a local sum
+    (:mod:`.reduce_scatter`: gloo's own reduce-scatter is a whole all-reduce); other backends
+    keep their native reduce-scatter.
+
     Usage::
 
         apply_fsdp(model, mesh["dp_shard"], wrap_units(model, plan), param_dtype=torch.bfloat16)
@@ -100,6 +106,7 @@ def apply_fsdp(
         )
     # The root's parameters (embeddings, head) are needed again as soon as backward starts.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
+    install_reduce_scatter(model, dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)))
     if prefetch:
         set_prefetch(model, [group[0] for group in groups], prefetch)
 

@@ -103,13 +103,78 @@ def no_sync_facts(strategy: str, extra: dict | None = None) -> dict:
     for label, enabled in (("no_sync", True), ("sync", False)):
         with CommDebugMode() as comm, hf_scale.no_sync(model, enabled=enabled):
             model(**batch).loss.backward()
-        facts[f"{label}_reduce_scatter"] = _count(comm, "reducescatter")
+        # gradients reduce-scatter, or (hf_scale's on gloo) all-to-all then sum
+        facts[f"{label}_reduce_scatter"] = _count(comm, "reducescatter") + _count(comm, "alltoall")
         facts[f"{label}_all_reduce"] = _count(comm, "allreduce")
         grad = model.model.layers[0].mlp.up_proj.weight.grad
         if grad is not None and not isinstance(grad, DTensor):  # replicated: equal iff all-reduced
             gathered = [torch.zeros_like(grad) for _ in range(world)]
             dist.all_gather(gathered, grad.contiguous())
             facts[f"{label}_grads_equal_across_ranks"] = all(torch.equal(gathered[0], g) for g in gathered)
+    return facts
+
+
+def _worst(got: dict, want: dict) -> float:
+    """Largest |got - want| over every tensor, relative to that tensor's largest |want|."""
+    return max(float((got[k] - want[k]).abs().max() / want[k].abs().max().clamp_min(1e-30)) for k in want)
+
+
+def reduce_scatter_collective_facts() -> dict:
+    """:class:`AllToAllReduceScatter` against gloo's own ``reduce_scatter_tensor`` on rank-distinct
+    data (fp32 and bf16, ``SUM``, ``AVG``; ``PREMUL_SUM``, which gloo lacks, against the sum
+    times the factor): the worst relative difference per case."""
+    from hf_scale.distributed import init_distributed
+    from hf_scale.parallel.reduce_scatter import AllToAllReduceScatter
+
+    init_distributed()
+    rank, world = _rank_world()
+    group, comm, facts = dist.distributed_c10d._get_default_group(), AllToAllReduceScatter(), {}
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(100 + rank)
+        flat = torch.randn(world * 37, generator=g).to(dtype)  # 37: every chunk a different size than a tidy one
+        for name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG),
+                         ("premul", dist.ReduceOp.PREMUL_SUM(1 / 3))):
+            got, want, exact = torch.empty(37, dtype=dtype), torch.empty(37, dtype=dtype), torch.empty(37)
+            comm(got, flat.clone(), group, op)
+            native = dist.ReduceOp.SUM if name == "premul" else op
+            dist.reduce_scatter_tensor(want, flat.clone(), op=native)
+            dist.reduce_scatter_tensor(exact, flat.float(), op=native)  # the same data summed in fp32
+            if name == "premul":
+                want, exact = want * (1 / 3), exact * (1 / 3)
+            facts[f"{name}_{str(dtype)[6:]}"] = _worst({0: got.float()}, {0: want.float()})
+            facts[f"{name}_{str(dtype)[6:]}_vs_fp32"] = _worst({0: got.float()}, {0: exact})
+    return facts
+
+
+def reduce_scatter_facts(extra: dict | None = None, divide: float | None = None) -> dict:
+    """One backward of the same tiny Llama (a 129-token vocabulary: its embedding's dim 0 is
+    uneven over 2 ranks, so FSDP pads it) under hf_scale's fsdp twice: with the all-to-all
+    reduce-scatter it installs on gloo, and with FSDP's own ``DefaultReduceScatter`` put back.
+    ``divide``: a gradient divide factor on every unit (the all-to-all run takes FSDP's
+    ``PREMUL_SUM``; gloo's own, which has none, sums then divides). Returns the worst relative
+    gradient difference and the collectives each backward called."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    rank, world = _rank_world()
+    batch = slice_batch(tiny_batch("causal", 2 * world), rank, world)
+    grads, facts = {}, {}
+    for label in ("all_to_all", "native"):
+        model = hf_scale.parallelize(tiny_model("llama_vocab129", "causal"), dict(strategy="fsdp", **(extra or {})))
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            if label == "native":
+                unit.set_custom_reduce_scatter(DefaultReduceScatter())
+            if divide is not None:
+                unit.set_gradient_divide_factor(divide)
+                unit.set_force_sum_reduction_for_comms(label == "native")
+        with CommDebugMode() as comm:
+            model(**batch).loss.backward()
+        facts[f"{label}_calls"] = {"all_to_all": _count(comm, "alltoall"), "reduce_scatter": _count(comm, "reducescatter")}
+        grads[label] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    facts["units"] = len(units)
+    facts["worst"] = _worst(grads["all_to_all"], grads["native"])
+    facts["exact"] = all(torch.equal(grads["all_to_all"][k], grads["native"][k]) for k in grads["native"])
     return facts
 
 
@@ -186,11 +251,16 @@ def world2_checks() -> dict:
         "mixed_clip": mixed_clip_facts(),
         "fp16_fsdp": fp16_grad_scaler_facts("fsdp"),
         "fp16_ddp": fp16_grad_scaler_facts("ddp"),
+        "rs_collective": reduce_scatter_collective_facts(),
+        "rs_fp32": reduce_scatter_facts(),
+        "rs_bf16": reduce_scatter_facts({"mixed_precision": "bf16"}),
+        "rs_divide": reduce_scatter_facts(divide=3.0),
     }
 
 
 def world4_checks() -> dict:
-    return {"hsdp": sharding_facts("hsdp", {"dp_replicate": 2}), "no_sync_hsdp": no_sync_facts("hsdp", {"dp_replicate": 2})}
+    return {"hsdp": sharding_facts("hsdp", {"dp_replicate": 2}), "no_sync_hsdp": no_sync_facts("hsdp", {"dp_replicate": 2}),
+            "rs_collective": reduce_scatter_collective_facts(), "rs_fp32": reduce_scatter_facts()}
 
 
 def hang() -> None:

@@ -107,6 +107,45 @@ def test_no_sync_skips_gradient_communication(world2):
         assert facts["sync_grads_equal_across_ranks"] is True
 
 
+def _check_all_to_all_reduce_scatter(facts: dict) -> None:
+    """hf_scale's fsdp on gloo reduce-scatters with all-to-alls (one per unit, no
+    reduce_scatter_tensor); putting FSDP's own back gives reduce-scatters and no all-to-all."""
+    assert facts["all_to_all_calls"] == {"all_to_all": facts["units"], "reduce_scatter": 0}
+    assert facts["native_calls"] == {"all_to_all": 0, "reduce_scatter": facts["units"]}
+
+
+@pytest.mark.parametrize("case", ["rs_fp32", "rs_bf16", "rs_divide"])
+def test_all_to_all_reduce_scatter_gives_torchs_gradients(world2, case):
+    """The same gradients as FSDP's own reduce-scatter on an uneven (padded) embedding, in fp32,
+    under bf16 mixed precision and with a gradient divide factor (PREMUL_SUM, which gloo lacks:
+    its reference sums, then divides): bit for bit at 2 ranks (a + b in either order), the divide
+    factor within 1e-6 (x * (1/3) against x / 3)."""
+    for r in world2:
+        facts = r[case]
+        _check_all_to_all_reduce_scatter(facts)
+        if case == "rs_divide":
+            assert facts["worst"] <= 1e-6
+        else:
+            assert facts["exact"], facts["worst"]
+
+
+def test_all_to_all_reduce_scatter_sums_like_gloo(world2, world4):
+    """The collective alone on rank-distinct data against gloo's reduce_scatter_tensor (SUM,
+    AVG; PREMUL_SUM against the sum times its factor): exact at 2 ranks; at 4 the order of the
+    sum differs (fp32 within 1e-6) and bf16 is within two bf16 roundings (2**-7: the sum's, and
+    PREMUL_SUM's product's) of the fp32 sum."""
+    for r in world2:
+        assert all(v == 0.0 for k, v in r["rs_collective"].items() if not k.endswith("_vs_fp32")), r["rs_collective"]
+    for r in world4:
+        for key, worst in r["rs_collective"].items():
+            bound = 2**-7 if "bfloat16" in key else 1e-6
+            if "bfloat16" not in key or key.endswith("_vs_fp32"):
+                assert worst <= bound, (key, worst)
+        facts = r["rs_fp32"]
+        _check_all_to_all_reduce_scatter(facts)
+        assert facts["worst"] <= 1e-6
+
+
 def test_bad_layout_fails_on_every_rank_without_hanging(world2):
     for r in world2:
         assert "dp_replicate=3 does not divide the 2 data-parallel ranks" in r["bad_layout"]
