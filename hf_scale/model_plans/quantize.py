@@ -33,7 +33,7 @@ def check_quantize(quantize: str | None, config, adapter) -> None:
     if adapter is None:
         raise HfScaleConfigError(
             "quantize='nf4' freezes the base in 4-bit, which only adapters can train on (QLoRA): pass "
-            "adapter={'r': 16, 'target_modules': 'all-linear'} (recipe: peft.enabled: true), or drop quantize."
+            "adapter={'r': 16, 'target_modules': 'all-linear'} (recipe: peft.r, e.g. 16), or drop quantize."
         )
     others = [f"{n}={getattr(config, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(config, n) > 1]
     if config.strategy not in NF4_STRATEGIES or others:

@@ -45,7 +45,7 @@ class ModelConfig:
         dtype: dtype of the master weights (mixed precision is ``parallel.mixed_precision``).
         revision: Hub revision (branch, tag or commit).
         trust_remote_code: run code from the model repository (off unless you ask).
-        quantize: ``nf4`` (QLoRA, with ``peft.enabled``): the base Linear weights LoRA targets
+        quantize: ``nf4`` (QLoRA, with a ``peft`` section: ``peft.r``): the base Linear weights LoRA targets
             are held in 4-bit NF4 (torchao; ``pip install 'hf-scale[qlora]'``), each rank
             quantizing its own slice as it loads; under fsdp, zero2, hsdp or ddp. None: not quantized.
     """
@@ -523,6 +523,11 @@ class JobConfig:
                 "hub.push: true needs checkpoint.save_final: true (the final model is what is pushed)."
             )
         self._check_microbatches()
+        if self.model.quantize is not None and not self.peft.enabled:
+            raise HfScaleConfigError(
+                f"model.quantize={self.model.quantize!r} freezes the base in 4-bit, which only adapters train on "
+                "(QLoRA): set peft.r (e.g. 16; peft.target_modules says which layers), or drop model.quantize."
+            )
         if self.peft.enabled and self.model.task != "causal_lm":
             raise HfScaleConfigError(
                 f"peft: LoRA adapters are supported for model.task=causal_lm so far, not {self.model.task!r}. "

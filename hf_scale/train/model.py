@@ -137,11 +137,6 @@ def load_model(cfg: ModelConfig, parallel: ParallelConfig, *, labels: dict | Non
     dtype = TORCH_DTYPES[cfg.dtype]
     if is_zoo(cfg.name_or_path):
         check_zoo_task(cfg.name_or_path, cfg.task)
-    if cfg.quantize is not None and not (adapter is not None and adapter.enabled):
-        raise HfScaleConfigError(
-            f"model.quantize={cfg.quantize!r} freezes the base in 4-bit, which only adapters train on "
-            "(QLoRA): set peft.enabled: true (with its r / target_modules), or drop model.quantize."
-        )
     if adapter is not None and adapter.enabled:
         if cfg.trust_remote_code:
             raise HfScaleConfigError("peft adapters with model.trust_remote_code are not supported: the model "

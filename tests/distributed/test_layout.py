@@ -181,9 +181,9 @@ def test_hsdp_replicates_across_groups_and_shards_within(world4):
 
 def test_a_hung_collective_fails_within_the_timeout():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 20s"):
-        run_ranks(layout_checks.hang, 2, timeout=20)
-    assert time.monotonic() - start < 60
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 5s"):
+        run_ranks(layout_checks.hang, 2, timeout=5)
+    assert time.monotonic() - start < 45
 
 
 def test_a_result_that_cannot_be_sent_back_fails_at_once():

@@ -61,11 +61,22 @@ def test_packed_runs_train_like_plain_transformers(packed_recipe, strategy, extr
 
 
 def test_one_process_trains_like_plain_transformers(recipe, reference):
+    """One process with the whole batch; with ``--train.report_to tensorboard`` the event files
+    TensorBoard reads hold every logged loss at its step, as metrics.jsonl has them, and the
+    evaluations before and after."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = recipe.parent / "runs" / "one"
     log = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "8",
-                  "--train.output_dir", str(out)).stdout
+                  "--train.report_to", "tensorboard", "--train.output_dir", str(out)).stdout
     assert "launching: torchrun" not in log
     check_against_reference(out, reference)
+    events = EventAccumulator(str(out / "runs"))
+    events.Reload()
+    logged = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(logged) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([logged[s] for s in sorted(logged)], [losses(out)[s] for s in sorted(logged)], rtol=1e-5)
+    assert sorted(e.step for e in events.Scalars("eval/loss")) == [0, STEPS]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero1", "ddp"])
@@ -144,22 +155,6 @@ def test_resume_mid_epoch_continues_at_the_right_sample(recipe, tmp_path):
     before, after = losses(full), losses(tmp_path / "resumed")
     assert sorted(after) == [1, 2, 3, 4]  # the metrics file covers the whole run
     np.testing.assert_allclose([after[3], after[4]], [before[3], before[4]], rtol=1e-6)
-
-
-def test_report_to_tensorboard_holds_the_run_losses(recipe, tmp_path):
-    """``--train.report_to tensorboard``: the event files TensorBoard reads hold every logged loss
-    at its step, as metrics.jsonl has them, and the evaluations before and after."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "tracked"
-    run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.max_steps", "3", "--train.report_to",
-            "tensorboard", "--train.sample_generations", "0", "--train.output_dir", str(out))
-    events = EventAccumulator(str(out / "runs"))
-    events.Reload()
-    logged = {e.step: e.value for e in events.Scalars("train/loss")}
-    assert sorted(logged) == [1, 2, 3]
-    np.testing.assert_allclose([logged[s] for s in (1, 2, 3)], [losses(out)[s] for s in (1, 2, 3)], rtol=1e-5)
-    assert sorted(e.step for e in events.Scalars("eval/loss")) == [0, 3]
 
 
 def test_two_nodes_with_hsdp(recipe, reference, tmp_path):

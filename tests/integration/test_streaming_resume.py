@@ -7,6 +7,7 @@ around the stream more than once, and packing groups of 4 put batches across gro
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -27,7 +28,12 @@ def test_a_resumed_stream_continues_where_it_stopped(tmp_path):
                          checkpoint={"every_steps": 3})
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_cli("finetune", str(recipe), "--train.output_dir", str(whole))
-    run_cli("finetune", str(recipe), "--train.output_dir", str(parts), "--train.max_steps", "3")
+    # the run as if stopped after its step-3 checkpoint: that checkpoint and the records before it
+    shutil.copytree(whole / "checkpoints" / "step_00000003", parts / "checkpoints" / "step_00000003")
+    (parts / "checkpoints" / "latest").write_text("step_00000003\n")
+    kept = [line for line in (whole / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("step", 0) <= 3]
+    (parts / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
     log = run_cli("finetune", str(recipe), "--train.output_dir", str(parts), "--resume", "latest").stdout
     assert "resumed from" in log and "at step 3" in log, log[-2000:]
     want, got = logged_steps(whole), logged_steps(parts)
