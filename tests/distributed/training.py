@@ -58,13 +58,16 @@ def reference_run(arch: str, head: str, steps: int = STEPS, *, packed: bool = Fa
     return {"losses": losses, "norms": norms, "params": params, "initial": initial, "grad_max": grad_max}
 
 
-def full_params(model) -> dict[str, torch.Tensor]:
-    """Every parameter, whole (DTensors gathered), by name. A collective: call on every rank."""
+def full_params(model, keep=lambda name: True) -> dict[str, torch.Tensor]:
+    """Every parameter whose name ``keep`` accepts, whole (DTensors gathered), by name. A
+    collective: call on every rank."""
     from hf_scale.checkpoint.safetensors_io import reshard_all
 
     reshard_all(model)  # an evaluation forward may leave gathered compute copies behind
     out = {}
     for name, param in model.named_parameters():
+        if not keep(name):
+            continue
         data = param.detach()
         if isinstance(data, torch.distributed.tensor.DTensor):
             data = data.full_tensor()
