@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hf_scale
-from tests.distributed.adapter_checks import set_adapters
+from tests.distributed.adapter_checks import _steps, set_adapters
 from tests.distributed.training import full_params
 from tests.tiny_models import slice_batch, tiny_batch
 
@@ -174,20 +174,6 @@ def resume_run(folder: str, root: str) -> dict:
     lora = full_params(model.get_base_model(), _is_lora)
     del state
     return {"losses": losses, "step": step, "files": files, "lora": lora}
-
-
-def _steps(model, optimizer, chunk) -> list[float]:
-    state = hf_scale.get_state(model)
-    losses = []
-    for batch in chunk:
-        loss = model.train_step(slice_batch(batch, state.dp_rank, state.dp_degree)).detach()
-        hf_scale.clip_grad_norm_(model, MAX_NORM)
-        optimizer.step()
-        optimizer.zero_grad()
-        if state.dp_degree > 1:
-            dist.all_reduce(loss, group=state.dp_group)
-        losses.append(float(loss) / state.dp_degree)
-    return losses
 
 
 def bad_inputs(folder: str) -> dict:

@@ -6,11 +6,8 @@ whole sequence, grouped-query heads included, for the chunk layouts cp uses. The
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from hf_scale.parallel.cp import chunks_held
@@ -18,17 +15,8 @@ from hf_scale.parallel.cp_blocks import _order, block_attention, plan_pieces, su
 
 
 @pytest.fixture(scope="module")
-def group():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+def group(one_process_group):
+    return one_process_group
 
 
 def _inputs(heads: int, kv_heads: int, length: int = 24, dim: int = 8, dtype=torch.float32):

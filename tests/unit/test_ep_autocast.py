@@ -5,28 +5,16 @@ fp32 parameter. One process, a one-rank gloo group on the loopback address."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
 @pytest.fixture
-def one_rank_mesh():
+def one_rank_mesh(one_process_group):
     from torch.distributed.device_mesh import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
 
 
 class Experts(nn.Module):

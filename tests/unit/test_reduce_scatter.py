@@ -6,8 +6,6 @@ gloo's own reduce-scatter: tests/distributed/test_layout.py."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,17 +18,8 @@ from hf_scale.parallel.reduce_scatter import AllToAllReduceScatter, _factor, ins
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    if dist.is_initialized():
-        pytest.skip("a process group is already up in this process")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+def mesh(one_process_group):
+    return init_device_mesh("cpu", (1,))
 
 
 def _sharded(mesh) -> nn.Module:
