@@ -156,12 +156,30 @@ def finetune(args: list[str], task: str | None = None) -> int:
         return 0
     if job.parallel.strategy != AUTO:  # the degrees against the processes, before any starts
         ParallelDims.resolve(job.parallel, job.launch.nproc_per_node * job.launch.nnodes, job.launch.nnodes)
+        _check_tp_before_launch(job)
     argv = torchrun_argv(job.launch, ["-m", "hf_scale.cli", "finetune", *args])
     print(f"[hf_scale] launching: torchrun {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     try:
         return subprocess.call(argv)
     except KeyboardInterrupt:  # Ctrl-C reached torchrun and its workers too: they stop
         return 130
+
+
+def _check_tp_before_launch(job) -> None:
+    """A tensor-parallel degree the model's heads do not split, refused before torchrun starts
+    (SmolLM2's 9 heads at tp=2, what users try first), from the config alone: only for a local
+    folder or a zoo model (a Hub id would cost a download here; its workers say the same)."""
+    from pathlib import Path
+
+    from .model_plans.tp import check_tp_sizes
+    from .train.model import read_model_config
+    from .zoo import is_zoo
+
+    tp, name = job.parallel.tp, job.model.name_or_path
+    if not isinstance(tp, int) or tp <= 1 or not (is_zoo(name) or Path(name).exists()):
+        return
+    config = read_model_config(job.model)
+    check_tp_sizes(config, tp, (getattr(config, "architectures", None) or [type(config).__name__])[0])
 
 
 def _train(job) -> None:

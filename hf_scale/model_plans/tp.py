@@ -239,7 +239,13 @@ def _expand(patterns, modules: dict[str, nn.Module], model_name: str, what: str)
 
 
 def _check_config_sizes(model: nn.Module, tp: int) -> None:
-    config = getattr(model, "config", None)
+    check_tp_sizes(getattr(model, "config", None), tp, type(model).__name__)
+
+
+def check_tp_sizes(config, tp: int, name: str) -> None:
+    """Refuse a ``tp`` that does not divide the heads or the MLP width of ``config`` (of the
+    model ``name``): each rank must hold whole heads. Needs the config only, so the launcher
+    checks it before starting any worker."""
     bad = []
     for attr, label in SIZE_ATTRS.items():
         value = getattr(config, attr, None)
@@ -247,7 +253,7 @@ def _check_config_sizes(model: nn.Module, tp: int) -> None:
             bad.append(f"{label} ({attr}={value})")
     if bad:
         raise HfScalePlanError(
-            f"tp={tp} does not divide the {', '.join(bad)} of {type(model).__name__}: each rank must "
+            f"tp={tp} does not divide the {', '.join(bad)} of {name}: each rank must "
             f"hold whole heads and an equal part of the MLP. Choose a tp that divides them "
             f"({_divisors(config, tp)})."
         )

@@ -16,8 +16,9 @@ What a case's output may hold, exactly:
 
 The cases found before launch run in this process (``hf_scale.cli.main``, whose status is the
 command's); the others each start ``python -m hf_scale.cli``, two at a time (each is mostly
-process start and imports), on a tiny Llama with its tokenizer, except the one users hit:
-``--parallel.tp 2`` on SmolLM2 (configs/quickstart.yaml).
+process start and imports), on a tiny Llama with its tokenizer. The one users hit first,
+``--parallel.tp 2`` on SmolLM2 (configs/quickstart.yaml, 9 heads), is found before launch from the
+model's config.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def cases(recipe: Path, root: Path, files: dict[str, Path]) -> list[tuple[str, l
         ("peft target modules the model lacks", [r, "--peft.r", "4", "--peft.target_modules", "nosuch_proj"],
          "Target modules nosuch_proj not found", WORKERS),
         ("tp 2 on SmolLM2 (9 heads)", ["configs/quickstart.yaml", "--parallel.tp", "2"],
-         "tp=2 does not divide the query heads (num_attention_heads=9)", WORKERS),
+         "tp=2 does not divide the query heads (num_attention_heads=9)", BEFORE),
         ("missing data file", [r, *one, "--data.path", str(root / "nope.jsonl")],
          f"data.path='{root / 'nope.jsonl'}': no such file or folder", ONE),
         ("broken CSV row", [r, *one, "--data.path", str(files["broken.csv"])],
