@@ -35,6 +35,12 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
   gradients and AdamW state: 8 bytes a parameter, which the published peaks imply: 16 would not
   fit 8-way sharded under 38.6 GB), one 2048-token sequence per data-parallel rank, full
   checkpointing, all assumed. These rows are not judged: the planner counts fp32 master weights;
+* ``dpo`` (run on its own into the ``simulate-dpo`` section: ``--parts dpo --write docs/benchmarks.md
+  --section simulate-dpo``; issue 40): Llama-3-8B full-parameter DPO on 8 x 80 GB with a frozen
+  reference held beside the policy (``preference.reference: model``, sharded as the policy: fsdp 8,
+  bf16 mixed precision, full checkpointing), one pair (2 rows: chosen and rejected) of 2048 tokens
+  per rank and step, ``model.dtype`` float32 (the default: policy and reference are loaded in it),
+  first and last rank: the reference's no-grad forward, then the policy's step;
 * ``cpu``: the legs of ``scripts/bench_planner.py`` without pipeline parallel, simulated as CPU
   processes (``device="cpu"``), against the tracked bytes that script measured in real gloo runs
   on this machine (read from its section of docs/benchmarks.md, where it writes them).
@@ -270,6 +276,26 @@ def cpu_rows(doc: Path) -> list[list[str]]:
     return cells
 
 
+DPO_SEQ, DPO_ROWS = 2048, 2
+
+
+def dpo_rows() -> list[list[str]]:
+    """Llama-3-8B DPO with a held reference on 8 x 80 GB (module doc), first and last rank."""
+    from hf_scale.layout_search import Layout
+    from hf_scale.layout_search.simulate import simulate
+
+    cells = []
+    layout = Layout("fsdp", 1, 8, precision="bf16", ac="full", micro_batch=DPO_ROWS)
+    for rank in (0, 7):
+        result = simulate(llama(LLAMA3["Llama-3-8B"]), 8, rank, layout, seq=DPO_SEQ, batch=DPO_ROWS, reference=True)
+        print(result.format(), flush=True)
+        e = result.estimate
+        cells.append(row(f"Llama-3-8B DPO, held reference, 8 x 80 GB, 1 pair x {DPO_SEQ} per rank", result, 0.9, 1.1))
+        cells[-1][-1] += (f"; reference: {e.reference / GiB:.2f} GiB held, {e.reference_forward / GiB:.2f} GiB "
+                          f"more in its forward (estimated)")
+    return cells
+
+
 def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> list[str]:
     """One PASS / FAIL line per target (the summaries read them): each GPU row's estimate against
     its simulation (a layout not simulated fails its target), and the CPU legs together."""
@@ -297,7 +323,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
     parser.add_argument("--parts", default="gpu,lora,moe,cpu",
-                        help="comma-separated: gpu, pp, lora, moe, cpu (pp has its own section: --section simulate-pp)")
+                        help="comma-separated: gpu, pp, lora, moe, cpu, dpo (pp and dpo have their own sections: "
+                             "--section simulate-pp / simulate-dpo)")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -307,10 +334,10 @@ def main() -> None:
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
     gpu_cells, cpu_cells = [], []
-    if parts & {"gpu", "pp", "lora", "moe"}:
+    if parts & {"gpu", "pp", "lora", "moe", "dpo"}:
         gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
                      + (lora_rows() if "lora" in parts else [])
-                     + (moe_rows() if "moe" in parts else []))
+                     + (moe_rows() if "moe" in parts else []) + (dpo_rows() if "dpo" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if "moe" in parts:
         body += (f"Qwen3-30B-A3B rows: published peaks from transformers' expert-parallelism guide ({QWEN_SOURCE}): "

@@ -89,6 +89,9 @@ class Workload:
     batch: int  # sequences per data-parallel rank per optimizer step
     attn: str = "sdpa"  # the attention implementation ("sdpa" or "eager")
     device: str = "cpu"
+    # preference training with a frozen reference held beside the policy (``preference.reference:
+    # model``): the bytes a reference parameter is stored in (its model.dtype: 4 fp32, 2 bf16); 0: none
+    reference: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,11 @@ class MemoryEstimate:
     # later forwards follow, and beside the other in-flight microbatches' activations
     sync_each: bool = False
     others_in_flight: int = 0
+    # a held preference reference (``Workload.reference``): its shards (or whole replica), always
+    # there; and what its no-grad forward adds before the policy's (its gathered root and unit, its
+    # logits and log-probs), beside the policy's parameters and optimizer state only
+    reference: int = 0
+    reference_forward: int = 0
 
     @property
     def device_total(self) -> int:
@@ -198,8 +206,9 @@ class MemoryEstimate:
                     + (self.grads if self.accumulating else 0))
         late = 0 if self.accumulating and not self.sync_each else (
             self.grads + self.grad_buffers + self.first_block + self.others_in_flight)
-        return (self.overhead + self.params + self.optimizer + self.comm_buffers + self.compute_copies
-                + max(backward, late))
+        policy = self.comm_buffers + self.compute_copies + max(backward, late)
+        before = self.reference_forward + (self.grads if self.accumulating else 0) if self.reference_forward else 0
+        return self.overhead + self.params + self.optimizer + self.reference + max(policy, before)
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)} | {"device_total": self.device_total}
@@ -439,12 +448,30 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # activations, of one pipeline microbatch under pp (none on a rank whose stages hold no MoE layer)
     moe_here = layout.ep > 1 and moe_layers_per_pp_rank(facts, layout)[acts.rank] > 0
     exchange = dispatch_buffer_bytes(facts, layout.micro_batch * work.seq // microbatches, d) if moe_here else 0
+    reference, reference_forward = _reference_bytes(work.reference, params * shares[acts.rank], n, layout, d,
+                                                    gathered_root=(root + block * unit_blocks(facts, layout)),
+                                                    logits=acts.logits_loss)
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block, sync_each=each,
-                          others_in_flight=others)
+                          others_in_flight=others, reference=reference, reference_forward=reference_forward)
+
+
+def _reference_bytes(stored: int, params: float, n: int, layout: Layout, d: int, gathered_root: float,
+                     logits: int) -> tuple[int, int]:
+    """(held, forward) bytes of a preference reference stored in ``stored`` bytes a parameter, a
+    copy of the rank's ``params`` (:func:`hf_scale.train.model.load_reference`): under fsdp / zero2
+    / hsdp sharded over the ``n`` dp_shard ranks as the policy (tp slices under tp), a whole replica
+    under ddp / zero1. Its no-grad forward gathers the root and one unit at a time (in the compute
+    dtype ``d`` under mixed precision, else as stored; ``gathered_root``: their parameters) and makes
+    the logits and log-probs of the batch (``logits``, the policy's own logits-and-loss bytes: its
+    rows are the same)."""
+    if not stored:
+        return 0, 0
+    gathered = gathered_root * (d if layout.precision else stored) if n > 1 else 0
+    return int(stored * params) // n, int(gathered + logits)
 
 
 def estimate_stages(facts: ModelFacts, layout: Layout, work: Workload) -> list[MemoryEstimate]:

@@ -20,14 +20,15 @@ _PARTS = ("params", "grads", "optimizer", "activations", "logits_loss", "comm_bu
 
 
 def plan_candidates(source, gpus: int, gpu_memory, seq: int, batch: int, nodes: int = 1,
-                    device: Device | None = None, task: str = "causal_lm", **space):
+                    device: Device | None = None, task: str = "causal_lm", reference: int = 0, **space):
     """``(facts, best, ranked, budget, work)`` for ``source`` (a config or a model) on ``gpus``
     ranks of ``gpu_memory`` each; ``device`` defaults to H100 numbers, or this machine's
-    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes."""
+    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes. ``reference``:
+    a held preference reference's bytes a parameter (:attr:`Workload.reference`)."""
     budget = parse_memory(gpu_memory)
     device_type = "cpu" if device is not None and device.name == "cpu" else "cuda"
     device = device or H100
-    work = Workload(seq=seq, batch=batch, device=device_type)
+    work = Workload(seq=seq, batch=batch, device=device_type, reference=reference)
     facts = source if isinstance(source, ModelFacts) else model_facts(source, task)
     best, ranked = choose(facts, work, gpus, budget, device, nodes, **space)
     return facts, best, ranked, budget, work
@@ -44,7 +45,9 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
         (f"auto-planner: {type(facts.model).__name__}, {facts.params / 1e6:,.1f}M parameters{trainable}, "
         f"{facts.layers} blocks; "
         f"{world} rank(s) of {budget / GiB:.1f} GiB ({work.device}); seq {work.seq} x batch {work.batch} per "
-        f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"),
+        f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"
+        + (f"; a frozen preference reference held beside the policy ({work.reference} bytes a parameter, "
+           "preference.reference: model) counted in each peak" if work.reference else "")),
         ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers = peak "
         "(host); step in seconds"),
     ]
@@ -128,7 +131,8 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
     import psutil
 
     seq = seq or (job.data.max_seq_len if job else 1024)
-    batch = batch or (job.train.batch_size * job.train.grad_accum if job else 1)
+    rows, reference = job.planner_rows() if job else (1, 0)  # preference: 2 rows a pair, a held reference
+    batch = batch or rows
     if gpus:
         world, nodes, device = gpus, default_nodes(gpus, nodes), with_links(H100, **(links or {}))
         memory = gpu_memory or "80GB"
@@ -149,8 +153,9 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
             return why is None
 
         space, _ = search_space({**job.parallel.fixed_fields(), **(fixed or {})}, world, nodes,
-                                job.train.batch_size, recipe_accepts)
+                                rows // job.train.grad_accum, recipe_accepts)
     else:
         space = pinned_space(fixed, world, nodes)
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space),
+    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task,
+                                              reference=reference, **space),
                              left_out={why: len(layouts) for why, layouts in left_out.items()})

@@ -112,14 +112,17 @@ class Simulation:
 
 def simulate(source, world_size: int, rank: int = 0, parallel: Layout | ParallelConfig | None = None, *,
              seq: int = 1024, batch: int = 1, local_world_size: int | None = None, steps: int = 2,
-             task: str = "causal_lm", device: str = "cuda") -> Simulation:
+             task: str = "causal_lm", device: str = "cuda", reference: bool = False) -> Simulation:
     """Run ``parallelize`` and ``steps`` training steps as rank ``rank`` of ``world_size`` on fake
     CUDA devices (module doc); ``source`` is a transformers config or a model on the meta device
     (e.g. with peft adapters). ``parallel`` is a planner :class:`Layout` (its ``micro_batch``
     sequences per forward) or a ``ParallelConfig``; ``batch`` sequences per data-parallel rank
     per step; ``local_world_size`` GPUs per node (default ``min(8, world_size)``). ``device="cpu"``
     simulates CPU processes (gloo's placement: every tensor on the host), to compare with runs
-    measured on this machine."""
+    measured on this machine. ``reference``: preference training (sigmoid DPO) with a frozen
+    reference held beside the policy (``preference.reference: model``), parallelized as
+    :func:`hf_scale.train.model.load_reference` does; each forward then holds ``micro_batch`` rows
+    (chosen and rejected interleaved: half as many pairs), the reference's no-grad forward first."""
     import torch.distributed as dist
 
     from ..distributed import BACKEND_VAR, shutdown_distributed
@@ -141,17 +144,21 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     start = time.perf_counter()
     facts = _facts(source, task)  # before the run: the model facts' meta forward runs outside fake mode
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
+    held = _meta_model(source, task) if reference else None  # the preference reference: a second copy
     if device not in ("cuda", "cpu"):
         raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
     runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
     with _environ(env), runtime, fake_tensors(), _symmetric_objects():
         try:
-            result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps)
+            result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps,
+                          _fake_on_host(held) if held is not None else None)
         finally:
             shutdown_distributed()
     # under pp, the estimate of the pipeline rank this rank ran (its first stage's index)
     pp_rank = result.stages[0] if result.stages else None
-    result.estimate = estimate_memory(facts, layout, Workload(seq=seq, batch=batch, device=device), pp_rank)
+    stored = next(meta.parameters()).element_size() if reference else 0
+    result.estimate = estimate_memory(facts, layout, Workload(seq=seq, batch=batch, device=device, reference=stored),
+                                      pp_rank)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -197,8 +204,9 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
-         steps: int) -> Simulation:
-    """``model`` (fake tensors on the host, as ``from_pretrained`` leaves it) parallelized and trained."""
+         steps: int, reference: nn.Module | None = None) -> Simulation:
+    """``model`` (fake tensors on the host, as ``from_pretrained`` leaves it) parallelized and trained;
+    with ``reference`` (the same, a second copy), preference steps against it held beside."""
     from ..api import parallelize
     from ..parallel.optim import build_optimizer, no_sync
     from ..parallel_state import get_state
@@ -216,12 +224,16 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
             f"{state.pipeline.microbatches} microbatches: give a micro-batch that is a multiple of them."
         )
 
+    forward = model.train_step
+    if reference is not None:
+        reference, forward = _preference(reference, layout, device, model, micro)
+
     def step(grads: list | None = None) -> None:
         for i in range(batch // micro):
             ids = torch.randint(vocab, (micro, seq), device=device)
             last = i == batch // micro - 1
             with no_sync(model, enabled=not last) if batch > micro else contextlib.nullcontext():
-                model.train_step({"input_ids": ids, "labels": ids})
+                forward({"input_ids": ids, "labels": ids})
         if grads is not None:
             grads += [(n, _local(p.grad).device) for n, p in model.named_parameters() if p.grad is not None]
         optimizer.step()
@@ -232,7 +244,7 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     # buckets, made by its lazy initialisation in the first forward; AdamW's state) is counted;
     # the peak is the last step's
     tracker = device_tracker()
-    tracker.track_external(model, optimizer, *inner_optimizers(optimizer))
+    tracker.track_external(model, optimizer, *inner_optimizers(optimizer), *([reference] if reference else []))
     grads: list[tuple[str, torch.device]] = []
     roots = [model, *(state.pipeline.stage_modules if state.pipeline is not None else ())]
     with contextlib.ExitStack() as stack:  # what the other ranks would send (.peers)
@@ -260,6 +272,30 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
                       stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced,
                       assumed=[a for log in logs for a in log.assumed],
                       contradicted=[m for log in logs for m in log.mismatches])
+
+
+def _preference(reference: nn.Module, layout: Layout, device, model: nn.Module, rows: int):
+    """``reference`` parallelized as a held preference reference is (frozen, eval mode), and the
+    step of one micro-batch: the reference's no-grad forward (the loop's own function), then the
+    policy's forward and backward on the same rows. That one is ``train_step``'s causal-LM loss: the
+    same logits and log-softmax as the DPO loss's per-token log-probs, whose per-pair reductions
+    (a few floats) read tensor values that fake tensors do not have."""
+    from ..api import parallelize
+    from ..parallel.preference_reference import frozen_reference_logps
+    from ..train.model import reference_layout
+
+    if rows % 2:
+        raise HfScaleConfigError(f"micro_batch={rows}: a preference forward holds chosen and rejected rows "
+                                 "interleaved, an even number: give an even micro-batch.")
+    reference.requires_grad_(False)
+    config = reference_layout(layout.parallel_config())
+    reference = (reference.to(device) if config is None else parallelize(reference, config)).eval()
+
+    def forward(batch: dict) -> None:
+        frozen_reference_logps(reference, batch)
+        model.train_step(batch)
+
+    return reference, forward
 
 
 def _fake_on_host(model: nn.Module) -> nn.Module:

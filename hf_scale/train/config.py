@@ -663,6 +663,17 @@ class JobConfig:
                     f"divisor of it."
                 )
 
+    def planner_rows(self) -> tuple[int, int]:
+        """(sequences per data-parallel rank per optimizer step, bytes a parameter of a held
+        reference is stored in, 0 for none): what the planner sizes this job by. Preference
+        training counts pairs in ``train.batch_size``; a forward holds their chosen and rejected
+        rows, and ``preference.reference: model`` holds a frozen copy in ``model.dtype``."""
+        rows = self.train.batch_size * self.train.grad_accum
+        if not self.preference.enabled:
+            return rows, 0
+        held = self.preference.reference_source(self.peft.enabled) == "model"
+        return 2 * rows, (4 if self.model.dtype == "float32" else 2) if held else 0
+
     def refuses(self, parallel: ParallelConfig) -> str | None:
         """Why this job cannot run with ``parallel`` (what its checks would raise), or None.
 

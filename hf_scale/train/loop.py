@@ -147,9 +147,9 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
         return job.refuses(parallel) is None
 
     source = (lambda: meta_model(job.model, job.peft)) if job.peft.enabled else (lambda: load_config(job.model))
-    parallel = resolve_auto(source, job.parallel, seq=job.data.max_seq_len,
-                            batch=job.train.batch_size * job.train.grad_accum, micro_batch=job.train.batch_size,
-                            keep=job_accepts)
+    rows, reference = job.planner_rows()  # preference: chosen and rejected rows, a held reference
+    parallel = resolve_auto(source, job.parallel, seq=job.data.max_seq_len, batch=rows,
+                            micro_batch=rows // job.train.grad_accum, keep=job_accepts, reference=reference)
     return dataclasses.replace(job, parallel=parallel)
 
 

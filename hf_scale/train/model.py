@@ -191,21 +191,31 @@ def load_reference(cfg: ModelConfig, parallel: ParallelConfig, device: torch.dev
     weights between forwards, tensor-parallel slices under tp. Under ddp / zero1 the policy is
     a whole replica on every rank and so is the reference: a plain model on ``device`` (DDP
     refuses a model with nothing to train, and would have nothing to do)."""
-    from dataclasses import replace
-
     from transformers import AutoModelForCausalLM
 
     dtype = TORCH_DTYPES[cfg.dtype]
-    if parallel.strategy in ("ddp", "zero1"):
+    layout = reference_layout(parallel)
+    if layout is None:
         path, kwargs = source(cfg)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs).to(device)
     else:
-        layout = replace(parallel, strategy="fsdp" if parallel.strategy == "zero2" else parallel.strategy,
-                         reshard_after_forward=None)
         model = from_pretrained(source(cfg)[0], layout, auto_class=AutoModelForCausalLM, dtype=dtype,
                                 revision=cfg.revision)
     model.requires_grad_(False)
     return model.eval()
+
+
+def reference_layout(parallel: ParallelConfig) -> ParallelConfig | None:
+    """The layout a held reference is parallelized with beside a policy under ``parallel``
+    (:func:`load_reference`; the planner's simulation uses it too): fsdp for fsdp and zero2 (no
+    backward: its units reshard after each forward), hsdp for hsdp; None under ddp / zero1 (a
+    plain whole model on every rank)."""
+    from dataclasses import replace
+
+    if parallel.strategy in ("ddp", "zero1"):
+        return None
+    return replace(parallel, strategy="fsdp" if parallel.strategy == "zero2" else parallel.strategy,
+                   reshard_after_forward=None)
 
 
 def meta_model(cfg: ModelConfig, adapter: AdapterConfig):
