@@ -289,13 +289,17 @@ def plan(args: list[str]) -> int:
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
         print(format_report(plan_report(config, parallel, world, nnodes, task)))
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
+        held = False
+        if ns.source.endswith((".yaml", ".yml")) and job.preference.enabled:  # --batch pairs: 2 rows each
+            batch, held = 2 * batch, job.planner_rows()[1] > 0
         layout = as_layout(parallel, world, nnodes, micro_batch=batch)
         budget = parse_memory(ns.gpu_memory or "80GB")
         if parallel.pp_grad_sync == "auto":  # by fit, as the chooser decides it
             work = Workload(seq=ns.seq or 1024, batch=batch, device="cuda")
             layout = fitting_grad_sync(model_facts(config, task), layout, work, budget)
         print(format_simulations(simulate_ranks(config, layout, ns.seq or 1024, batch, ranks, task,
-                                                local_world_size=world // nnodes if given_nodes else None), budget))
+                                                local_world_size=world // nnodes if given_nodes else None,
+                                                reference=held), budget))
         return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text

@@ -94,7 +94,8 @@ class Simulation:
         gib = lambda b: f"{b / size:.2f}"  # noqa: E731
         est = self.estimate
         estimate_parts = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-                          "activations": est.activations + est.logits_loss, "buffers": est.comm_buffers}
+                          "activations": est.activations + est.logits_loss, "buffers": est.comm_buffers,
+                          "reference": est.reference}
         stages = f", stages {', '.join(map(str, self.stages))}" if self.stages else ""
         lines = [f"rank {self.rank} of {self.world_size} on {self.device}{stages}: {self.layout.describe()} "
                  f"({self.seconds:.1f} s)",
@@ -561,12 +562,15 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def simulate_ranks(source, layout: Layout, seq: int, batch: int, ranks: list[int] | None = None,
-                   task: str = "causal_lm", local_world_size: int | None = None) -> list[Simulation]:
+                   task: str = "causal_lm", local_world_size: int | None = None,
+                   reference: bool = False) -> list[Simulation]:
     """:func:`simulate` of ``layout`` as each of ``ranks`` (default: the first and the last rank,
-    which hold the first and last pipeline stage and the shortest shard of an uneven split)."""
+    which hold the first and last pipeline stage and the shortest shard of an uneven split);
+    ``reference``: preference steps with a held reference (:func:`simulate`)."""
     world = layout.world_size
     ranks = sorted(set(ranks if ranks is not None else (0, world - 1)))
-    return [simulate(source, world, r, layout, seq=seq, batch=batch, task=task, local_world_size=local_world_size)
+    return [simulate(source, world, r, layout, seq=seq, batch=batch, task=task, local_world_size=local_world_size,
+                     reference=reference)
             for r in ranks]
 
 

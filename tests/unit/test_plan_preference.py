@@ -99,6 +99,29 @@ def test_a_dpo_recipe_is_planned_with_its_rows_and_its_reference(tmp_path):
         assert load_job(str(path), ["--model.dtype", "bfloat16"]).planner_rows() == (6, 2 if reference == "model" else 0)
 
 
+def test_plan_simulate_runs_a_dpo_recipe_with_its_reference(tmp_path):
+    """``hf-scale plan RECIPE --simulate`` of a preference recipe with ``reference: model``: one pair
+    (2 rows) a step, the reference held and counted in the estimate beside the simulation."""
+    import re
+
+    import yaml
+
+    from hf_scale.cli import main
+    from tests.tiny_models import tiny_recipe
+
+    recipe = tiny_recipe(tmp_path)
+    job = yaml.safe_load(recipe.read_text())
+    job["preference"] = {"loss": "sigmoid", "reference": "model"}
+    job["data"]["path"] = "builtin:preference"
+    path = tmp_path / "dpo.yaml"
+    path.write_text(yaml.safe_dump(job))
+    out = _plan(main, [str(path), "--simulate", "--seq", "16", "--strategy", "fsdp"])
+    assert "mb=2" in out, out  # a pair's chosen and rejected rows in one forward
+    held = [float(x) for x in re.findall(r"reference ([0-9.]+)", out)]
+    assert len(held) == 2 and all(x > 0 for x in held), out  # ranks 0 and 1: the reference's shards
+    assert out.count("estimate / simulated") == 2, out
+
+
 def _plan(main, args: list[str]) -> str:
     import contextlib
     import io
