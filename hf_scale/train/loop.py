@@ -149,7 +149,7 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     source = (lambda: meta_model(job.model, job.peft)) if job.peft.enabled else (lambda: load_config(job.model))
     parallel = resolve_auto(source, job.parallel, seq=job.data.max_seq_len,
                             batch=job.train.batch_size * job.train.grad_accum, micro_batch=job.train.batch_size,
-                            keep=job_accepts)
+                            keep=job_accepts, quantize=job.model.quantize)
     return dataclasses.replace(job, parallel=parallel)
 
 
