@@ -288,7 +288,14 @@ def plan(args: list[str]) -> int:
                         links=links, fixed=flags))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
+    adapters = ns.source.endswith((".yaml", ".yml")) and job.peft.enabled
+    if adapters:  # LoRA / QLoRA: the run's own training state replaces the full fine-tune's line
+        from .layout_search.adapter_report import adapter_lines
+
+        report["train_state_gb_per_rank"] = None
     print(format_report(report))
+    if adapters:
+        print("\n".join(adapter_lines(job, world, nnodes)))
     return 0
 
 

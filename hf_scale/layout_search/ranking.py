@@ -20,15 +20,16 @@ _PARTS = ("params", "grads", "optimizer", "activations", "logits_loss", "comm_bu
 
 
 def plan_candidates(source, gpus: int, gpu_memory, seq: int, batch: int, nodes: int = 1,
-                    device: Device | None = None, task: str = "causal_lm", **space):
+                    device: Device | None = None, task: str = "causal_lm", quantize: str | None = None, **space):
     """``(facts, best, ranked, budget, work)`` for ``source`` (a config or a model) on ``gpus``
     ranks of ``gpu_memory`` each; ``device`` defaults to H100 numbers, or this machine's
-    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes."""
+    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes. ``quantize``:
+    "nf4" for a QLoRA run (``source`` a model with its LoRA adapters)."""
     budget = parse_memory(gpu_memory)
     device_type = "cpu" if device is not None and device.name == "cpu" else "cuda"
     device = device or H100
     work = Workload(seq=seq, batch=batch, device=device_type)
-    facts = source if isinstance(source, ModelFacts) else model_facts(source, task)
+    facts = source if isinstance(source, ModelFacts) else model_facts(source, task, quantize)
     best, ranked = choose(facts, work, gpus, budget, device, nodes, **space)
     return facts, best, ranked, budget, work
 
@@ -124,7 +125,9 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
     default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
     ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
     ``batch`` default to the recipe's ``data.max_seq_len`` and ``train.batch_size x grad_accum``.
-    ``fixed``: fields the search must keep (the command line's ``--tp 2 --ep 4 --strategy fsdp``)."""
+    ``fixed``: fields the search must keep (the command line's ``--tp 2 --ep 4 --strategy fsdp``).
+    A recipe that trains LoRA adapters is planned as that run (:func:`recipe_source`): its frozen
+    base, its adapters, and under ``model.quantize: nf4`` its NF4 base weights."""
     import psutil
 
     seq = seq or (job.data.max_seq_len if job else 1024)
@@ -152,5 +155,18 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
                                 job.train.batch_size, recipe_accepts)
     else:
         space = pinned_space(fixed, world, nodes)
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task, **space),
+    source, quantize = recipe_source(config, job)
+    return format_candidates(*plan_candidates(source, world, memory, seq, batch, nodes, device, task=task,
+                                              quantize=quantize, **space),
                              left_out={why: len(layouts) for why, layouts in left_out.items()})
+
+
+def recipe_source(config, job=None):
+    """``(source, quantize)`` the planner reads for a recipe: its model on the meta device with
+    its LoRA adapters and its ``model.quantize`` when it trains adapters (as ``hf-scale finetune``'s
+    ``strategy: auto`` plans it), else ``config`` (a full fine-tune) and None."""
+    if job is None or not job.peft.enabled:
+        return config, None
+    from ..train.model import meta_model
+
+    return meta_model(job.model, job.peft), job.model.quantize

@@ -163,3 +163,26 @@ def test_quantize_needs_adapters():
     with pytest.raises(HfScalePlanError, match="no LoRA adapters"):
         model_facts(LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                 num_attention_heads=4, vocab_size=128), quantize="nf4")
+
+
+def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
+    """``hf-scale plan`` of the QLoRA quickstart (on a tiny Llama whose MLP weights hold whole NF4
+    groups at 2 slices and whose attention weights do not) says which base weights are NF4 and
+    the recipe layout's estimate, instead of a full fine-tune's training state; the LoRA
+    quickstart has no NF4 line."""
+    from pathlib import Path
+
+    from hf_scale.cli import main
+    from tests.tiny_models import CAUSAL, save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL, hidden_size=128, intermediate_size=256)
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder]) == 0
+    out = capsys.readouterr().out
+    layers = 2  # every block: gate, up, down in NF4; q, k, v, o kept (a slice is less than a group)
+    assert f"{3 * layers} of {7 * layers} LoRA base weights in NF4 over 2 slice(s)" in out
+    assert f"{4 * layers} stay in float32" in out and "NF4 dequantization" in out and "(NF4 base" in out
+    assert "AdamW state ~" not in out  # the full fine-tune's line
+    assert main(["plan", str(configs / "quickstart-lora.yaml"), "--model.name_or_path", folder]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA (peft.r=" in out and "NF4" not in out and "per rank, estimated for fsdp 1x2x1x1" in out
