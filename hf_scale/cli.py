@@ -270,6 +270,18 @@ def plan(args: list[str]) -> int:
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
         print(format_report(plan_report(config, parallel, world, nnodes, task)))
+        if ns.source.endswith((".yaml", ".yml")) and job.peft.enabled:  # the LoRA run, not a full fine-tune
+            from .layout_search.frozen import meta_copy
+            from .layout_search.ranking import recipe_source
+
+            config, quantize = recipe_source(config, job)
+            config = meta_copy(config)  # the adapters too on the meta device (attach_adapter makes them real)
+            if quantize:
+                raise HfScaleConfigError(
+                    f"plan --simulate of a QLoRA recipe (model.quantize: {quantize}) is not supported yet: FSDP "
+                    "cannot shard torchao's NF4 weights on the simulation's fake tensors. `hf-scale plan RECIPE` "
+                    "prints the planner's estimate with the NF4 base; --model.quantize null simulates the same "
+                    "LoRA run on a base in model.dtype.")
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         layout = as_layout(parallel, world, nnodes, micro_batch=batch)
         budget = parse_memory(ns.gpu_memory or "80GB")

@@ -186,3 +186,23 @@ def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     assert main(["plan", str(configs / "quickstart-lora.yaml"), "--model.name_or_path", folder]) == 0
     out = capsys.readouterr().out
     assert "LoRA (peft.r=" in out and "NF4" not in out and "per rank, estimated for fsdp 1x2x1x1" in out
+
+
+def test_plan_simulate_of_a_lora_recipe_runs_the_lora_model_and_refuses_nf4(tmp_path, capsys):
+    """``plan --simulate`` of a LoRA recipe simulates the LoRA run (frozen base, adapters); of a
+    QLoRA recipe it says that NF4 is not simulated yet and what to run instead."""
+    from pathlib import Path
+
+    from hf_scale.cli import main
+    from tests.tiny_models import CAUSAL, save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL)
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--simulate",
+                 "--seq", "16", "--simulate-ranks", "0"]) != 0
+    assert "is not supported yet" in capsys.readouterr().err
+    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--simulate",
+                 "--seq", "16", "--simulate-ranks", "0", "--model.quantize", "null"]) == 0
+    out = capsys.readouterr().out
+    frozen = next(line for line in out.splitlines() if "simulated peak" in line)
+    assert "optimizer" in frozen and "estimate / simulated" in out
