@@ -46,14 +46,15 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
         f"{facts.layers} blocks; "
         f"{world} rank(s) of {budget / GiB:.1f} GiB ({work.device}); seq {work.seq} x batch {work.batch} per "
         f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"),
-        ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers = peak "
-        "(host); step in seconds"),
+        ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers"
+         + (" / NF4 dequantization" if facts.quantize else "") + " = peak (host); step in seconds"),
     ]
+    parts = _PARTS + (("dequant",) if facts.quantize else ())
     fits = [c for c in ranked if c.fits][:top]
     width = max(len(c.layout.describe()) for c in fits)
     for i, c in enumerate(fits):
         mem = c.memory
-        split = " / ".join(f"{getattr(mem, p) / GiB:.2f}" for p in _PARTS)
+        split = " / ".join(f"{getattr(mem, p) / GiB:.2f}" for p in parts)
         host = f" (host {mem.host / GiB:.2f})" if mem.host else ""
         mark = "*" if c is best else " "
         lines.append(f" {mark}{i + 1:>3} {c.layout.describe():{width}}  {split} = {mem.device_total / GiB:.2f}{host}"

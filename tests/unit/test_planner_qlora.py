@@ -183,6 +183,10 @@ def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     assert f"{3 * layers} of {7 * layers} LoRA base weights in NF4 over 2 slice(s)" in out
     assert f"{4 * layers} stay in float32" in out and "NF4 dequantization" in out and "(NF4 base" in out
     assert "AdamW state ~" not in out  # the full fine-tune's line
+    # --gpus: the QLoRA run ranked (not a full fine-tune of the base), NF4's refusals among the rejected
+    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "M trainable)" in out and "/ NF4 dequantization = peak" in out and "x quantize='nf4' with tp=2" in out
     assert main(["plan", str(configs / "quickstart-lora.yaml"), "--model.name_or_path", folder]) == 0
     out = capsys.readouterr().out
     assert "LoRA (peft.r=" in out and "NF4" not in out and "per rank, estimated for fsdp 1x2x1x1" in out
