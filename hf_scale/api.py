@@ -46,12 +46,13 @@ def parallelize(
     return apply_parallelism(model, resolve_parallel_config(model, config), plan)
 
 
-def resolve_parallel_config(model: nn.Module, config) -> ParallelConfig:
+def resolve_parallel_config(model: nn.Module, config, quantize: str | None = None) -> ParallelConfig:
     """``config`` as a ParallelConfig; ``"auto"`` (or ``strategy: auto``) becomes the planner's
-    choice for ``model`` (a real or meta model), decided on rank 0 for every rank, logged. The one
-    way from the library into the application's planner (DESIGN)."""
+    choice for ``model`` (a real or meta model; ``quantize="nf4"``: its LoRA base to be held in
+    NF4), decided on rank 0 for every rank, logged. The one way from the library into the
+    application's planner (DESIGN)."""
     if is_auto_request(config):
         from .layout_search.auto import resolve_auto
 
-        return resolve_auto(model, config)  # parallelize's workload: one sequence per rank
+        return resolve_auto(model, config, quantize=quantize)  # parallelize's workload: one sequence per rank
     return as_parallel_config(config)

@@ -288,6 +288,18 @@ def plan(args: list[str]) -> int:
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
         print(format_report(plan_report(config, parallel, world, nnodes, task)))
+        if ns.source.endswith((".yaml", ".yml")) and job.peft.enabled:  # the LoRA run, not a full fine-tune
+            from .layout_search.frozen import meta_copy
+            from .layout_search.ranking import recipe_source
+
+            config, quantize = recipe_source(config, job)
+            config = meta_copy(config)  # the adapters too on the meta device (attach_adapter makes them real)
+            if quantize:
+                raise HfScaleConfigError(
+                    f"plan --simulate of a QLoRA recipe (model.quantize: {quantize}) is not supported yet: FSDP "
+                    "cannot shard torchao's NF4 weights on the simulation's fake tensors. `hf-scale plan RECIPE` "
+                    "prints the planner's estimate with the NF4 base; --model.quantize null simulates the same "
+                    "LoRA run on a base in model.dtype.")
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         held = False
         if ns.source.endswith((".yaml", ".yml")) and job.preference.enabled:  # --batch pairs: 2 rows each
@@ -310,7 +322,14 @@ def plan(args: list[str]) -> int:
                         links=links, fixed=flags))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
+    adapters = ns.source.endswith((".yaml", ".yml")) and job.peft.enabled
+    if adapters:  # LoRA / QLoRA: the run's own training state replaces the full fine-tune's line
+        from .layout_search.adapter_report import adapter_lines
+
+        report["train_state_gb_per_rank"] = None
     print(format_report(report))
+    if adapters:
+        print("\n".join(adapter_lines(job, world, nnodes)))
     return 0
 
 

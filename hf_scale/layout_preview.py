@@ -215,9 +215,10 @@ def format_report(report: dict) -> str:
         f"pipeline plan: {', '.join(plan.pp_plan) or 'none'}  [{src.get('pp_plan', 'none declared')}]",
         f"mesh: {report['strategy']} over {report['world_size']} rank(s) on {report['num_nodes']} node(s): "
         f"{report['mesh']}",
-        f"per rank: {report['params_per_rank'] / 1e6:,.1f}M parameters; fp32 weights + gradients + AdamW "
-        f"state ~{report['train_state_gb_per_rank']:.2f} GB (activations not included)",
     ]
+    if report["train_state_gb_per_rank"] is not None:  # None: an adapter run says its own (the CLI)
+        lines.append(f"per rank: {report['params_per_rank'] / 1e6:,.1f}M parameters; fp32 weights + gradients + "
+                     f"AdamW state ~{report['train_state_gb_per_rank']:.2f} GB (activations not included)")
     if report.get("tp"):
         lines += _tp_lines(report["tp"], report["parameters"])
     if report.get("pp"):

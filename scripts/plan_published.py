@@ -42,6 +42,19 @@ tensors, hf_scale recomputes one chunk at a time: the unchunked loss is printed 
 memory statistics, which torchtune reports, leave out the CUDA context: the ratio compares them
 with the estimate less the process overhead (``OVERHEAD``), as ``bench_planner.py`` compares
 ``MemTracker``'s tracked bytes; the device total's ratio is printed beside it.
+
+Beside it, the same table's QLoRA row: Llama 3.1 8B, QLoRA, 1x 4090, 7.4 GiB peak (the README at
+0031bfb, the same settings: batch size 2, packed to 2048 tokens, torch compile on), whose recipe
+is ``recipes/configs/llama3_1/8B_qlora_single_device.yaml`` (read at 0b3e04a; the commit the
+figure was measured at is not stated): LoRA rank 8, alpha 16, dropout 0 on ``q_proj``,
+``k_proj``, ``v_proj``, ``output_proj`` and the MLP (not the head), their base weights in NF4
+(torchao), bf16, activation checkpointing, ``CEWithChunkedOutputLoss``. The planner's run: the
+same LoRA by peft on Llama-3.1-8B in bf16 with ``quantize="nf4"`` (every targeted base weight
+is NF4 on one rank), one rank, bf16 compute, full checkpointing, 2 x 2048 tokens, the loss in
+chunks of 512 tokens. Known differences: torchtune trains its adapters in bf16 (hf_scale in
+fp32 with fp32 AdamW state: 0.12 GiB more here), and under torch compile its dequantization
+fuses (the planner prices torchao's eager one: int64 codes and three copies in the compute
+dtype of the largest weight, 0.77 GiB for the 14336 x 4096 MLP weights).
 """
 
 from __future__ import annotations
@@ -73,6 +86,12 @@ TORCHTUNE_LORA = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "target_module
 TORCHTUNE_LORA_NOW = TORCHTUNE_LORA | {
     "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 TT_SEQ, TT_BATCH, TT_GPUS, TT_CHUNK = 2048, 2, 8, 512
+# config.json of meta-llama/Llama-3.1-8B: Llama-3-8B's shapes with Llama 3.1's rope scaling
+LLAMA31_8B = LLAMA3["Llama-3-8B"] | {k: LLAMA31_70B[k] for k in ("max_position_embeddings", "rope_theta",
+                                                                  "rms_norm_eps", "rope_scaling")}
+TORCHTUNE_QLORA_GIB = 7.4  # torchtune README (0031bfb): Llama 3.1 8B, QLoRA, 1x 4090, peak memory
+TORCHTUNE_QLORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0,  # 8B_qlora_single_device.yaml
+                   "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 GiB = 2**30
 SEQ, BATCH = 4096, 1
 GB = 1e9
@@ -123,19 +142,20 @@ def rows() -> tuple[list[list[str]], list[str]]:
     return cells, notes
 
 
-def lora_facts(lora: dict):
-    """Llama-3.1-70B on the meta device in bf16 with LoRA injected by peft; the planner's facts."""
+def lora_facts(lora: dict, shape: dict = LLAMA31_70B, quantize: str | None = None):
+    """Llama-3.1-70B (or ``shape``) on the meta device in bf16 with LoRA injected by peft; the
+    planner's facts (``quantize="nf4"``: its LoRA base weights in NF4)."""
     import torch
     import transformers
     from peft import LoraConfig, get_peft_model
 
     from hf_scale.layout_search import model_facts
 
-    config = transformers.LlamaConfig(**LLAMA31_70B)
+    config = transformers.LlamaConfig(**shape)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    return model_facts(get_peft_model(base, LoraConfig(**lora)))
+    return model_facts(get_peft_model(base, LoraConfig(**lora)), quantize=quantize)
 
 
 def torchtune_rows() -> tuple[list[list[str]], list[str]]:
@@ -172,6 +192,20 @@ def torchtune_rows() -> tuple[list[list[str]], list[str]]:
     notes.append(f"today's 70B_lora.yaml targets ({', '.join(TORCHTUNE_LORA_NOW['target_modules'])}; "
                  f"{now.trainable_params / 1e6:.1f}M trainable): {(mem.device_total - mem.overhead) / GiB:.2f} GiB "
                  "less the overhead (not what the README measured)")
+    qlora = lora_facts(TORCHTUNE_QLORA, LLAMA31_8B, "nf4")
+    for chunk in (TT_CHUNK, None):
+        layout = Layout("fsdp", 1, 1, precision="bf16", ac="full", micro_batch=TT_BATCH, loss_chunk_tokens=chunk)
+        mem = estimate_memory(qlora, layout, work)
+        tracked = mem.device_total - mem.overhead
+        cells.append([
+            "torchtune Llama 3.1 8B QLoRA, 1x 4090" + ("" if chunk else " (hf_scale loss unchunked)"),
+            f"{tracked / GiB / TORCHTUNE_QLORA_GIB:.3f}", f"{mem.device_total / GiB / TORCHTUNE_QLORA_GIB:.3f}",
+            f"{TORCHTUNE_QLORA_GIB:.1f}", f"{tracked / GiB:.2f}", f"{mem.device_total / GiB:.2f}",
+            f"{qlora.trainable_params / 1e6:.1f}M of {qlora.params / 1e9:.2f}B", layout.describe() + " nf4",
+        ])
+        parts = ("params", "nf4_params", "dequant", "optimizer", "activations", "logits_loss", "recompute", "grads")
+        notes.append(f"{layout.describe()} nf4: " + ", ".join(f"{k} {getattr(mem, k) / GiB:.3f}" for k in parts)
+                     + f", overhead {mem.overhead / GiB:.2f} GiB")
     return cells, notes
 
 
@@ -192,7 +226,7 @@ def main() -> None:
                    "hf_scale layout"]
     body = (f"fsdp over N GPUs, bf16 compute (fp32 master weights), seq {SEQ} x batch {BATCH} per rank, sdpa.\n\n"
             + markdown_table(header, cells) + "\n\n```\n" + "\n".join(notes) + "\n```\n\n"
-            + f"Adapter run: seq {TT_SEQ} x batch {TT_BATCH} per rank, bf16 frozen base, fp32 adapters "
+            + f"Adapter run: seq {TT_SEQ} x batch {TT_BATCH} per rank, bf16 frozen base (its LoRA base weights in NF4 on the QLoRA rows), fp32 adapters "
             "(see the script's docstring for the sources).\n\n"
             + markdown_table(lora_header, lora_cells) + "\n\n```\n" + "\n".join(lora_notes) + "\n```\n")
     print(body)

@@ -98,7 +98,7 @@ def from_pretrained(
         from .adapters import attach_adapter
 
         model, adapter_folder = attach_adapter(model, adapter, seed=adapter_seed)
-    parallel = resolve_parallel_config(model, parallel)  # "auto": the planner's choice (on meta)
+    parallel = resolve_parallel_config(model, parallel, quantize)  # "auto": the planner's choice (on meta)
     if quantize is not None:
         from ..distributed import init_distributed
         from ..model_plans.quantize import check_quantize

@@ -54,13 +54,15 @@ def fixed_fields(config) -> dict:
 
 
 def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1, micro_batch: int | None = None,
-                 keep=None, reference: int = 0) -> ParallelConfig:
+                 keep=None, reference: int = 0, quantize: str | None = None) -> ParallelConfig:
     """Collective under torchrun: the ``ParallelConfig`` the planner chooses for ``source`` (a
     model, its config, or a function returning one: called on rank 0 only) with ``requested``'s
     fixed fields, for this run's world size, nodes, device and memory (read by
     :func:`hf_scale.distributed.init_distributed`, mpirun's and SLURM's variables included),
     decided on rank 0 and logged once. ``keep(layout, config)`` may refuse candidates.
     ``reference``: a held preference reference's bytes a parameter (:attr:`.estimate.Workload.reference`).
+    ``quantize="nf4"``: LoRA's base weights are held in NF4 (QLoRA): priced so, and only the
+    layouts the loader takes for them are ranked.
 
     Usage::
 
@@ -74,17 +76,18 @@ def resolve_auto(source, requested, *, seq: int | None = None, batch: int = 1, m
     env = init_distributed(int(fixed.get("timeout_seconds", ParallelConfig.timeout_seconds)))
     run = {"world_size": env.world_size, "nodes": env.num_nodes, "device_type": env.device.type,
            "budget": _device_memory(env.device.type, env.local_world_size)}
-    config, describe = share_from_rank0(_decide, source, fixed, seq, batch, micro_batch, keep, run, reference)
+    config, describe = share_from_rank0(_decide, source, fixed, seq, batch, micro_batch, keep, run, reference,
+                                        quantize)
     log_rank0(f"strategy 'auto' chose {describe}")
     return config
 
 
-def _decide(source, fixed, seq, batch, micro_batch, keep, run, reference=0) -> tuple[ParallelConfig, str]:
+def _decide(source, fixed, seq, batch, micro_batch, keep, run, reference=0, quantize=None) -> tuple[ParallelConfig, str]:
     if callable(source) and not isinstance(source, torch.nn.Module):
         source = source()
     seq = _seq(source, seq)
     config, best = auto_config(source, fixed=fixed, seq=seq, batch=batch, micro_batch=micro_batch, keep=keep,
-                               reference=reference, **run)
+                               reference=reference, quantize=quantize, **run)
     mem, cost = best.memory, best.cost
     return config, (f"{best.layout.describe()}: {mem.device_total / GiB:.2f} GiB per rank estimated, "
                     f"{cost.tokens_per_second:,.0f} tokens/s estimated (seq {seq} x batch {batch} per "
@@ -145,7 +148,7 @@ def _as_config(lay, world_size: int, rest: Mapping) -> ParallelConfig:
 def auto_config(source, *, world_size: int | None = None, budget: int | None = None, device_type: str | None = None,
                 seq: int | None = None, batch: int = 1, fixed: Mapping | None = None,
                 nodes: int | None = None, micro_batch: int | None = None,
-                keep=None, reference: int = 0) -> tuple[ParallelConfig, Candidate]:
+                keep=None, reference: int = 0, quantize: str | None = None) -> tuple[ParallelConfig, Candidate]:
     """The ``ParallelConfig`` of the fastest layout that fits, and the chosen candidate (one
     process's computation with the sizes given, or one process's: :func:`resolve_auto` is the
     collective entry point that reads the run's)."""
@@ -158,7 +161,7 @@ def auto_config(source, *, world_size: int | None = None, budget: int | None = N
     space, rest = search_space(fixed or {}, world_size, nodes, micro_batch, keep)
     device = cpu_device() if device_type == "cpu" else H100
     work = Workload(seq=_seq(source, seq), batch=batch, device=device_type, reference=reference)
-    best, _ = choose(model_facts(source), work, world_size, budget, device, nodes, **space)
+    best, _ = choose(model_facts(source, quantize=quantize), work, world_size, budget, device, nodes, **space)
     return _as_config(best.layout, world_size, rest), best
 
 

@@ -14,7 +14,9 @@
   ``2(n-1)/n`` per all-reduce): fsdp all-gathers the parameters in the compute dtype in forward
   and again in backward (frozen weights too: in the compute dtype, or without mixed precision in
   their own) and reduce-scatters fp32 gradients (trainable parameters only: an adapter run's are
-  a small fraction); zero2 all-gathers once; hsdp adds
+  a small fraction; a QLoRA run's NF4 base weights move in NF4 bytes, :mod:`.quantized`, and
+  each is dequantized in every forward, backward and recomputation at the memory bandwidth:
+  ``StepCost.dequant``); zero2 all-gathers once; hsdp adds
   the all-reduce of the shards over the replicas (on the inter-node link); ddp all-reduces fp32
   gradients; zero1 all-reduces them and broadcasts the updated parameters; tp all-reduces the
   residual stream once per sharded module (a row-parallel output in forward, a column-parallel
@@ -73,6 +75,7 @@ from .estimate import (
 )
 from .experts import all_to_all_bytes, inactive_params, moe_facts
 from .profile import ModelFacts
+from .quantized import dequant_bytes_per_step, nf4_share
 
 SELECTIVE_RECOMPUTE = 0.05
 # the share of a block's forward kernels that selective checkpointing issues again in backward (the
@@ -237,11 +240,12 @@ class StepCost:
     offload: float
     tokens_per_step: int  # over all data-parallel ranks
     comm_ep: float = 0.0  # expert parallel's all-to-alls (on the critical path)
+    dequant: float = 0.0  # QLoRA: NF4 weights dequantized in each matmul (memory-bound, :mod:`.quantized`)
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.comm_dp + self.comm_tp + self.comm_pp + self.comm_ep + self.optimizer
-                + self.offload)
+                + self.offload + self.dequant)
 
     @property
     def tokens_per_second(self) -> float:
@@ -283,6 +287,12 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     params = rank_params(facts, layout)
     frozen = facts.frozen_params * (params / facts.params)  # the same share of this rank's parameters
     gather_bytes = params * d if layout.precision or not frozen else (params - frozen) * d + frozen * facts.frozen_bytes
+    # QLoRA: the NF4 weights are gathered in NF4 bytes (never cast), and dequantized in every matmul
+    nf4 = nf4_share(facts, layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") and layout.world_size > 1
+                    else 1)
+    if nf4:
+        gather_bytes -= nf4.params * (d if layout.precision else facts.frozen_bytes) - nf4.nf4_bytes
+    dequant = runs * dequant_bytes_per_step(nf4, d, 3 if layout.ac else 2) / device.mem_bandwidth
     train = params - frozen
     per_node = max(1, layout.world_size // nodes)
     within = nodes == 1 or (layout.strategy == "hsdp" and layout.dp_shard * layout.tp <= per_node)
@@ -356,7 +366,8 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     if layout.cpu_offload and device.name != "cpu":
         # parameters in (frozen ones as stored), gradients out (trainable ones)
         offload = (4 * local + facts.frozen_bytes * (int(frozen) // shards) + 4 * local) / device.host_bandwidth
-    return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp, comm_ep)
+    return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp, comm_ep,
+                    dequant)
 
 
 def _ep_experts(facts: ModelFacts, layout: Layout, params: int) -> tuple[float, int]:

@@ -59,6 +59,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   so what autograd saves is what backward needs (a frozen Linear whose weight makes no gradient
   keeps no input for it; the input gradients through frozen layers still need theirs). Under tp
   and pp a rank is assumed to hold the frozen share of the whole model among its parameters.
+- QLoRA (``ModelFacts.quantize == "nf4"``, :mod:`.quantized`): the LoRA base weights the loader
+  quantizes at the layout's dp_shard slices are held, sharded and gathered in NF4 bytes (4.127
+  bits a parameter, from the inner tensors: ``element_size()`` says 2 or 4), never cast by mixed
+  precision; one weight dequantized to the compute dtype (``dequant``) lies beside a block's
+  backward (the step's end, a recomputation). Layouts the loader refuses (tp, pp, ep, zero1)
+  raise here, as the loader would.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ import torch
 from ..config import ParallelConfig
 from .experts import check_layout_ep, dispatch_buffer_bytes, moe_facts
 from .profile import ModelFacts
+from .quantized import check_layout_quantize, dequant_workspace, nf4_share
 
 GiB = 2**30
 # RSS of one CPU process after `import torch, transformers, hf_scale` (llama modeling loaded) and a
@@ -193,6 +200,11 @@ class MemoryEstimate:
     # later forwards follow, and beside the other in-flight microbatches' activations
     sync_each: bool = False
     others_in_flight: int = 0
+    # QLoRA: one NF4 weight dequantized to the compute dtype inside its matmul (forward, backward,
+    # recomputation), beside a block's backward; and, of ``params``, the bytes held in NF4 (not
+    # added to the total: already in ``params``)
+    dequant: int = 0
+    nf4_params: int = 0
     # a held preference reference (``Workload.reference``): its shards (or whole replica), always
     # there; and what its no-grad forward adds before the policy's (its gathered root and unit, its
     # logits and log-probs), beside the policy's parameters and optimizer state only
@@ -202,10 +214,10 @@ class MemoryEstimate:
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
-        backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched)
+        backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant)
                     + (self.grads if self.accumulating else 0))
         late = 0 if self.accumulating and not self.sync_each else (
-            self.grads + self.grad_buffers + self.first_block + self.others_in_flight)
+            self.grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
         policy = self.comm_buffers + self.compute_copies + max(backward, late)
         before = self.reference_forward + (self.grads if self.accumulating else 0) if self.reference_forward else 0
         return self.overhead + self.params + self.optimizer + self.reference + max(policy, before)
@@ -341,6 +353,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     rank, or of ``pp_rank`` when given (its stages' parameters, in-flight microbatches, and the
     logits and loss on the last stage's rank only)."""
     check_layout_ep(facts, layout.ep)  # the engine's refusal (a dense model, experts ep does not divide)
+    check_layout_quantize(facts, layout)  # NF4 bases: fsdp, zero2, hsdp or ddp, without tp / pp / ep
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
     frac = params / facts.params  # this rank's share of every part (tp and pp)
@@ -349,6 +362,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     fb = facts.frozen_bytes  # a frozen weight's bytes as stored (bf16: 2)
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
+    # QLoRA: the base weights the loader quantizes at this layout's dim-0 slices, in NF4 bytes
+    nf4 = nf4_share(facts, n if layout.world_size > 1 else 1)
+    nf4_held = nf4.nf4_bytes // n if nf4 else 0
     replicated = layout.strategy in ("ddp", "zero1")
     # ddp + ep: the dense weights replicated, each rank its 1/ep of the experts (FSDP-sharded over the
     # replicas holding the same ones where ep is fewer), which DDP's buckets leave out
@@ -358,13 +374,15 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     own_experts = ddp_ep.trainable_expert_params * frac / layout.dp_replicate if ddp_ep else 0.0
     train, frozen = train - (r_away - r_away_frozen), frozen - r_away_frozen
     # trainable: an fp32 master weight, its fp32 gradient, AdamW's two fp32 moments; frozen: the weight only
-    p_bytes, g_bytes = int(4 * train + fb * frozen) // n, int(4 * train) // n
+    p_bytes, g_bytes = int(4 * train + fb * frozen - (nf4.saved_bytes if nf4 else 0)) // n, int(4 * train) // n
     opt_bytes = int(8 * train) // (layout.dp if layout.strategy == "zero1" else n)
 
-    def gathered(count: float, frozen_count: float) -> float:
+    def gathered(count: float, frozen_count: float, nf4_count: float = 0) -> float:
         """Bytes of ``count`` parameters all-gathered for compute: in the compute dtype; a frozen
-        one without mixed precision in its own (FSDP2 casts only under a ``MixedPrecisionPolicy``)."""
-        return (count - frozen_count) * d + frozen_count * (d if layout.precision else fb)
+        one without mixed precision in its own (FSDP2 casts only under a ``MixedPrecisionPolicy``);
+        ``nf4_count`` of the frozen ones in NF4 bytes (their all-gather hooks never cast)."""
+        plain = (count - frozen_count) * d + (frozen_count - nf4_count) * (d if layout.precision else fb)
+        return plain + (nf4_count * nf4.bytes_per_element if nf4_count else 0)
 
     biggest, biggest_frozen = facts.largest_block()
     scale = frac if layout.pp == 1 else 1 / layout.tp
@@ -380,12 +398,15 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
-        unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen)
-        everything = gathered(params, frozen) - moe_layers * gathered(away, away_frozen)  # zero2: every block
+        unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen,
+                                                     nf4.blocks[facts.largest_block_index()] if nf4 else 0)
+        everything = (gathered(params, frozen, nf4.params if nf4 else 0)  # zero2: every block
+                      - moe_layers * gathered(away, away_frozen))
         # unsharded fp32 gradients of every trainable parameter the rank's FSDP units hold (not the
         # experts other ep ranks hold: no gradient here; nor its own whole experts, kept out of FSDP)
         unsharded = 4 * (train - moe_layers * (away - away_frozen))
-        comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen) + unit)
+        comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen, nf4.root if nf4 else 0)
+                   + unit)
         if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
             prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
@@ -412,8 +433,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     if (replicated or layout.dp == 1) and layout.precision:
         # autocast: low-precision copies of the matmul weights saved for backward (this rank's
         # experts only under ddp + ep); a frozen weight already stored in the compute dtype is used as it is
+        # (an NF4 weight never: ``LinearNF4`` saves the NF4 weight and dequantizes it again in backward)
         copied = facts.trainable_matmul_params + (facts.matmul_params - facts.trainable_matmul_params
-                                                  if fb != d else 0)
+                                                  - (nf4.params if nf4 else 0) if fb != d else 0)
         # (its 1/ep of the experts, gathered whole by FSDP where ep is fewer than the replicas)
         c_away, c_frozen = _experts_not_held(ddp_ep, 1 / layout.ep, frac)
         compute = int(copied * frac * d - (c_away - c_frozen) * d - (c_frozen * d if fb != d else 0))
@@ -456,7 +478,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
                           prefetched=prefetched, first_block=first_block, sync_each=each,
-                          others_in_flight=others, reference=reference, reference_forward=reference_forward)
+                          others_in_flight=others, dequant=dequant_workspace(nf4, d),
+                          nf4_params=0 if host else nf4_held, reference=reference,
+                          reference_forward=reference_forward)
 
 
 def _reference_bytes(stored: int, params: float, n: int, layout: Layout, d: int, gathered_root: float,

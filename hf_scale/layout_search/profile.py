@@ -78,6 +78,7 @@ class ModelFacts:
     tied_params: int = 0  # a head tied to the input embedding: the one weight's size
     tensors: int = 0  # parameter tensors (a tied weight once): the optimizer's per-tensor work
     frozen: Frozen | None = None
+    quantize: str | None = None  # "nf4": LoRA's base Linear weights in NF4 (QLoRA, :mod:`.quantized`)
     _profiles: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -115,9 +116,13 @@ class ModelFacts:
         """A tied head's size when it trains (its two uses make two gradients), else 0."""
         return 0 if self.frozen and self.frozen.head else self.tied_params
 
+    def largest_block_index(self) -> int:
+        """The index of the largest block (the first of equals)."""
+        return max(range(len(self.block_params)), key=self.block_params.__getitem__)
+
     def largest_block(self) -> tuple[int, int]:
         """The largest block's parameters and, of them, the frozen ones."""
-        i = max(range(len(self.block_params)), key=self.block_params.__getitem__)
+        i = self.largest_block_index()
         return self.block_params[i], self.frozen.blocks[i] if self.frozen else 0
 
     @property
@@ -142,11 +147,12 @@ class ModelFacts:
         return self._profiles[key]
 
 
-def model_facts(source, task: str = "causal_lm") -> ModelFacts:
+def model_facts(source, task: str = "causal_lm", quantize: str | None = None) -> ModelFacts:
     """Facts of a model given as a config (``PretrainedConfig``) or a model object (a real one is
     rebuilt on the meta device from its config, or copied there with its adapters and frozen
     flags when it has frozen parameters: nothing of it is touched). A peft ``PeftModel`` is read
-    as the transformers model it wraps, the one hf_scale parallelizes."""
+    as the transformers model it wraps, the one hf_scale parallelizes. ``quantize="nf4"``: the
+    run holds LoRA's base weights in NF4 (QLoRA; ``source`` must carry the adapters)."""
     if isinstance(source, nn.Module):
         source = adapter_target(source)
         if getattr(source, "config", None) is None:
@@ -170,6 +176,8 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
             f"{type(model).__name__} has no repeated blocks (plan.wrap_modules finds none): the planner "
             "estimates per block. Give plan={'wrap_modules': [...]} or register_plan()."
         )
+    if quantize is not None:
+        _check_quantize_source(model, quantize)
     blocks, _ = block_counts(units)
     total = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -183,8 +191,23 @@ def model_facts(source, task: str = "causal_lm") -> ModelFacts:
         hidden=hidden, vocab=getattr(config, "vocab_size", 0) or 0, layers=len(units),
         tied_params=head.weight.numel() if head is not None and emb is not None and head.weight is emb.weight else 0,
         tensors=len(list(model.parameters())),
-        frozen=count_frozen(model, units) if has_frozen(model) else None,
+        frozen=count_frozen(model, units) if has_frozen(model) else None, quantize=quantize,
     )
+
+
+def _check_quantize_source(model: nn.Module, quantize: str) -> None:
+    """A quantized run's planner source must hold LoRA adapters (the weights NF4 replaces are
+    their base layers); say what to give instead."""
+    from ..model_plans.adapters import is_lora_layer
+    from ..model_plans.quantize import QUANTIZE_CHOICES
+
+    if quantize not in QUANTIZE_CHOICES:
+        raise HfScalePlanError(f"quantize={quantize!r}: the choices are {QUANTIZE_CHOICES} (or None).")
+    if not any(is_lora_layer(m) for m in model.modules()):
+        raise HfScalePlanError(
+            f"quantize={quantize!r} prices LoRA's base weights in 4-bit, but the model has no LoRA adapters: "
+            "give the peft model (or a recipe with a peft section), or drop quantize."
+        )
 
 
 class _KeptOutputs(TorchDispatchMode):

@@ -20,16 +20,18 @@ _PARTS = ("params", "grads", "optimizer", "activations", "logits_loss", "comm_bu
 
 
 def plan_candidates(source, gpus: int, gpu_memory, seq: int, batch: int, nodes: int = 1,
-                    device: Device | None = None, task: str = "causal_lm", reference: int = 0, **space):
+                    device: Device | None = None, task: str = "causal_lm", quantize: str | None = None,
+                    reference: int = 0, **space):
     """``(facts, best, ranked, budget, work)`` for ``source`` (a config or a model) on ``gpus``
     ranks of ``gpu_memory`` each; ``device`` defaults to H100 numbers, or this machine's
-    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes. ``reference``:
-    a held preference reference's bytes a parameter (:attr:`Workload.reference`)."""
+    calibration when ``gpus`` is None-like (0) and the plan is for CPU processes. ``quantize``:
+    "nf4" for a QLoRA run (``source`` a model with its LoRA adapters). ``reference``: a held
+    preference reference's bytes a parameter (:attr:`Workload.reference`)."""
     budget = parse_memory(gpu_memory)
     device_type = "cpu" if device is not None and device.name == "cpu" else "cuda"
     device = device or H100
     work = Workload(seq=seq, batch=batch, device=device_type, reference=reference)
-    facts = source if isinstance(source, ModelFacts) else model_facts(source, task)
+    facts = source if isinstance(source, ModelFacts) else model_facts(source, task, quantize)
     best, ranked = choose(facts, work, gpus, budget, device, nodes, **space)
     return facts, best, ranked, budget, work
 
@@ -48,14 +50,15 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
         f"data-parallel rank; {len(ranked)} layouts, {sum(c.fits for c in ranked)} fit"
         + (f"; a frozen preference reference held beside the policy ({work.reference} bytes a parameter, "
            "preference.reference: model) counted in each peak" if work.reference else "")),
-        ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers = peak "
-        "(host); step in seconds"),
+        ("  memory per rank in GiB: params / grads / optimizer / activations / logits+loss / comm buffers"
+         + (" / NF4 dequantization" if facts.quantize else "") + " = peak (host); step in seconds"),
     ]
+    parts = _PARTS + (("dequant",) if facts.quantize else ())
     fits = [c for c in ranked if c.fits][:top]
     width = max(len(c.layout.describe()) for c in fits)
     for i, c in enumerate(fits):
         mem = c.memory
-        split = " / ".join(f"{getattr(mem, p) / GiB:.2f}" for p in _PARTS)
+        split = " / ".join(f"{getattr(mem, p) / GiB:.2f}" for p in parts)
         host = f" (host {mem.host / GiB:.2f})" if mem.host else ""
         mark = "*" if c is best else " "
         lines.append(f" {mark}{i + 1:>3} {c.layout.describe():{width}}  {split} = {mem.device_total / GiB:.2f}{host}"
@@ -127,7 +130,9 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
     default) with H100 numbers. Without: this machine's CPU processes (the recipe's world size, or
     ``world_size``), each with the RAM divided among them, at the calibrated speed. ``seq`` and
     ``batch`` default to the recipe's ``data.max_seq_len`` and ``train.batch_size x grad_accum``.
-    ``fixed``: fields the search must keep (the command line's ``--tp 2 --ep 4 --strategy fsdp``)."""
+    ``fixed``: fields the search must keep (the command line's ``--tp 2 --ep 4 --strategy fsdp``).
+    A recipe that trains LoRA adapters is planned as that run (:func:`recipe_source`): its frozen
+    base, its adapters, and under ``model.quantize: nf4`` its NF4 base weights."""
     import psutil
 
     seq = seq or (job.data.max_seq_len if job else 1024)
@@ -156,6 +161,18 @@ def plan_text(config, job=None, *, gpus: int | None = None, gpu_memory: str | No
                                 rows // job.train.grad_accum, recipe_accepts)
     else:
         space = pinned_space(fixed, world, nodes)
-    return format_candidates(*plan_candidates(config, world, memory, seq, batch, nodes, device, task=task,
-                                              reference=reference, **space),
+    source, quantize = recipe_source(config, job)
+    return format_candidates(*plan_candidates(source, world, memory, seq, batch, nodes, device, task=task,
+                                              quantize=quantize, reference=reference, **space),
                              left_out={why: len(layouts) for why, layouts in left_out.items()})
+
+
+def recipe_source(config, job=None):
+    """``(source, quantize)`` the planner reads for a recipe: its model on the meta device with
+    its LoRA adapters and its ``model.quantize`` when it trains adapters (as ``hf-scale finetune``'s
+    ``strategy: auto`` plans it), else ``config`` (a full fine-tune) and None."""
+    if job is None or not job.peft.enabled:
+        return config, None
+    from ..train.model import meta_model
+
+    return meta_model(job.model, job.peft), job.model.quantize

@@ -149,7 +149,8 @@ def _with_auto_layout(job: JobConfig) -> JobConfig:
     source = (lambda: meta_model(job.model, job.peft)) if job.peft.enabled else (lambda: load_config(job.model))
     rows, reference = job.planner_rows()  # preference: chosen and rejected rows, a held reference
     parallel = resolve_auto(source, job.parallel, seq=job.data.max_seq_len, batch=rows,
-                            micro_batch=rows // job.train.grad_accum, keep=job_accepts, reference=reference)
+                            micro_batch=rows // job.train.grad_accum, keep=job_accepts, reference=reference,
+                            quantize=job.model.quantize)
     return dataclasses.replace(job, parallel=parallel)
 
 

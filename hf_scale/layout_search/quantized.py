@@ -1,0 +1,129 @@
+"""NF4 (QLoRA) bases in the planner: which frozen weights are 4-bit at a layout, their bytes, and
+the dequantization each matmul pays.
+
+A QLoRA run (``model.quantize: nf4``) stores the LoRA base ``nn.Linear`` weights that
+:func:`hf_scale.model_plans.quantize.nf4_targets` chooses at the layout's ``dp_shard`` dim-0
+slices as torchao ``NF4Tensor`` s; the rest of the frozen weights (embeddings, head, norms, and
+a base weight whose slice cannot hold whole 16,384-element groups) stay in the compute dtype.
+An NF4 weight of ``n`` elements stores ``n/2`` bytes of codes, ``n/64`` int8 scalers and
+``n/16384`` quantization factors in the weight's own dtype (:func:`nf4_element_bytes`: 0.5159
+bytes at fp32, :data:`hf_scale.quantize.nf4.BITS_PER_PARAMETER` / 8); ``element_size()`` of
+an ``NF4Tensor`` says the compute dtype's, so the planner counts the inner tensors' bytes.
+
+FSDP2 shards and all-gathers the inner tensors (torchao's ``fsdp_pre_all_gather`` hands them
+over as they are, and ``fsdp_post_all_gather`` ignores the ``MixedPrecisionPolicy``'s
+``param_dtype``): a gathered unit holds its NF4 weights in NF4 bytes, and the all-gather moves
+NF4 bytes, with or without mixed precision.
+
+Dequantization (the workspace): torchao's ``LinearNF4`` saves the NF4 weight for backward and
+dequantizes the whole weight to the input's dtype in forward (``weight.to(input.dtype)``) and
+again in backward (``grad_output @ weight.to(grad_output.dtype)``), one weight at a time; the
+copy is freed after its matmul. ``NF4Tensor.get_original_weight`` holds, at its last line, the
+codes unpacked to int64 (two halves of ``n/2`` elements: ``8 n`` bytes), the looked-up values and
+the scaled values (``n`` elements each in the compute dtype) and the result (``n`` more):
+``n x (8 + 3 d)`` bytes for the largest NF4 weight (:func:`dequant_workspace`; 14 bytes per
+element in bf16, 20 in fp32), live only inside one NF4 matmul. The estimate adds it where a
+block's matmuls run beside the peak: a block's backward (the step's end, a recomputation), not
+the logits' moment at backward's start, when no block runs. Its time: that traffic, read and
+written once (codes in, int64 out and in, values out, scaled out and in, result out and in:
+``16.5 + 5 d`` bytes per element), at the device's memory bandwidth, in forward, in backward and
+in a checkpoint's recomputation (full or selective: the dequantizing ops are not among those
+selective checkpointing keeps) (:func:`dequant_bytes_per_step`); assumed, not measured.
+
+Usage::
+
+    share = nf4_share(facts, parts=8)       # None unless facts.quantize == "nf4"
+    share.params, share.blocks, share.largest
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..quantize.nf4 import BLOCK, GROUP
+
+
+@dataclass(frozen=True)
+class NF4Share:
+    """The weights a layout holds in NF4: elements per block and outside the blocks, the bytes
+    they would take as stored without quantization (what ``Frozen.element_bytes`` counted), the
+    bytes they take in NF4, and the largest one's elements."""
+
+    blocks: list[int]  # NF4 elements per block (the plan's blocks, in order)
+    root: int  # NF4 elements outside every block (0 for LoRA's usual targets)
+    plain_bytes: int  # their bytes in their own dtype
+    nf4_bytes: int  # their bytes as NF4 (codes, scalers, factors)
+    largest: int  # elements of the largest NF4 weight (the dequantization workspace)
+
+    @property
+    def params(self) -> int:
+        return sum(self.blocks) + self.root
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes NF4 saves over storing these weights as they were."""
+        return self.plain_bytes - self.nf4_bytes
+
+    @property
+    def bytes_per_element(self) -> float:
+        return self.nf4_bytes / self.params if self.params else 0.0
+
+
+def nf4_element_bytes(dtype_bytes: int) -> float:
+    """Bytes an NF4 weight stores per element: half a byte of code, an int8 scaler per 64
+    elements, a quantization factor of ``dtype_bytes`` (the weight's own dtype) per 16,384."""
+    return 0.5 + 1 / BLOCK + dtype_bytes / GROUP
+
+
+def nf4_share(facts, parts: int) -> NF4Share | None:
+    """The NF4 weights of ``facts``' model (adapters inside) split in ``parts`` dim-0 slices,
+    as the loader chooses them; None when the run quantizes nothing."""
+    if getattr(facts, "quantize", None) is None:
+        return None
+    return facts.cached(("nf4", parts), lambda: _share(facts, parts))
+
+
+def _share(facts, parts: int) -> NF4Share:
+    from ..model_plans import wrap_units
+    from ..model_plans.quantize import nf4_targets
+
+    chosen, _ = nf4_targets(facts.model, parts)
+    params = dict(facts.model.named_parameters())
+    weights = [params[name] for name in chosen]
+    owner = {}
+    for i, unit in enumerate(wrap_units(facts.model, facts.plan)):
+        for p in unit.parameters():
+            owner.setdefault(id(p), i)
+    blocks = [0] * len(facts.block_params)
+    root = 0
+    for w in weights:
+        if id(w) in owner:
+            blocks[owner[id(w)]] += w.numel()
+        else:
+            root += w.numel()
+    return NF4Share(blocks=blocks, root=root,
+                    plain_bytes=sum(w.numel() * w.element_size() for w in weights),
+                    nf4_bytes=int(sum(w.numel() * nf4_element_bytes(w.element_size()) for w in weights)),
+                    largest=max((w.numel() for w in weights), default=0))
+
+
+def dequant_workspace(share: NF4Share | None, compute_bytes: int) -> int:
+    """Bytes one NF4 matmul holds while it dequantizes the largest NF4 weight (the module doc)."""
+    return int(share.largest * (8 + 3 * compute_bytes)) if share else 0
+
+
+def dequant_bytes_per_step(share: NF4Share | None, compute_bytes: int, passes: float) -> float:
+    """Memory traffic of dequantizing every NF4 weight once per forward, once per backward and
+    once per recomputed forward (``passes``: 2, or 3 under activation checkpointing), per micro-batch."""
+    return share.params * (16.5 + 5 * compute_bytes) * passes if share else 0.0
+
+
+def check_layout_quantize(facts, layout) -> None:
+    """The loader's refusal of ``layout`` for a quantized run (tp, pp, ep, zero1: NF4 bases are
+    held under fsdp, zero2, hsdp and ddp only), raised before any estimate so that the chooser
+    rejects the layout with the message the run would stop with."""
+    if getattr(facts, "quantize", None) is None:
+        return
+    from ..model_plans.quantize import check_quantize
+
+    check_quantize(facts.quantize, layout.parallel_config(), adapter="lora")
