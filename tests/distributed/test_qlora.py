@@ -26,6 +26,9 @@ WORLD2 = [
     {"id": "zero2", "config": {"strategy": "zero2"}, "parts": 2},
     {"id": "ddp", "config": {"strategy": "ddp"}, "parts": 1},
     {"id": "fsdp_full_ac", "config": {"strategy": "fsdp", "activation_checkpointing": "full"}, "parts": 2},
+    # FSDP2's CPU offload of the NF4 shards (torchao's pin_memory / _to_copy): a no-op move on this
+    # CPU, the offload policy's code path all the same; on a GPU unchecked (no device here)
+    {"id": "fsdp_offload", "config": {"strategy": "fsdp", "cpu_offload": True}, "parts": 2},
 ]
 WORLD4 = [
     {"id": "hsdp", "config": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}, "parts": 2},
