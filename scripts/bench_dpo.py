@@ -3,7 +3,7 @@
 Run (one machine, 2 CPU cores; the script launches every leg itself, 2 ranks each)::
 
     python scripts/bench_dpo.py                       # 1 warm-up + 3 measured steps per leg, ~12 min
-    python scripts/bench_dpo.py --legs "hf_scale ddp,TRL ddp" --steps 5
+    python scripts/bench_dpo.py --legs "hf_scale ddp,TRL ddp" --rounds 2   # A B A B on a drifting machine
     python scripts/bench_dpo.py --write docs/benchmarks.md --section dpo   # and into its doc section
 
 Every leg trains the real SmolLM2-135M-Instruct (GGUF de-quantized to fp32 by
@@ -20,7 +20,9 @@ clipping, for ``--warmup + --steps`` optimizer steps, every rank at OMP_NUM_THRE
   ``metrics.jsonl``.
 * **TRL ddp**: ``torchrun --nproc_per_node 2`` running this file (accelerate, inside Trainer, runs it as
   ``MULTI_CPU``: DDP; ``accelerate launch`` without a distributed flag starts one process on CPU), which builds TRL's
-  ``DPOTrainer`` (``loss_type=["sigmoid"]``, the same beta, lr, schedule, clipping) with its own
+  ``DPOTrainer`` (``loss_type=["sigmoid"]``, the same beta, lr, schedule, clipping; fp32 and no
+  activation checkpointing, as hf_scale runs: ``DPOConfig`` defaults to bf16 autocast and
+  checkpointing, which the first version of this script left on) with its own
   reference (``ref_model``: a deep copy of the loaded policy, the cheapest way to hold one). Its
   training rows are hf_scale's own tokenisation of the same pairs (``prompt_ids`` the tokens
   before the first label, ``chosen_ids`` / ``rejected_ids`` those from the first to the last
@@ -132,6 +134,7 @@ def trl_worker(args) -> None:
         train_sampling_strategy="sequential", dataloader_num_workers=0, logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, remove_unused_columns=False,
         beta=job.preference.beta, loss_type=["sigmoid"], max_length=None, **fsdp,
+        bf16=False, fp16=False, gradient_checkpointing=False,  # DPOConfig's defaults are bf16 and checkpointing
     )  # creating the arguments starts the process group
     rank = config.process_index
     tokenizer = load_tokenizer(job.model)
@@ -182,7 +185,9 @@ def trl_worker(args) -> None:
         return (f"distributed_type {trainer.accelerator.distributed_type.value}, is_fsdp_enabled "
                 f"{trainer.is_fsdp_enabled}, wrapper {type(trainer.model_wrapped).__name__}, dtensor_params "
                 f"{sum(isinstance(p, DTensor) for p in params)}/{len(params)}, ref_model "
-                f"{type(trainer.ref_model).__name__}, world {trainer.accelerator.num_processes}")
+                f"{type(trainer.ref_model).__name__}, world {trainer.accelerator.num_processes}, bf16 "
+                f"{trainer.args.bf16}, activation checkpointing {trainer.model.is_activation_checkpointing}, "
+                f"dtype {str(params[0].dtype).removeprefix('torch.')}")
 
     placeholder = Dataset.from_list([{"prompt": "1+1=", "chosen": "2", "rejected": "3"}])
     trainer = BenchDPO(model=model, ref_model=reference, args=config, train_dataset=placeholder,
@@ -264,6 +269,16 @@ LEGS = {  # name: runner(args, out, tag)
 
 
 # ------------------------------------------------------------------ the report (pure: tested)
+
+
+def merge(rounds: list[dict]) -> dict:
+    """One leg over its rounds: the measured steps of every round that ran, the largest peak RSS,
+    the last round's losses (the same every round); the first failure when none ran."""
+    ok = [r for r in rounds if _ok(r)]
+    if not ok:
+        return rounds[0]
+    merged = {k: [x for r in ok for x in r[k]] for k in ("tok_s", "step_s")}
+    return {**ok[-1], **merged, "peak": max(r["peak"] for r in ok), "rounds": len(ok)}
 
 
 def _ok(leg: dict | None) -> bool:
@@ -350,6 +365,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="steps skipped before them (>= 1)")
     parser.add_argument("--pairs", type=int, default=4, help="pairs per rank and step (the recipe's is 8)")
     parser.add_argument("--full-lr", type=float, default=1e-5, help="lr of the full-parameter legs")
+    parser.add_argument("--rounds", type=int, default=1, help="run every leg this many times, in turn "
+                        "(A B A B: for a machine whose load drifts)")
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated among {', '.join(LEGS)}")
     parser.add_argument("--out", help="folder for logs and results (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per leg")
@@ -361,8 +378,8 @@ def main() -> None:
         return trl_worker(args)
     check_doc(args)
     names = [n.strip() for n in args.legs.split(",") if n.strip()]
-    if args.steps < 1 or args.warmup < 1 or args.pairs < 1 or set(names) - set(LEGS):
-        parser.error(f"--steps, --warmup, --pairs must be >= 1, --legs among {', '.join(LEGS)}")
+    if min(args.steps, args.warmup, args.pairs, args.rounds) < 1 or set(names) - set(LEGS):
+        parser.error(f"--steps, --warmup, --pairs, --rounds must be >= 1, --legs among {', '.join(LEGS)}")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_dpo_"))
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -370,17 +387,19 @@ def main() -> None:
     import trl
 
     title = (f"SmolLM2-135M-Instruct fp32, {configs_note(args)}; {args.warmup} warm-up + {args.steps} measured "
-             f"steps per leg; torch {torch.__version__}, transformers {transformers.__version__}, trl "
+             f"steps per leg, {args.rounds} round(s); torch {torch.__version__}, transformers {transformers.__version__}, trl "
              f"{trl.__version__}; hf_scale at {revision()}")
     print(f"{title}\nOMP_NUM_THREADS=1 per rank; logs in {out}", flush=True)
-    start, legs = time.perf_counter(), {}
-    for name in names:
-        load, began = os.getloadavg()[0], time.perf_counter()
-        legs[name] = LEGS[name](args, out, name.replace(" ", "_"))
-        shown = (f"median {statistics.median(legs[name]['tok_s']):.1f} tok/s" if _ok(legs[name])
-                 else legs[name]["status"])
-        print(f"  {name}: {shown} ({time.perf_counter() - began:.0f} s; load average {load:.2f} before, "
-              f"{os.getloadavg()[0]:.2f} after)", flush=True)
+    start, runs = time.perf_counter(), {name: [] for name in names}
+    for i in range(args.rounds):
+        for name in names:
+            load, began = os.getloadavg()[0], time.perf_counter()
+            row = LEGS[name](args, out, f"{name.replace(' ', '_')}_{i}")
+            runs[name].append(row)
+            shown = f"median {statistics.median(row['tok_s']):.1f} tok/s" if _ok(row) else row["status"]
+            print(f"  round {i} {name}: {shown} ({time.perf_counter() - began:.0f} s; load average {load:.2f} "
+                  f"before, {os.getloadavg()[0]:.2f} after)", flush=True)
+    legs = {name: merge(rows) for name, rows in runs.items()}
     ran = "\n".join(f"  {n}: {leg['cmd']}\n    {leg['ran_as']}" for n, leg in legs.items() if "cmd" in leg)
     ratios, table, losses = "\n".join(ratio_lines(legs)), "\n".join(leg_table(legs)), "\n".join(loss_lines(legs))
     print(f"\n{ratios}\n\n{table}\n\n{losses}\n\nwhat each leg ran:\n{ran}")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from bench_dpo import leg_table, loss_lines, ratio_lines, trl_rows
+from bench_dpo import leg_table, loss_lines, merge, ratio_lines, trl_rows
 
 
 def _leg(tok_s: float, peak: float, loss=(0.6931, 0.6931, 0.69)) -> dict:
@@ -55,3 +55,10 @@ def test_loss_gap_compares_the_full_parameter_legs_only():
     legs = {"hf_scale ddp": _leg(1, 1, loss=(0.6931, 0.50)), "TRL ddp": _leg(1, 1, loss=(0.6931, 0.52)),
             "hf_scale LoRA": _leg(1, 1, loss=(0.6931, 0.1))}
     assert loss_lines(legs)[-1].startswith("largest loss gap between the full-parameter legs, per step: 0.0e+00, 2.0e-02")
+
+
+def test_merge_pools_the_rounds_that_ran():
+    a, b = _leg(10.0, 3.0), _leg(20.0, 3.5)
+    merged = merge([a, {"status": "failed: timeout"}, b])
+    assert merged["tok_s"] == a["tok_s"] + b["tok_s"] and merged["peak"] == 3.5 and merged["rounds"] == 2
+    assert merge([{"status": "failed: timeout"}])["status"] == "failed: timeout"
