@@ -5,6 +5,7 @@ Run (one machine, 2 CPU cores; the script launches every leg itself, 2 ranks eac
 
     python scripts/bench_qlora.py                          # 1 warm-up + 3 measured steps a leg
     python scripts/bench_qlora.py --legs "lora bf16,qlora fp32" --steps 5
+    python scripts/bench_qlora.py --env MALLOC_MMAP_THRESHOLD_=65536   # RSS nearer live memory
     python scripts/bench_qlora.py --write docs/benchmarks.md   # into its section (markers
                                                                # <!-- bench:qlora:start/end -->)
 
@@ -223,7 +224,7 @@ def trl_worker(args) -> None:
     began = time.perf_counter()
     # the weights hf_scale leaves unquantized at 2 slices (the attention projections) stay fp32 here too
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["self_attn", "lm_head"])
+                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
     path, extra = source(job.model)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map="cpu",
                                                  dtype=torch.float32, **extra)
@@ -282,7 +283,8 @@ def _bnb_state_bytes(state) -> int:
 def run_leg(args, out: Path, name: str) -> dict:
     cmd = torchrun(__file__, WORLD, "--worker", "--name", name, "--out", str(out),
                    "--steps", str(args.steps), "--warmup", str(args.warmup))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           **dict(item.split("=", 1) for item in args.env)}
     results, error = launch_ranks(cmd, out, name, WORLD, args.timeout, env)
     if error:
         return {"status": error}
@@ -329,7 +331,7 @@ def verdicts(legs: dict) -> list[str]:
                  f"(target <= {TARGETS['frozen']})")
     for name in (n for n in legs if n.startswith("qlora") and n != QLORA and legs[n]["status"] == "ok"):
         r = legs[name]["frozen"] / d["frozen"]
-        lines.append(f"{'PASS' if r <= TARGETS['frozen'] else 'FAIL'}: frozen-weight bytes per rank, {name} / "
+        lines.append(f"also (no target): frozen-weight bytes per rank, {name} / "
                      f"{DENOMINATOR} = {legs[name]['frozen'] / 1e6:.1f} / {d['frozen'] / 1e6:.1f} MB = {r:.3f}")
     r = q["peak"] / d["peak"]
     lines.append(f"{'PASS' if r <= TARGETS['peak'] else 'FAIL'}: peak RSS (largest rank), {QLORA} / {DENOMINATOR} "
@@ -417,6 +419,9 @@ def main() -> None:
     parser.add_argument("--legs", default=",".join(LEGS), help=f"comma-separated among {', '.join(LEGS)}")
     parser.add_argument("--out", help="folder for logs and results (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per leg")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set in every leg's environment, e.g. MALLOC_MMAP_THRESHOLD_=65536 (glibc "
+                        "then returns freed activations to the system: RSS closer to live memory)")
     add_write_arg(parser, "qlora")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
@@ -425,8 +430,8 @@ def main() -> None:
         return (trl_worker if args.name == TRL else worker)(args)
     check_doc(args)
     names = [n.strip() for n in args.legs.split(",") if n.strip()]
-    if args.steps < 1 or args.warmup < 1 or set(names) - set(LEGS):
-        parser.error(f"--steps and --warmup must be >= 1, --legs among {', '.join(LEGS)}")
+    if args.steps < 1 or args.warmup < 1 or set(names) - set(LEGS) or any("=" not in e for e in args.env):
+        parser.error(f"--steps and --warmup must be >= 1, --legs among {', '.join(LEGS)}, --env KEY=VALUE")
     out = Path(args.out or tempfile.mkdtemp(prefix="bench_qlora_"))
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -435,7 +440,8 @@ def main() -> None:
     print(f"command: python scripts/bench_qlora.py {' '.join(sys.argv[1:])}".rstrip())
     title = (f"configs/quickstart-qlora.yaml (SmolLM2-135M-Instruct, LoRA r=16 all-linear, fsdp x {WORLD} ranks, "
              f"16 examples/rank/step), {args.warmup} warm-up + {args.steps} measured steps per leg; torch "
-             f"{torch.__version__}, torchao {torchao.__version__}; hf_scale at {revision()}")
+             f"{torch.__version__}, torchao {torchao.__version__}; hf_scale at {revision()}"
+             + "".join(f"; {item}" for item in args.env))
     print(f"{title}; logs in {out}", flush=True)
     start, legs = time.perf_counter(), {}
     for name in names:
