@@ -53,6 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (
+    ROOT,
     RssSampler,
     add_write_arg,
     check_doc,
@@ -64,7 +65,6 @@ from bench_common import (
     write_doc,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 RECIPE = str(ROOT / "configs" / "quickstart-qlora.yaml")
 WORLD = 2
 LEGS = {

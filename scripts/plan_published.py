@@ -158,6 +158,15 @@ def lora_facts(lora: dict, shape: dict = LLAMA31_70B, quantize: str | None = Non
     return model_facts(get_peft_model(base, LoraConfig(**lora)), quantize=quantize)
 
 
+def _published_row(name: str, chunk, mem, published_gib: float, facts, layout: str) -> list[str]:
+    """One row beside a published peak: the estimate less and with its overhead, over it and in GiB."""
+    tracked = mem.device_total - mem.overhead
+    return [name + ("" if chunk else " (hf_scale loss unchunked)"),
+            f"{tracked / GiB / published_gib:.3f}", f"{mem.device_total / GiB / published_gib:.3f}",
+            f"{published_gib:.1f}", f"{tracked / GiB:.2f}", f"{mem.device_total / GiB:.2f}",
+            f"{facts.trainable_params / 1e6:.1f}M of {facts.params / 1e9:.2f}B", layout]
+
+
 def torchtune_rows() -> tuple[list[list[str]], list[str]]:
     """torchtune's published 70B LoRA peak against the planner's estimate (see the module doc)."""
     try:
@@ -172,13 +181,8 @@ def torchtune_rows() -> tuple[list[list[str]], list[str]]:
     for chunk in (TT_CHUNK, None):
         layout = Layout("fsdp", 1, TT_GPUS, precision="bf16", ac="full", micro_batch=TT_BATCH, loss_chunk_tokens=chunk)
         mem = estimate_memory(facts, layout, work)
-        tracked = mem.device_total - mem.overhead
-        cells.append([
-            "torchtune Llama 3.1 70B LoRA, 8x A100" + ("" if chunk else " (hf_scale loss unchunked)"),
-            f"{tracked / GiB / TORCHTUNE_GIB:.3f}", f"{mem.device_total / GiB / TORCHTUNE_GIB:.3f}",
-            f"{TORCHTUNE_GIB:.1f}", f"{tracked / GiB:.2f}", f"{mem.device_total / GiB:.2f}",
-            f"{facts.trainable_params / 1e6:.1f}M of {facts.params / 1e9:.2f}B", layout.describe(),
-        ])
+        cells.append(_published_row("torchtune Llama 3.1 70B LoRA, 8x A100", chunk, mem, TORCHTUNE_GIB, facts,
+                                    layout.describe()))
         parts = ("params", "optimizer", "comm_buffers", "activations", "logits_loss", "recompute", "grads")
         notes.append(f"{layout.describe()}: " + ", ".join(f"{k} {getattr(mem, k) / GiB:.3f}" for k in parts)
                      + f", overhead {mem.overhead / GiB:.2f} GiB")
@@ -196,13 +200,8 @@ def torchtune_rows() -> tuple[list[list[str]], list[str]]:
     for chunk in (TT_CHUNK, None):
         layout = Layout("fsdp", 1, 1, precision="bf16", ac="full", micro_batch=TT_BATCH, loss_chunk_tokens=chunk)
         mem = estimate_memory(qlora, layout, work)
-        tracked = mem.device_total - mem.overhead
-        cells.append([
-            "torchtune Llama 3.1 8B QLoRA, 1x 4090" + ("" if chunk else " (hf_scale loss unchunked)"),
-            f"{tracked / GiB / TORCHTUNE_QLORA_GIB:.3f}", f"{mem.device_total / GiB / TORCHTUNE_QLORA_GIB:.3f}",
-            f"{TORCHTUNE_QLORA_GIB:.1f}", f"{tracked / GiB:.2f}", f"{mem.device_total / GiB:.2f}",
-            f"{qlora.trainable_params / 1e6:.1f}M of {qlora.params / 1e9:.2f}B", layout.describe() + " nf4",
-        ])
+        cells.append(_published_row("torchtune Llama 3.1 8B QLoRA, 1x 4090", chunk, mem, TORCHTUNE_QLORA_GIB, qlora,
+                                    layout.describe() + " nf4"))
         parts = ("params", "nf4_params", "dequant", "optimizer", "activations", "logits_loss", "recompute", "grads")
         notes.append(f"{layout.describe()} nf4: " + ", ".join(f"{k} {getattr(mem, k) / GiB:.3f}" for k in parts)
                      + f", overhead {mem.overhead / GiB:.2f} GiB")
