@@ -260,7 +260,10 @@ def busy_flops(overhead: float, processes: int) -> float:
 
 def calibrate() -> dict:
     """The numbers :func:`hf_scale.layout_search.machine.cpu_device` reads; compute with one thread, as each
-    torchrun rank runs (``OMP_NUM_THREADS=1``)."""
+    torchrun rank runs (``OMP_NUM_THREADS=1``). ``load_before``, the 1-minute load average
+    before measuring (other work on the machine, not this measurement's own processes), lets a later
+    run tell a calibration taken on a busy machine (:func:`hf_scale.layout_search.machine.busy_calibration`)."""
+    load_before = os.getloadavg()[0]
     links = collectives()
     # again at 4 processes: more ranks per collective and, on a machine of 2 or 3 cores, more ranks
     # than cores (per-unit costs and latencies grow faster than the compute's share shrinks)
@@ -279,6 +282,7 @@ def calibrate() -> dict:
         "threads": 1,
         "cpus": os.cpu_count(),
         "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_before": load_before,
         "load_average": os.getloadavg()[0],
     }
     cores = os.cpu_count() or 1

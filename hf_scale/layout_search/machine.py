@@ -13,6 +13,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -29,8 +30,28 @@ def calibration_path() -> Path:
     return Path(root) / "hf_scale" / "calibration.json"
 
 
+def other_load(data: dict) -> float:
+    """The load other work put on the machine while ``data`` was measured: the 1-minute load average
+    before measuring, or, for a calibration that did not record it, the one at its end less the
+    measurement's own processes (its last part keeps every core busy)."""
+    if "load_before" in data:
+        return float(data["load_before"])
+    return float(data.get("load_average", 0.0)) - float(data.get("cpus") or 1)
+
+
+def busy_calibration(data: dict) -> bool:
+    """Whether ``data`` was measured while other work oversubscribed the machine (more runnable
+    processes than cores, on average): its FLOP/s and bandwidths are then a fraction of what the
+    run will get, and not the same fraction for compute and collectives, so the planner would choose
+    for another machine (measured here: ``strategy: auto`` chose fsdp, 0.86x Trainer, where ddp
+    ran 1.28x, from a calibration taken at load 10.6 on 2 cores)."""
+    return other_load(data) > float(data.get("cpus") or 1)
+
+
 def _cached_calibration(path: Path) -> dict | None:
-    """The cached calibration, or None (with the reason logged) when it must be measured again."""
+    """The cached calibration, or None (with the reason logged) when it must be measured again: it is
+    missing, unreadable, from an older hf_scale, or taken on a busy machine that is not busy now
+    (one taken busy is kept while the machine still is: measuring again would be as noisy)."""
     if not path.is_file():
         return None
     try:
@@ -38,9 +59,13 @@ def _cached_calibration(path: Path) -> dict | None:
     except (OSError, ValueError) as e:
         reason = f"it could not be read ({e})"
     else:
-        if isinstance(data, dict) and data.get("version") == CALIBRATION_VERSION:
+        if not (isinstance(data, dict) and data.get("version") == CALIBRATION_VERSION):
+            reason = "an older hf_scale wrote it, without some of the figures the planner reads now"
+        elif busy_calibration(data) and (now := os.getloadavg()[0]) <= (data.get("cpus") or 1):
+            reason = (f"it was measured while other work kept the machine busy (load average "
+                      f"{other_load(data):.1f} on {data.get('cpus')} cores), which is quiet now (load {now:.1f})")
+        else:
             return data
-        reason = "an older hf_scale wrote it, without some of the figures the planner reads now"
     log_rank0(f"re-measuring the planner's calibration {path}: {reason}")
     return None
 
@@ -56,6 +81,10 @@ def cpu_device(refresh: bool = False) -> Device:
 
         log_rank0(f"measuring this machine for the planner (about 2 minutes, once: cached in {path})")
         data = {**calibrate(), "version": CALIBRATION_VERSION}
+        if busy_calibration(data):
+            log_rank0(f"the machine was busy while measured (load average {other_load(data):.1f} on "
+                      f"{data['cpus']} cores): the planner's choice may not suit a quiet machine; the "
+                      f"calibration is measured again when a run finds the machine quiet", level=logging.WARNING)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(data, indent=1))
     def link(data: dict) -> Link:
