@@ -380,9 +380,12 @@ def export(args: list[str]) -> int:
                                                      "config's base_model_name_or_path)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="with --merge: the merged model's dtype (default: the base checkpoint's)")
+    parser.add_argument("--dequantize", action="store_true",
+                        help="with --merge of a QLoRA adapter: merge into the base as it was trained (its NF4 "
+                             "weights quantized and dequantized again) instead of the full-precision base")
     ns = parser.parse_strict(args)
-    if (ns.base or ns.dtype) and not ns.merge:
-        parser.error("--base and --dtype apply with --merge only")
+    if (ns.base or ns.dtype or ns.dequantize) and not ns.merge:
+        parser.error("--base, --dtype and --dequantize apply with --merge only")
     init_distributed()
     try:
         tokenizer = None
@@ -398,7 +401,8 @@ def export(args: list[str]) -> int:
 
             dtype = getattr(torch, ns.dtype) if ns.dtype else None
             base = local_copy(ns.base or read_base(adapter_folder(ns.checkpoint)))  # zoo models: their folder
-            out = merge_adapter(ns.checkpoint, ns.out, base=base, dtype=dtype, tokenizer=tokenizer)
+            out = merge_adapter(ns.checkpoint, ns.out, base=base, dtype=dtype, tokenizer=tokenizer,
+                               dequantize=ns.dequantize)
             print(f"merged into {out}")
         else:
             print(f"exported to {export_checkpoint(ns.checkpoint, ns.out, tokenizer)}")

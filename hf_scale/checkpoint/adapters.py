@@ -159,6 +159,9 @@ def _write_adapter_metadata(model: nn.Module, folder: Path, plan, digests: dict,
         config.inference_mode = training
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
+    from .quantized import write_quantization_record
+
+    write_quantization_record(model, folder)
     write_checksums(folder, plan.files, digests)
 
 

@@ -9,6 +9,7 @@ Usage::
 
     merge_adapter("ckpt/latest", "out/merged")                 # base from adapter_config.json
     merge_adapter("out/adapter", "out/merged", base="path/to/base", dtype=torch.bfloat16)
+    merge_adapter("ckpt/latest", "out/merged", dequantize=True)  # QLoRA: into the NF4 base it saw
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ def adapter_folder(path: str | os.PathLike) -> Path:
 
 
 def merge_adapter(adapter: str | os.PathLike, out: str | os.PathLike, *, base: str | None = None,
-                  dtype: torch.dtype | None = None, tokenizer=None) -> Path:
+                  dtype: torch.dtype | None = None, tokenizer=None, dequantize: bool = False) -> Path:
     """Write ``base`` with the adapter of ``adapter`` merged into ``out`` (a Hub-format model).
 
     ``base`` (a folder or a Hub id) defaults to the adapter config's ``base_model_name_or_path``;
-    ``dtype`` to the base checkpoint's. Call it in one process.
+    ``dtype`` to the base checkpoint's. ``dequantize`` (a QLoRA adapter): merge into the base the
+    adapter was trained against, its NF4 weights quantized and dequantized again (torchtune's
+    choice; the default, peft's, merges into the full-precision base, which the adapter never saw:
+    the merged model then differs from the trained one by the quantization error). Call it in one
+    process.
     """
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -53,6 +58,10 @@ def merge_adapter(adapter: str | os.PathLike, out: str | os.PathLike, *, base: s
     folder = adapter_folder(adapter)
     source = base or read_base(folder)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto", use_safetensors=True)
+    if dequantize:
+        from .quantized import dequantized_base
+
+        dequantized_base(model, folder)
     merged = PeftModel.from_pretrained(model, str(folder)).merge_and_unload()
     return save_pretrained(merged, out, tokenizer=tokenizer)
 

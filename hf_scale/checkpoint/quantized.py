@@ -12,7 +12,9 @@ tensor quantized and split (:mod:`hf_scale.quantize.nf4`).
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -65,8 +67,8 @@ def _refuse_merge(self, *args, **kwargs) -> None:
     raise HfScaleConfigError(
         "merging a LoRA adapter into an NF4 (4-bit) base weight is not supported: the merged weight "
         "would be quantized again, losing the update (peft's add_ on an NF4Tensor fails). Save the "
-        "adapter (hf_scale.save_pretrained) and merge it into the full-precision base, reloaded: "
-        "hf-scale export --merge ADAPTER OUT (hf_scale.merge_adapter)."
+        "adapter (hf_scale.save_pretrained) and merge it into the base reloaded: hf-scale export --merge "
+        "ADAPTER OUT (hf_scale.merge_adapter), with --dequantize to merge into the NF4 base as trained."
     )
 
 
@@ -98,3 +100,62 @@ def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, tor
         model.load_state_dict(new, strict=False, assign=True)
 
     run_together(quantize)
+
+
+QUANTIZATION_FILE = "quantization.json"  # beside adapter_config.json: what the adapter was trained on
+
+
+def quantization_record(model: nn.Module) -> dict | None:
+    """What an adapter folder records of its NF4 base (None: no NF4 weight): the scheme, the dtype
+    the base was quantized from, and the base checkpoint's names of the weights that were NF4 (the
+    others stayed in the compute dtype), so that ``hf-scale export --merge --dequantize`` can merge
+    into the base the adapter was trained against (:func:`hf_scale.checkpoint.merge.merge_adapter`)."""
+    from ..quantize.nf4 import BLOCK, SCALER_BLOCK, is_nf4
+
+    host = adapter_host(model)
+    names, dtype = [], None
+    for name, p in host.named_parameters():
+        if is_nf4(p):
+            names.append(name.replace(".base_layer.", "."))
+            dtype = (p._local_tensor if isinstance(p, DTensor) else p).dtype
+    if not names:
+        return None
+    return {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
+            "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
+
+
+def write_quantization_record(model: nn.Module, folder: Path) -> None:
+    """:func:`quantization_record` into ``folder`` (an adapter folder), when the base has NF4 weights."""
+    record = quantization_record(model)
+    if record is not None:
+        (Path(folder) / QUANTIZATION_FILE).write_text(json.dumps(record, indent=1))
+
+
+@torch.no_grad()
+def dequantized_base(model: nn.Module, folder: Path) -> list[str]:
+    """Replace, in the plain base ``model`` (one process, full precision), each weight ``folder``'s
+    :data:`QUANTIZATION_FILE` names by its NF4 round trip: quantized whole as the training run
+    quantized it (from the same dtype; slices quantize exactly as the whole, :mod:`hf_scale.quantize.nf4`)
+    and dequantized. Returns the names; a clear error when the folder records none."""
+    from ..quantize.nf4 import quantize_whole
+
+    path = Path(folder) / QUANTIZATION_FILE
+    if not path.is_file():
+        raise HfScaleConfigError(
+            f"--dequantize merges into the base as a QLoRA adapter was trained against it, but {folder} has no "
+            f"{QUANTIZATION_FILE}: the adapter was not trained on an NF4 base (model.quantize), or was saved by an "
+            "hf_scale before it recorded one. Merge without --dequantize."
+        )
+    record = json.loads(path.read_text())
+    dtype = getattr(torch, record["dtype"])
+    params = dict(model.named_parameters())
+    missing = [n for n in record["weights"] if n not in params]
+    if missing:
+        raise HfScaleConfigError(
+            f"{path} names {len(missing)} weight(s) the base model lacks (e.g. {missing[0]}): give the base the "
+            "adapter was trained on (--base)."
+        )
+    for name in record["weights"]:
+        weight = params[name]
+        weight.copy_(quantize_whole(weight.to(dtype)).get_original_weight().to(weight.dtype))
+    return record["weights"]
