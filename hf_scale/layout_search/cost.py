@@ -330,6 +330,11 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
             compute += micro * (units + expert_units) * device.fsdp_unit_overhead
         else:  # (and under ddp + ep the experts' FSDP units, where ep is fewer than the replicas)
             compute += micro * (device.ddp_overhead + ddp_fsdp_experts * device.fsdp_unit_overhead)
+    if work.reference:
+        reference_compute, reference_gathers = _reference_seconds(facts, layout, work, device, params, micro, units,
+                                                                  dp_link, share, runs * (blocks_here + 1))
+        compute += reference_compute
+        comm_dp += reference_gathers * (1 - dp_link.overlap)
     comm_tp = 0.0
     if layout.tp > 1:
         size = tokens * facts.hidden * d  # the residual stream of the whole step on this rank
@@ -415,6 +420,27 @@ def _busiest_share(facts: ModelFacts, layout: Layout) -> float:
     for stage in pp_stages(facts, layout)["stages"]:
         per_rank[stage["rank"]] += stage["compute"]
     return max(per_rank)
+
+
+def _reference_seconds(facts: ModelFacts, layout: Layout, work: Workload, device: Device, params: float, micro: int,
+                       units: int, link: Link, share: float, block_runs: int) -> tuple[float, float]:
+    """(compute, data-parallel traffic) seconds of a held preference reference's no-grad forward
+    (``Workload.reference``), once per micro-batch on the same rows as the policy: 2N FLOPs a token
+    (N its active matmul parameters) and a third of attention's (:func:`flops_per_token` counts
+    forward and backward), with a third of its blocks' fixed costs (no backward). Under fsdp /
+    zero2 / hsdp it is sharded like the policy (:func:`hf_scale.train.model.reference_layout`) and
+    gathers every unit once per forward (resharded after it), in the compute dtype under mixed
+    precision, else as stored; under ddp / zero1 a whole replica: no traffic. (FSDP's per-unit
+    hook cost of the reference's forward is not counted: not measured apart from the policy's.)"""
+    idle, _ = inactive_params(facts)
+    forward = work.batch * work.seq * (2 * (facts.matmul_params - idle) + 4 * facts.layers * facts.hidden * work.seq)
+    seconds = forward * share / layout.tp / device.flops(layout.precision, layout.world_size, facts.hidden)
+    seconds += block_runs * device.block_overhead / 3
+    n = layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") else 1
+    if n == 1:
+        return seconds, 0.0
+    stored = DTYPE_BYTES[layout.precision] if layout.precision else work.reference
+    return seconds, micro * (params * stored * (n - 1) / n / link.gather + units * link.latency)
 
 
 def _host_bound_gathers(layout: Layout, gather_bytes: float, micro: int, link: Link, compute: float,

@@ -202,3 +202,19 @@ def test_a_host_bound_step_takes_the_hosts_time_and_prefetch_hides_its_forward_g
     # a device-bound step (no host time): prefetch changes nothing
     fast = step_cost(tiny, Layout("fsdp", 1, 2, micro_batch=4, prefetch=1), WORK, DEV)
     assert fast.total == pytest.approx(plain.total)
+
+
+def test_a_held_reference_adds_its_forward_and_under_fsdp_its_gathers(tiny):
+    """Preference training with a held reference (``Workload.reference``: 4 bytes a parameter): its
+    no-grad forward each micro-batch (2N a token, a third of attention) on the same rows, and under
+    fsdp one all-gather of its shards per forward; under ddp a replica, no traffic."""
+    ref = replace(WORK, reference=4)
+    forward = 64 * (2 * tiny.matmul_params + 4 * 2 * 32 * 16) / 1e9  # 64 tokens; 2 layers, hidden 32, seq 16
+    for layout, gathered in ((Layout("ddp", 2, 1, micro_batch=2), 0.0),
+                             (Layout("fsdp", 1, 2, micro_batch=2), 2 * tiny.params * 4 / 2 / 1e6)):
+        without, held = step_cost(tiny, layout, WORK, DEV), step_cost(tiny, layout, ref, DEV)
+        assert held.compute - without.compute == pytest.approx(forward)
+        assert held.comm_dp - without.comm_dp == pytest.approx(gathered)  # 2 micro-batches, (n-1)/n of 4 B each
+    bf16 = Layout("fsdp", 1, 2, micro_batch=4, precision="bf16")  # gathered in the compute dtype
+    assert step_cost(tiny, bf16, ref, DEV).comm_dp - step_cost(tiny, bf16, WORK, DEV).comm_dp == \
+        pytest.approx(tiny.params * 2 / 2 / 1e6)
