@@ -67,8 +67,9 @@ Measured per leg, over the measured steps (the first ``--warmup`` skipped), roun
 * loss per step, the final loss and the mean over the last ``--last`` steps.
 
 Targets (issue 38): packed real tokens/s >= 1.5x padded; hf_scale packed >= 1.2x TRL's packing +
-padding_free (a line for hf_scale's packed rows, the target's words, and one for its packed +
-padding_free, TRL's settings); losses on the same curve: the mean loss over the last ``--last``
+padding_free (a line for hf_scale's packed rows, the target's words, one for its packed +
+padding_free, TRL's settings, and, where the ddp leg ran, one for that leg: TRL's settings in TRL's
+layout, since TRL runs DDP on CPU and the other hf_scale legs run fsdp); losses on the same curve: the mean loss over the last ``--last``
 steps within 10% of the padded leg's (different batches: padded steps hold other examples), and
 the legs that train on the same batches (every packed leg, and TRL where its batches matched)
 equal at every step within 1e-3 (relative).
@@ -211,7 +212,11 @@ def verdicts(legs: dict, k: int) -> list[str]:
                          f"{r:.2f}x; per CPU-second {per_cpu:.2f}x)")
         else:
             lines.append(f"n/a: {name} vs padded ({name} {leg['status']}, padded {padded['status']})")
-    for name, what in ((PACKED, "hf_scale packed (rows)"), (FREE, "hf_scale packed + padding_free (TRL's settings)")):
+    # hf_scale in TRL's layout too (DDP: accelerate drops FSDP on CPU), where that leg ran
+    against_trl = [(PACKED, "hf_scale packed (rows)"), (FREE, "hf_scale packed + padding_free (TRL's settings)")]
+    if FREE_DDP in legs:
+        against_trl.append((FREE_DDP, "hf_scale packed + padding_free under ddp (TRL's settings and layout)"))
+    for name, what in against_trl:
         leg = legs.get(name, none)
         if leg["status"] == "ok" and trl["status"] == "ok":
             r = med(leg["tok_s"]) / med(trl["tok_s"])

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from bench_common import TreeRun, cpu_at, wait_for_quiet
 from bench_packing import (
     FREE,
+    FREE_DDP,
     PACKED,
     PADDED,
     TRL,
@@ -89,6 +90,12 @@ def test_verdicts():
     assert lines[4].startswith("PASS: every leg's mean loss over the last 2 steps within 10% of padded's")
     assert lines[5].startswith("PASS: the same batches give the same loss at every step within 0.001")
     assert "TRL packing + padding_free vs packed 0.0e+00" in lines[5]
+    legs[FREE_DDP] = _leg([110, 120, 115], same, tokens=1500, cpu=10.0)  # TRL's layout too: a line of its own
+    lines = verdicts(legs, 2)
+    assert lines[4] == ("FAIL: hf_scale packed + padding_free under ddp (TRL's settings and layout) real tokens/s "
+                        ">= 1.2x TRL SFTTrainer packing + padding_free (115.0 vs 100.0 = 1.15x; per CPU-second 1.50x)")
+    assert "packed + padding_free (ddp) vs packed 0.0e+00" in lines[6]
+    del legs[FREE_DDP]
     legs[TRL] = {**legs[TRL], "same_batches": False, "loss": [9.0] * 4}  # other batches: not compared step by step
     lines = verdicts(legs, 2)
     assert "TRL" not in lines[5] and lines[4].startswith("FAIL") and TRL in lines[4]
