@@ -52,7 +52,13 @@ def parse_memory(value) -> int:
             f"memory {value!r} is not a size: write a number with an optional unit, e.g. '80GB' "
             "(10^9 bytes), '80GiB' (2^30), '512MiB' or '8e10' (bytes)."
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    number = float(match.group(1))
+    if not unit and number < 2**20:  # "80": meant 80 GB, read as 80 bytes no layout fits in
+        raise HfScaleConfigError(
+            f"memory {value!r} has no unit, so it reads as {number:g} bytes: write '{match.group(1)}GB' "
+            f"(10^9 bytes) or '{match.group(1)}GiB' (2^30)."
+        )
+    return int(number * _UNITS[unit])
 
 
 @dataclass(frozen=True)

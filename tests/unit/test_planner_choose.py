@@ -43,6 +43,13 @@ def test_parse_memory_refuses(text):
         parse_memory(text)
 
 
+@pytest.mark.parametrize("text", ["80", " 24 ", "1e3"])
+def test_a_bare_small_number_is_refused_as_bytes_no_model_fits(text):
+    """``--gpu-memory 80`` meant 80 GB: read as 80 bytes, every layout was refused "0.00 GiB per rank"."""
+    with pytest.raises(HfScaleConfigError, match=f"has no unit, so it reads as .* bytes: write '{text.strip()}GB'"):
+        parse_memory(text)
+
+
 def test_enumeration_covers_the_mesh_space():
     layouts = enumerate_layouts(4, Workload(seq=16, batch=2), acs=(None,), precisions=(None,), offloads=(False,),
                                 chunks=(None,))
