@@ -11,8 +11,8 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   ``prefetch`` of k units keeps k - 1 more units gathered than FSDP2's default (one ahead), from
   the last block's backward on (``prefetched``: beside a recomputation, after the logits' peak;
   measured: prefetch 2 on the small model's fsdp leg, the same tracked peak as the default).
-- ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, plus
-  DDP's gradient buckets (``gradient_as_bucket_view`` off: a second copy of the gradients);
+- ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, the
+  gradients views into DDP's all-reduce buckets (``gradient_as_bucket_view``: no second copy);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
   the low-precision weight casts are saved for backward (``compute_copies``).
 - tp: each rank's parameters from :func:`hf_scale.layout_preview.tp_report` (``tp_layout``); pp: the
@@ -210,16 +210,20 @@ class MemoryEstimate:
     # logits and log-probs), beside the policy's parameters and optimizer state only
     reference: int = 0
     reference_forward: int = 0
+    # of ``grads``, the bytes that are views into ``comm_buffers`` (DDP's buckets under
+    # ``gradient_as_bucket_view``): held all along in the buffers, not added again
+    bucket_grads: int = 0
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
+        grads = self.grads - self.bucket_grads
         backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant)
-                    + (self.grads if self.accumulating else 0))
+                    + (grads if self.accumulating else 0))
         late = 0 if self.accumulating and not self.sync_each else (
-            self.grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
+            grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
         policy = self.comm_buffers + self.compute_copies + max(backward, late)
-        before = self.reference_forward + (self.grads if self.accumulating else 0) if self.reference_forward else 0
+        before = self.reference_forward + (grads if self.accumulating else 0) if self.reference_forward else 0
         return self.overhead + self.params + self.optimizer + self.reference + max(policy, before)
 
     def as_dict(self) -> dict[str, int]:
@@ -392,7 +396,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
-    comm = compute = prefetched = 0
+    comm = compute = prefetched = bucket_grads = 0
     # under pp each rank holds its own stages' state: ``shares`` of the largest pp rank's parameters
     shares = _pp_rank_shares(facts, layout)
     staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
@@ -426,7 +430,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                       for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
             prefetched = 0
     elif replicated and layout.dp > 1:
-        comm = int(4 * (train - own_experts))  # DDP's gradient buckets (trainable, not ep's experts)
+        # DDP's gradient buckets (trainable, not ep's experts), held from the first backward on; the
+        # gradients are views into them (``gradient_as_bucket_view``), no second copy
+        comm = bucket_grads = int(4 * (train - own_experts))
         if r_away and layout.dp_replicate > layout.ep:  # experts FSDP-sharded over the replicas holding
             # the same ones: one MoE layer's 1/ep gathered in fp32, and its gradient before the reduce-scatter
             comm += int(2 * 4 * ddp_ep.layer_params / layout.ep * frac)
@@ -465,7 +471,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # its own gradients, made only then (on the device only if the gradients are there)
     # (under ddp + ep of its own experts only)
     made = block - block_frozen - ((in_unit - in_unit_frozen) if r_away else 0)
-    first_block = max(0, acts.first_block - (4 * int(made) // n if g_bytes else 0))
+    bucket_grads = min(bucket_grads, g_bytes)
+    first_block = max(0, acts.first_block - (4 * int(made) // n if g_bytes > bucket_grads else 0))
     # ep: one MoE layer's all-to-all token buffers (sent and received rows) beside the saved
     # activations, of one pipeline microbatch under pp (none on a rank whose stages hold no MoE layer)
     moe_here = layout.ep > 1 and moe_layers_per_pp_rank(facts, layout)[acts.rank] > 0
@@ -480,7 +487,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           prefetched=prefetched, first_block=first_block, sync_each=each,
                           others_in_flight=others, dequant=dequant_workspace(nf4, d),
                           nf4_params=0 if host else nf4_held, reference=reference,
-                          reference_forward=reference_forward)
+                          reference_forward=reference_forward, bucket_grads=bucket_grads)
 
 
 def _reference_bytes(stored: int, params: float, n: int, layout: Layout, d: int, gathered_root: float,

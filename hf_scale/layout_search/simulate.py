@@ -237,6 +237,7 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
                 forward({"input_ids": ids, "labels": ids})
         if grads is not None:
             grads += [(n, _local(p.grad).device) for n, p in model.named_parameters() if p.grad is not None]
+        _tag_gradients(tracker, model)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -273,6 +274,18 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
                       stages=stages, peak=peak, estimate=None, placement=placement, misplaced=misplaced,
                       assumed=[a for log in logs for a in log.assumed],
                       contradicted=[m for log in logs for m in log.mismatches])
+
+
+def _tag_gradients(tracker, model: nn.Module) -> None:
+    """Each gradient's storage counted as gradients from its first backward on: under ddp they are
+    views into DDP's buckets (``gradient_as_bucket_view``), made by its first forward and kept
+    (MemTracker would count them where they were made, as activations, and at the next step's
+    forward peak the gradients are None but the buckets are there)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+
+    for p in model.parameters():
+        if p.grad is not None:
+            tracker._update_and_maybe_create_winfos(p.grad, _MemRefType.GRAD)
 
 
 def _preference(reference: nn.Module, layout: Layout, device, model: nn.Module, rows: int):

@@ -40,14 +40,17 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     n = tiny.params
     assert (mem.params, mem.grads, mem.optimizer) == (params * n, grads * n, optimizer * n)
     if strategy in ("ddp", "zero1"):
-        assert mem.comm_buffers == 4 * n  # DDP's gradient buckets
+        # DDP's gradient buckets, held from the first backward on; the gradients are views into them
+        assert mem.comm_buffers == mem.bucket_grads == 4 * n
+    else:
+        assert mem.bucket_grads == 0
     # the peak: at backward's start (no gradients yet) or at its end (no activations left; the
     # tied weight's second gradient and, under FSDP, the root unit's unsharded fp32 gradient)
     fixed = mem.overhead + mem.params + mem.optimizer + mem.comm_buffers + mem.compute_copies
     root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
     assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
     assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute),
-                                           mem.grads + mem.grad_buffers + mem.first_block)
+                                           mem.grads - mem.bucket_grads + mem.grad_buffers + mem.first_block)
 
 
 def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
