@@ -29,6 +29,8 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -152,5 +154,5 @@ def causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: 
     for b, row in enumerate(starts):
         cuts = [*row, length]
         rows.append(torch.cat([attend(*(t[b:b + 1, :, lo:hi] for t in (query, key, value)))
-                               for lo, hi in zip(cuts, cuts[1:])], dim=2))
+                               for lo, hi in itertools.pairwise(cuts)], dim=2))
     return torch.cat(rows, dim=0)
