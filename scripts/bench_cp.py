@@ -91,7 +91,7 @@ def worker(spec: dict, out: Path) -> None:
             if spec["cp"] > 1:
                 dist.init_process_group("gloo")
             parallel = {"strategy": "ddp", "cp": spec["cp"], "cp_attention": spec["attention"],
-                        "cp_exchange": spec.get("exchange", "allgather")}
+                        "cp_exchange": spec["exchange"] if spec["cp"] > 1 else "allgather"}
             if spec.get("long"):
                 parallel.update(activation_checkpointing="full", loss_chunk_tokens=1024)
             model = hf_scale.parallelize(model, parallel)

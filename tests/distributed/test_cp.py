@@ -8,8 +8,12 @@ soft-capping), each head_tail and contiguous, plain rows and packed rows (positi
 no mask), prompts masked with -100; a length the layout does not divide (padded); activation
 checkpointing full and selective; zero2, ddp, chunked and labeled-only loss. World 4: cp=2 x
 fsdp dp_shard=2, cp=2 x ddp over 2 replicas (each data-parallel rank its rows, weighted by label
-tokens as the loop weighs them). Also: one K/V all-gather per attention layer in forward (one
-reduce-scatter in backward), and the refusals. See tests/distributed/cp_checks.py.
+tokens as the loop weighs them). The all-to-all exchange (cp_exchange="alltoall") at world 2 on
+Llama rows, Qwen3 and Mistral packed (head_tail), Gemma2 rows (soft-capping), Gemma3-text packed
+contiguous under full AC; at world 4 cp=2 x fsdp2 and cp=4 (2 key-value heads repeated to 4).
+Also: one K/V all-gather per attention layer in forward (one reduce-scatter in backward), three
+all-to-alls each way and no K/V all-gather under alltoall, and the refusals (heads cp does not
+divide under alltoall among them). See tests/distributed/cp_checks.py.
 """
 
 from __future__ import annotations
