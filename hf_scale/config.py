@@ -57,6 +57,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
 # causal work balanced) or contiguous (rank r: chunk r of cp)
 CP_LAYOUTS = ("head_tail", "contiguous")
 CP_ATTENTIONS = ("auto", "masked")
+# how context parallel's attention exchanges the split sequence: allgather (K and V of the whole
+# sequence on every rank) or alltoall (Ulysses: heads for sequence, each rank a share of the heads)
+CP_EXCHANGES = ("allgather", "alltoall")
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble", "zbv")
 PP_GRAD_SYNCS = ("auto", "last", "each")
 # schedules whose every microbatch runs a full backward (not split into input and weight
@@ -152,6 +155,12 @@ class ParallelConfig:
             :mod:`hf_scale.parallel.cp_blocks`), the rest (packed documents, sliding windows,
             soft-capping, other devices) under a mask; ``"masked"``: the mask everywhere (the
             gathered K / V kept for backward; to compare or to rule the blocks out).
+        cp_exchange: one of ``CP_EXCHANGES``: ``"allgather"`` (default): each rank keeps its queries
+            and gathers the whole sequence's keys and values; ``"alltoall"`` (Ulysses): q, k and v
+            are exchanged heads-for-sequence, each rank attends over the whole sequence with
+            heads / cp of the heads (:mod:`hf_scale.parallel.cp_alltoall`): no rank holds the whole
+            sequence's K / V of every head. Needs the attention and key-value heads divisible by cp
+            (key-value heads fewer than cp and dividing it are repeated).
         timeout_seconds: collective timeout when hf_scale creates the process group.
     """
 
@@ -178,6 +187,7 @@ class ParallelConfig:
     cp: int = 1
     cp_layout: str = "head_tail"
     cp_attention: str = "auto"
+    cp_exchange: str = "allgather"
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -331,6 +341,7 @@ class ParallelConfig:
         _check_positive_int("cp", self.cp, "(ranks a sequence is split over; 1 = no context parallel)", optional=False)
         _check_choice("cp_layout", self.cp_layout, CP_LAYOUTS)
         _check_choice("cp_attention", self.cp_attention, CP_ATTENTIONS)
+        _check_choice("cp_exchange", self.cp_exchange, CP_EXCHANGES)
         if self.cp == 1:
             return
         others = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep") if getattr(self, name) > 1]

@@ -38,6 +38,7 @@ from .model_plans.pp import PipelineLayout, pp_layout
 from .model_plans.tp import TPLayout, tp_layout
 from .parallel import apply_ac, apply_autocast, apply_chunked_loss, apply_ddp, apply_fsdp, apply_tp
 from .parallel.cp import apply_cp
+from .parallel.cp_alltoall import check_heads
 from .parallel.cp_check import check_cp_model
 from .parallel.ep import apply_experts, unsplit_parameters
 from .parallel.fsdp import shard_experts
@@ -145,6 +146,8 @@ def build_topology(model: nn.Module, plan: ModelPlan, config: ParallelConfig, en
         check_ep(experts, model, plan, config.ep)
     if config.cp > 1:  # an architecture cp cannot split, refused on every rank before the mesh
         check_cp_model(model)
+        if config.cp_exchange == "alltoall":
+            check_heads(model.config, config.cp)
     dims = ParallelDims.resolve(config, env.world_size, env.num_nodes)
     pp = None
     if dims.pp_enabled:
@@ -307,7 +310,8 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config: Paralle
     batch and the loss over the group (:mod:`hf_scale.parallel.cp`)."""
     if topology.dims is None or not topology.dims.cp_enabled:
         return
-    apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout, config.cp_attention)
+    apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout, config.cp_attention,
+             config.cp_exchange)
 
 
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:

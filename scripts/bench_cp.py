@@ -5,7 +5,9 @@ Each leg trains one random-init Llama (``--model tiny``: 4 layers, hidden 256, 8
 heads; ``smollm2``: SmolLM2-135M's shape) on ONE sequence of ``LENGTH`` tokens per step, fp32,
 gloo, every rank of the cp group fed the same batch. cp=1 is one process running plain
 transformers (SDPA); cp>1 is ``hf_scale.parallelize(model, {"strategy": "ddp", "cp": N})`` over
-N processes (``--attention masked`` for the masked attention instead of the blocks). Per leg:
+N processes (``--attention masked`` for the masked attention instead of the blocks;
+``--exchange allgather,alltoall`` for a leg per exchange: K / V all-gathered, or the all-to-all of
+heads for sequence). Per leg:
 
 * tokens/s: the sequence's tokens per measured AdamW step (forward, backward, step), the
   group's throughput (not per rank);
@@ -20,11 +22,13 @@ N processes (``--attention masked`` for the masked attention instead of the bloc
 
 ``--longest BUDGET_MB``: for each cp, the longest length (doubling from ``--start``) whose step RSS
 (peak minus after-build, so the model's own weights are left out) stays under BUDGET_MB on every
-rank, with full activation checkpointing and the chunked loss (the long-context setting).
+rank, with full activation checkpointing and the chunked loss (the long-context setting), for
+each cp > 1 and exchange.
 
     python scripts/bench_cp.py                                   # cp 1, 2, 4 at 1k, 2k, 4k tokens
     python scripts/bench_cp.py --lengths 2048 --cps 1,2 --attention masked
     python scripts/bench_cp.py --longest 300 --start 1024        # longest length under 300 MB/rank
+    python scripts/bench_cp.py --longest 300 --exchange allgather,alltoall   # both exchanges, one table
     python scripts/bench_cp.py --write docs/benchmarks.md        # into its section (bench:cp;
                                                                  # --longest: bench:cp-longest)
     python scripts/bench_cp.py --worker JSON OUT                 # one leg's rank (run by torchrun)
@@ -86,7 +90,8 @@ def worker(spec: dict, out: Path) -> None:
 
             if spec["cp"] > 1:
                 dist.init_process_group("gloo")
-            parallel = {"strategy": "ddp", "cp": spec["cp"], "cp_attention": spec["attention"]}
+            parallel = {"strategy": "ddp", "cp": spec["cp"], "cp_attention": spec["attention"],
+                        "cp_exchange": spec["exchange"] if spec["cp"] > 1 else "allgather"}
             if spec.get("long"):
                 parallel.update(activation_checkpointing="full", loss_chunk_tokens=1024)
             model = hf_scale.parallelize(model, parallel)
@@ -132,7 +137,8 @@ def worker(spec: dict, out: Path) -> None:
 
 def run_leg(spec: dict, out: Path, timeout: float) -> tuple[dict | None, str | None]:
     """Launch one leg (torchrun for cp > 1); the worst rank's numbers, or why not."""
-    spec = {**spec, "name": f"cp{spec['cp']}-{spec['attention']}-{spec['length']}{'-long' if spec.get('long') else ''}"}
+    spec = {**spec, "name": f"cp{spec['cp']}-{spec.get('exchange', 'allgather')}-{spec['attention']}-{spec['length']}"
+                            f"{'-long' if spec.get('long') else ''}"}
     cmd = (torchrun(__file__, spec["cp"], "--worker", json.dumps(spec), str(out)) if spec["cp"] > 1 else
            [sys.executable, __file__, "--worker", json.dumps(spec), str(out)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -146,36 +152,44 @@ def run_leg(spec: dict, out: Path, timeout: float) -> tuple[dict | None, str | N
 def table(args, out: Path) -> str:
     rows, base = [], {}
     for length in args.lengths:
-        for cp in args.cps:
-            for attention in (args.attention if cp > 1 else ["-"]):
-                spec = dict(model=args.model, length=length, cp=cp, attention=attention, steps=args.steps)
-                result, error = run_leg(spec, out, args.timeout)
-                name = [str(length), str(cp), attention]
-                if error:
-                    rows.append(name + [f"failed: {error}"])
-                    print(rows[-1], flush=True)
-                    continue
-                if cp == 1:
-                    base[length] = result
-                ref = base.get(length)
-                ratio = f"{result['saved_bytes'] / ref['saved_bytes']:.3f}x" if ref else "-"
-                rss_ratio = f"{result['step_rss'] / ref['step_rss']:.2f}x" if ref else "-"
-                loss = (f"{abs(result['losses'][0] - ref['losses'][0]) / ref['losses'][0]:.1e}" if ref else "-")
-                rows.append(name + [f"{result['tokens_per_s']:.0f}", f"{result['saved_bytes'] / 2**20:.1f}", ratio,
-                                    f"{result['peak_rss'] / 2**20:.0f}", f"{result['step_rss'] / 2**20:.0f}",
-                                    rss_ratio, loss])
+        for cp, exchange, attention in _legs(args):
+            spec = dict(model=args.model, length=length, cp=cp, attention=attention, steps=args.steps,
+                        exchange=exchange)
+            result, error = run_leg(spec, out, args.timeout)
+            name = [str(length), str(cp), exchange, attention]
+            if error:
+                rows.append(name + [f"failed: {error}"])
                 print(rows[-1], flush=True)
-    header = ["tokens", "cp", "attention", "tokens/s (group)", "saved MB/rank", "saved vs cp=1",
+                continue
+            if cp == 1:
+                base[length] = result
+            ref = base.get(length)
+            ratio = f"{result['saved_bytes'] / ref['saved_bytes']:.3f}x" if ref else "-"
+            rss_ratio = f"{result['step_rss'] / ref['step_rss']:.2f}x" if ref else "-"
+            loss = (f"{abs(result['losses'][0] - ref['losses'][0]) / ref['losses'][0]:.1e}" if ref else "-")
+            rows.append(name + [f"{result['tokens_per_s']:.0f}", f"{result['saved_bytes'] / 2**20:.1f}", ratio,
+                                f"{result['peak_rss'] / 2**20:.0f}", f"{result['step_rss'] / 2**20:.0f}",
+                                rss_ratio, loss])
+            print(rows[-1], flush=True)
+    header = ["tokens", "cp", "exchange", "attention", "tokens/s (group)", "saved MB/rank", "saved vs cp=1",
               "peak RSS MB/rank", "step RSS MB/rank", "step RSS vs cp=1", "first loss vs cp=1"]
     return markdown_table(header, rows)
 
 
+def _legs(args) -> list[tuple[int, str, str]]:
+    """(cp, exchange, attention) of each leg: cp=1 once, every cp > 1 per exchange and attention."""
+    return [(cp, exchange, attention) for cp in args.cps
+            for exchange in (args.exchange if cp > 1 else ["-"])
+            for attention in (args.attention if cp > 1 else ["-"])]
+
+
 def longest(args, out: Path) -> str:
-    rows = []
-    for cp in args.cps:
+    rows, base = [], None
+    for cp, exchange, _ in _legs(args):
         length, best, why = args.start, None, ""
         while length <= args.max_length:
-            spec = dict(model=args.model, length=length, cp=cp, attention="auto", steps=1, long=True)
+            spec = dict(model=args.model, length=length, cp=cp, attention="auto", steps=1, long=True,
+                        exchange=exchange)
             result, error = run_leg(spec, out, args.timeout)
             if error or result["step_rss"] > args.longest * 2**20:
                 why = error or f"{length} tokens: step RSS {result['step_rss'] / 2**20:.0f} MB"
@@ -185,12 +199,15 @@ def longest(args, out: Path) -> str:
         else:
             why = f"--max-length {args.max_length} reached"
         if best is None:
-            rows.append([str(cp), "none", "", "", why])
+            rows.append([str(cp), exchange, "none", "", "", "", why])
         else:
-            rows.append([str(cp), str(best[0]), f"{best[1]['step_rss'] / 2**20:.0f}",
+            base = base if cp > 1 else best[0]
+            ratio = f"{best[0] / base:.1f}x" if base else "-"
+            rows.append([str(cp), exchange, str(best[0]), ratio, f"{best[1]['step_rss'] / 2**20:.0f}",
                          f"{best[1]['tokens_per_s']:.0f}", why])
         print(rows[-1], flush=True)
-    return markdown_table(["cp", "longest tokens", "its step RSS MB/rank", "tokens/s", "next length"], rows)
+    return markdown_table(["cp", "exchange", "longest tokens", "vs cp=1", "its step RSS MB/rank", "tokens/s",
+                           "next length"], rows)
 
 
 def main() -> None:
@@ -201,6 +218,8 @@ def main() -> None:
     parser.add_argument("--cps", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     parser.add_argument("--attention", type=lambda s: s.split(","), default=["auto"],
                         help="cp_attention of the cp>1 legs, comma-separated: auto (blocks), masked")
+    parser.add_argument("--exchange", type=lambda s: s.split(","), default=["allgather"],
+                        help="cp_exchange of the cp>1 legs, comma-separated: allgather, alltoall")
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--longest", type=float, metavar="BUDGET_MB", help="find the longest length per cp instead")

@@ -37,7 +37,10 @@ and nothing of size S (activation bytes saved per rank: 0.50x of one process at 
 cp=4, tests/distributed/test_cp_memory.py); the gathered K / V (S) and the blocks' scores exist
 only while a layer runs. The masked path keeps the gathered K / V (repeated for grouped-query
 heads) for backward and builds a dense boolean ``batch x S/cp x S`` mask per window and forward.
-Ring or all-to-all (Ulysses) exchanges are not implemented (docs/context-parallel.md).
+``cp_exchange="alltoall"`` (Ulysses, :mod:`hf_scale.parallel.cp_alltoall`) exchanges heads for
+sequence instead of gathering K / V: each rank attends over the whole sequence with heads/cp of
+the heads, the same masks built from global positions. A ring exchange is not implemented
+(docs/context-parallel.md).
 
 Usage::
 
@@ -58,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HfScaleConfigError
-from . import cp_blocks
+from . import cp_alltoall, cp_blocks
 
 ATTENTION = "hf_scale_cp"  # the attention function's name in transformers' registry
 PROBE = "hf_scale_cp_probe"  # the attention function of the tiny model that checks an architecture
@@ -109,7 +112,10 @@ class Forward:
     batch's label count; masks are built once per window and reused by every layer. ``chunks``
     / ``chunk``: the global chunks each rank holds and their length; ``pieces``: this rank's
     queries by chunk and document for the attention without a mask (``cp_blocks``; None: masked
-    attention only); ``stash``: gathered K / V a recomputed forward leaves for its backward."""
+    attention only); ``stash``: gathered K / V a recomputed forward leaves for its backward.
+    ``exchange``: ``allgather`` or ``alltoall`` (:mod:`cp_alltoall`); ``starts``: each row's packed
+    document starts (global positions), None for one document per row; ``order`` / ``placed``: the
+    permutations from gather order to global order and back (None when the layout keeps it)."""
 
     group: Any
     q_index: torch.Tensor
@@ -122,22 +128,31 @@ class Forward:
     pieces: list | None = None
     stash: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
+    exchange: str = "allgather"
+    starts: list | None = None
+    order: torch.Tensor | None = None
+    placed: torch.Tensor | None = None
     block_calls: int = 0
+    alltoall_calls: int = 0
     attention_calls: int = 0
     loss_calls: int = 0
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """Boolean ``[batch or 1, 1, S_local, S]``: key j visible to query i (global indices)."""
-        if window not in self.masks:
-            q, k = self.q_index[:, None], self.kv_index[None, :]
+    def mask(self, window: int | None, whole: bool = False) -> torch.Tensor:
+        """Boolean ``[batch or 1, 1, S_local, S]``: key j visible to query i (global indices);
+        ``whole``: ``[batch or 1, 1, S, S]``, every query and key in global order (all-to-all)."""
+        if (window, whole) not in self.masks:
+            length = self.kv_index.numel()
+            q_index, kv_index = (torch.arange(length, device=self.kv_index.device),) * 2 if whole else (
+                self.q_index, self.kv_index)
+            q, k = q_index[:, None], kv_index[None, :]
             allowed = k <= q
             if window is not None:
                 allowed = allowed & (q - k < window)
             allowed = allowed[None]
             if self.docs is not None:
-                allowed = allowed & (self.docs[:, self.q_index, None] == self.docs[:, None, self.kv_index])
-            self.masks[window] = allowed[:, None]
-        return self.masks[window]
+                allowed = allowed & (self.docs[:, q_index, None] == self.docs[:, None, kv_index])
+            self.masks[window, whole] = allowed[:, None]
+        return self.masks[window, whole]
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -184,6 +199,8 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     fwd.attention_calls += 1
     length = fwd.kv_index.numel()
     dropout = dropout if module.training else 0.0
+    if fwd.exchange == "alltoall":
+        return _alltoall_attention(fwd, query, key, value, dropout, scaling, sliding_window, softcap), None
     if (fwd.pieces is not None and softcap is None and not dropout and (sliding_window is None or sliding_window >= length)
             and cp_blocks.supported(query, key, value)):
         fwd.block_calls += 1
@@ -197,31 +214,52 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    mask = fwd.mask(sliding_window)
-    if softcap is None:
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
-    else:  # logits soft-capped before the mask, as transformers' eager attention does
-        scores = query @ key.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = F.dropout(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), p=dropout,
-                          training=module.training)
-        out = probs @ value
+    out = _masked(query, key, value, fwd.mask(sliding_window), scaling, softcap, dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _masked(query, key, value, mask, scaling, softcap, dropout) -> torch.Tensor:
+    """Attention under a boolean mask (keys already repeated for grouped-query heads)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    # logits soft-capped before the mask, as transformers' eager attention does
+    scores = query @ key.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = F.dropout(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), p=dropout,
+                      training=dropout > 0)
+    return probs @ value
+
+
+def _alltoall_attention(fwd: Forward, query, key, value, dropout, scaling, sliding_window, softcap) -> torch.Tensor:
+    """Heads for sequence (:mod:`cp_alltoall`), attention over the whole sequence in global order
+    (no mask for plain causal layers unless ``cp_attention="masked"``), and back."""
+    fwd.alltoall_calls += 1
+    query, key, value = cp_alltoall.to_heads(query, key, value, fwd.group, fwd.order)
+    length = key.shape[2]
+    window = None if sliding_window is None or sliding_window >= length else sliding_window
+    if window is None and softcap is None and fwd.pieces is not None:
+        out = cp_alltoall.causal(query, key, value, fwd.starts, scaling, dropout)
+    else:
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        out = _masked(query, key, value, fwd.mask(window, whole=True), scaling, softcap, dropout)
+    return cp_alltoall.to_sequence(out, fwd.group, fwd.placed).transpose(1, 2).contiguous()
 
 
 class ContextParallel:
     """What :func:`apply_cp` attaches to a model: the split (forward pre-hook), the checks after
     the forward, and the loss over the group. ``group``: the cp process group."""
 
-    def __init__(self, model: nn.Module, group, layout: str, attention: str = "auto"):
-        self.group, self.layout, self.attention = group, layout, attention
+    def __init__(self, model: nn.Module, group, layout: str, attention: str = "auto", exchange: str = "allgather"):
+        self.group, self.layout, self.attention, self.exchange = group, layout, attention, exchange
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.signature = inspect.signature(model.forward)
         self.pad_id = getattr(model.config, "pad_token_id", None) or 0
         self.current: Forward | None = None
         self.checked: set[bool] = set()  # training modes whose first batch was compared over the group
-        self.calls = {"blocks": 0, "masked": 0}  # attention calls by kind, over every forward so far
+        self.calls = {"blocks": 0, "masked": 0, "alltoall": 0}  # attention calls by kind, over every forward so far
 
     @staticmethod
     def of(model: nn.Module) -> ContextParallel | None:
@@ -283,14 +321,17 @@ class ContextParallel:
                 kwargs[name] = kwargs[name].index_select(1, index)
         chunks = chunks_held(self.size, self.layout)
         chunk = length // (self.size * len(chunks[0]))
-        pieces = None
+        pieces = starts = None
         if self.attention == "auto":  # the padding at the end is seen by no real token: no document of its own
             starts = None if not packed else [[0, *torch.nonzero(torch.diff(row)).add(1).flatten().tolist()]
                                               for row in docs.cpu()]
-            pieces = cp_blocks.plan_pieces(chunks[self.rank], chunk, starts)
-        fwd = Forward(self.group, index, torch.cat(every).to(device), docs,
+            pieces = cp_blocks.plan_pieces(chunks[self.rank], chunk, starts) if self.exchange == "allgather" else []
+        gathered = torch.cat(every)
+        fwd = Forward(self.group, index, gathered.to(device), docs,
                       None if shift is None else shift.index_select(1, index), num_items,
-                      chunks=chunks, chunk=chunk, pieces=pieces)
+                      chunks=chunks, chunk=chunk, pieces=pieces, exchange=self.exchange, starts=starts)
+        if self.exchange == "alltoall" and not torch.equal(gathered, torch.arange(length)):
+            fwd.order, fwd.placed = torch.argsort(gathered).to(device), gathered.to(device)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd
         return (), kwargs
@@ -340,7 +381,8 @@ class ContextParallel:
         fwd, self.current = self.current, None
         if fwd is not None:
             self.calls["blocks"] += fwd.block_calls
-            self.calls["masked"] += fwd.attention_calls - fwd.block_calls
+            self.calls["alltoall"] += fwd.alltoall_calls
+            self.calls["masked"] += fwd.attention_calls - fwd.block_calls - fwd.alltoall_calls
         if output is None or fwd is None:
             return output
         if fwd.attention_calls == 0:
@@ -375,17 +417,22 @@ class ContextParallel:
         model.loss_function = loss
 
 
-def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail", attention: str = "auto") -> ContextParallel:
+def apply_cp(model: nn.Module, cp_mesh, layout: str = "head_tail", attention: str = "auto",
+             exchange: str = "allgather") -> ContextParallel:
     """Split ``model``'s sequences over the 1-D ``cp_mesh`` (see the module docstring); the
-    model must have passed :func:`check_cp_model`. Apply after tensor parallel, before
-    activation checkpointing and FSDP / DDP (which then reduce over ``dp x cp``)."""
+    model must have passed :func:`check_cp_model` (and, for ``exchange="alltoall"``,
+    :func:`cp_alltoall.check_heads`). Apply after tensor parallel, before activation
+    checkpointing and FSDP / DDP (which then reduce over ``dp x cp``)."""
     from transformers import AttentionInterface
+
+    if exchange == "alltoall":
+        cp_alltoall.check_heads(model.config, cp_mesh.size())
 
     AttentionInterface.register(ATTENTION, cp_attention)
     model.set_attn_implementation(ATTENTION)
     if model.config._attn_implementation != ATTENTION:
         raise HfScaleConfigError(f"{type(model).__name__} did not take the context-parallel attention function.")
-    cp = ContextParallel(model, cp_mesh.get_group(), layout, attention)
+    cp = ContextParallel(model, cp_mesh.get_group(), layout, attention, exchange)
     model.register_forward_pre_hook(cp.split, with_kwargs=True)
     model.register_forward_hook(cp.finish, with_kwargs=True, always_call=True)
     cp.wrap_loss(model)

@@ -139,7 +139,9 @@ def comm_counts(arch: str = "llama", config: dict | None = None, packed: bool = 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     out["layers"] = c.num_hidden_layers
     out["kv_bytes"] = BATCH * c.num_key_value_heads * SEQ * 2 * head_dim * 4  # K and V, fp32, whole sequence
+    out["q_bytes"] = BATCH * c.num_attention_heads * SEQ * head_dim * 4  # the queries (and the output)
     out["blocks"] = cp.calls["blocks"] - before["blocks"]
+    out["alltoall"] = cp.calls["alltoall"] - before["alltoall"]
     return out
 
 
@@ -183,11 +185,15 @@ def refusals() -> dict:
             out[name] = "no error"
         except hf_scale.HfScaleConfigError as e:
             out[name] = str(e)
-    try:
-        hf_scale.parallelize(tf.AutoModelForSequenceClassification.from_config(CONFIGS["llama"]()), {"cp": 2})
-        out["seqcls"] = "no error"
-    except hf_scale.HfScaleConfigError as e:
-        out["seqcls"] = str(e)
+    three_heads = tf.LlamaConfig(**{**_COMMON, "hidden_size": 24, "num_attention_heads": 3, "num_key_value_heads": 3})
+    for name, model, config in (
+            ("seqcls", lambda: tf.AutoModelForSequenceClassification.from_config(CONFIGS["llama"]()), {"cp": 2}),
+            ("alltoall_heads", lambda: tf.LlamaForCausalLM(three_heads), {"cp": 2, "cp_exchange": "alltoall"})):
+        try:
+            hf_scale.parallelize(model(), config)
+            out[name] = "no error"
+        except hf_scale.HfScaleConfigError as e:
+            out[name] = str(e)
     return out
 
 
@@ -234,10 +240,11 @@ def saved_bytes_one_process(seq: int) -> dict:
     return {"bytes": saved.total, "loss": float(loss.detach())}
 
 
-def saved_bytes_cp(seq: int, attention: str = "auto", layout: str = "head_tail") -> dict:
+def saved_bytes_cp(seq: int, attention: str = "auto", layout: str = "head_tail", exchange: str = "allgather") -> dict:
     """What each rank of a cp group (the whole world, DDP) saves for backward on the sequence."""
     model = hf_scale.parallelize(memory_model(), {"strategy": "ddp", "cp": int(os.environ["WORLD_SIZE"]),
-                                                  "cp_attention": attention, "cp_layout": layout})
+                                                  "cp_attention": attention, "cp_layout": layout,
+                                                  "cp_exchange": exchange})
     batch = memory_batch(seq)
     model(**batch).loss.backward()  # the batch check over the group, outside the count
     model.zero_grad()

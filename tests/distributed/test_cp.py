@@ -8,8 +8,12 @@ soft-capping), each head_tail and contiguous, plain rows and packed rows (positi
 no mask), prompts masked with -100; a length the layout does not divide (padded); activation
 checkpointing full and selective; zero2, ddp, chunked and labeled-only loss. World 4: cp=2 x
 fsdp dp_shard=2, cp=2 x ddp over 2 replicas (each data-parallel rank its rows, weighted by label
-tokens as the loop weighs them). Also: one K/V all-gather per attention layer in forward (one
-reduce-scatter in backward), and the refusals. See tests/distributed/cp_checks.py.
+tokens as the loop weighs them). The all-to-all exchange (cp_exchange="alltoall") at world 2 on
+Llama rows, Qwen3 and Mistral packed (head_tail), Gemma2 rows (soft-capping), Gemma3-text packed
+contiguous under full AC; at world 4 cp=2 x fsdp2 and cp=4 (2 key-value heads repeated to 4).
+Also: one K/V all-gather per attention layer in forward (one reduce-scatter in backward), three
+all-to-alls each way and no K/V all-gather under alltoall, and the refusals (heads cp does not
+divide under alltoall among them). See tests/distributed/cp_checks.py.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tests.harness import run_ranks
 
 RTOL = 1e-5
 FSDP, DDP = {"strategy": "fsdp", "cp": 2}, {"strategy": "ddp", "cp": 2}
+A2A = {**FSDP, "cp_exchange": "alltoall"}
 
 
 def _case(arch, layout="head_tail", packed=False, config=FSDP, name="", **extra):
@@ -44,6 +49,12 @@ WORLD2 += [
     _case("phi3", "head_tail", True, {**FSDP, "loss_labeled_only": True}, "labeled_only"),
     _case("llama", "head_tail", True, {**FSDP, "cp_attention": "masked"}, "masked"),
     _case("qwen3", "contiguous", False, {**FSDP, "cp_attention": "masked"}, "masked"),
+    # the all-to-all exchange (heads for sequence): plain causal, packed, sliding window, soft-capping
+    _case("llama", "head_tail", False, A2A, "alltoall"),
+    _case("qwen3", "head_tail", True, A2A, "alltoall"),
+    _case("mistral", "head_tail", True, A2A, "alltoall"),
+    _case("gemma2", "head_tail", False, A2A, "alltoall"),
+    _case("gemma3_text", "contiguous", True, {**A2A, "activation_checkpointing": "full"}, "alltoall_full_ac"),
 ]
 CP4 = {"strategy": "fsdp", "cp": 4}
 WORLD4 = [
@@ -54,13 +65,16 @@ WORLD4 = [
     _case("qwen3", "contiguous", False, CP4, "cp4"),
     _case("gemma3_text", "head_tail", True, {**CP4, "activation_checkpointing": "full"}, "cp4_full_ac"),
     _case("llama", "head_tail", False, {**CP4, "strategy": "ddp"}, "cp4_len13_padded", seq=13),
+    _case("qwen3", "head_tail", True, A2A, "alltoall_fsdp2"),
+    _case("llama", "head_tail", True, {**CP4, "cp_exchange": "alltoall"}, "alltoall_cp4"),  # 2 kv heads repeated to 4
 ]
 OTHER4 = [dict(kind="comm", args={"config": CP4}, id="comm_cp4")]
 OTHER = [dict(kind="comm", id="comm"), dict(kind="refusals", id="refusals"),
          dict(kind="comm", args={"arch": "gemma3_text", "config": {**FSDP, "activation_checkpointing": "full"}},
               id="comm_full_ac"),
          dict(kind="comm", args={"config": {**FSDP, "cp_attention": "masked"}, "packed": False}, id="comm_masked"),
-         dict(kind="comm", args={"arch": "mistral"}, id="comm_mistral")]
+         dict(kind="comm", args={"arch": "mistral"}, id="comm_mistral"),
+         dict(kind="comm", args={"config": A2A}, id="comm_alltoall")]
 # which attention each architecture's layers take at 16 tokens: blocks without a mask for plain
 # causal layers, the mask for sliding windows shorter than the sequence and soft-capping
 KINDS = {"llama": {"masked"}, "qwen3": {"masked"}, "phi3": {"masked"}, "gemma3_text": set(),
@@ -114,6 +128,7 @@ def check_cp_parity(case: dict, ranks: list[dict]) -> None:
         assert len(members) == cp and all(m["returned"] == members[0]["returned"] for m in members)
     # the attention the layers took: blocks where they apply, unless the config asks for the mask
     never = {"blocks"} if case["config"].get("cp_attention") == "masked" else KINDS[case["arch"]]
+    never = {"blocks", "masked"} if case["config"].get("cp_exchange") == "alltoall" else never | {"alltoall"}
     for r in ranks:
         assert all(r["calls"][kind] == 0 for kind in never) and sum(r["calls"].values()) > 0, r["calls"]
 
@@ -148,6 +163,7 @@ def test_one_kv_all_gather_per_attention_layer(case, world2, world4):
     for counts in results:
         assert "error" not in counts, counts.get("error")
         layers, forward, backward = counts["layers"], counts["forward"], counts["backward"]
+        assert "c10d_functional.all_to_all_single" not in {**forward, **backward}, counts
         gather, scatter = "c10d_functional.all_gather_into_tensor", "c10d_functional.reduce_scatter_tensor"
         assert forward.get(gather) == layers, forward
         assert forward.get("c10d.allreduce_") == 1, forward
@@ -162,12 +178,30 @@ def test_one_kv_all_gather_per_attention_layer(case, world2, world4):
         assert counts["backward_bytes"].get(gather, 0) == regathered * counts["kv_bytes"], counts
 
 
+def test_alltoall_exchanges_heads_and_gathers_nothing(world2):
+    """The all-to-all exchange, per attention layer: forward one all-to-all of the queries, one of
+    K and V together, one of the output, each of this rank's S/cp part (never the whole sequence's
+    K / V); the backward the same three, the other way; no K / V all-gather nor reduce-scatter."""
+    for counts in world2["comm_alltoall"]:
+        assert "error" not in counts, counts.get("error")
+        layers, cp = counts["layers"], 2
+        a2a = "c10d_functional.all_to_all_single"
+        for phase in ("forward", "backward"):
+            calls = counts[phase]
+            assert calls.get(a2a) == 3 * layers and calls.get("c10d.allreduce_") == 1, calls
+            # FSDP's own parameter gathers are c10d._allgather_base_; the K / V exchanges are functional
+            assert not {"c10d_functional.all_gather_into_tensor", "c10d_functional.reduce_scatter_tensor"} & set(calls)
+            assert counts[f"{phase}_bytes"][a2a] == layers * (2 * counts["q_bytes"] + counts["kv_bytes"]) // cp, counts
+        assert counts["alltoall"] == layers and counts["blocks"] == 0, counts
+
+
 @pytest.mark.parametrize("attempt, message", [
     ("padding_mask", "takes no padding attention mask"),
     ("packed_with_mask", "Drop the attention_mask"),
     ("generate", "without a cache"),
     ("different_batches", "got different batches"),
     ("seqcls", "not a causal LM"),
+    ("alltoall_heads", "cp_exchange='alltoall' with cp=2: the model has 3 attention heads and 3 key-value heads"),
 ])
 def test_refusals_on_a_cp_group(attempt, message, world2):
     for result in world2["refusals"]:

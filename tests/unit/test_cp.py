@@ -16,6 +16,7 @@ from hf_scale import HfScaleConfigError, ParallelConfig
 from hf_scale.config import from_dict
 from hf_scale.mesh import ParallelDims
 from hf_scale.parallel.cp import Forward, chunk_indices, document_ids, granule
+from hf_scale.parallel.cp_alltoall import check_heads
 from hf_scale.parallel.cp_check import cp_refusal
 
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -31,6 +32,7 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
     ({"cp": 2, "strategy": "zero1"}, "not yet: ZeRO-1"),
     ({"cp": 2, "strategy": "hsdp"}, "not yet: hsdp with cp"),
     ({"cp": 2, "strategy": "auto"}, "the planner does not price context parallel"),
+    ({"cp": 2, "cp_exchange": "ring"}, "cp_exchange='ring' is not one of 'allgather', 'alltoall'"),
 ])
 def test_config_refuses_what_cp_does_not_compose_with_yet(fields, message):
     with pytest.raises(HfScaleConfigError, match=message):
@@ -109,6 +111,22 @@ def test_mask_on_global_indices_is_transformers_mask(window):
         q = chunk_indices(8, 2, rank, "head_tail")
         local = Forward(None, q, kv, document_ids(positions)).mask(window)
         assert torch.equal(local, theirs[:, :, q][..., kv])
+        # the all-to-all's mask: every position in global order, whatever the rank's split
+        assert torch.equal(Forward(None, q, kv, document_ids(positions)).mask(window, whole=True), theirs)
+
+
+@pytest.mark.parametrize("heads, kv, cp, refused", [
+    (4, 2, 2, False), (8, 8, 4, False), (8, 2, 4, False), (12, 3, 6, False),  # key-value heads repeated to cp
+    (9, 3, 2, True), (4, 2, 8, True), (6, 3, 2, True), (12, 3, 4, True),  # 3 key-value heads: neither divisible by 4 nor dividing it
+])
+def test_alltoall_needs_heads_divisible_by_cp(heads, kv, cp, refused):
+    config = tf.LlamaConfig(**{**SMALL, "num_attention_heads": heads, "num_key_value_heads": kv,
+                               "hidden_size": 8 * heads})
+    if not refused:
+        check_heads(config, cp)
+        return
+    with pytest.raises(HfScaleConfigError, match=f"cp={cp}: the model has {heads} attention heads and {kv} key-value"):
+        check_heads(config, cp)
 
 
 class _CumsumMLP(nn.Module):
