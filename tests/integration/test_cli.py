@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tests.harness import (
     ROOT,
     finish_command,
     run_cli,
+    run_commands,
     stand_in_calibration,
     start_command,
 )
@@ -50,25 +52,32 @@ def packed_recipe(tmp_path_factory) -> Path:
     return tiny_recipe(tmp_path_factory.mktemp("packed"), steps=STEPS, sharp=True, data={"packing": "bfd", "max_seq_len": 128})
 
 
-@pytest.mark.parametrize("strategy, extra", [("fsdp", []), ("zero2", ["--data.padding_free", "true"])],
-                         ids=["fsdp-rows", "zero2-padding_free"])
-def test_packed_runs_train_like_plain_transformers(packed_recipe, strategy, extra):
+PACKED = {"fsdp": [], "zero2": ["--data.padding_free", "true"]}
+
+
+@pytest.fixture(scope="module")
+def packed_runs(packed_recipe) -> dict:
+    """Both packed runs at once (most of a run is process starts): strategy -> (folder, command)."""
+    outs = {s: packed_recipe.parent / "runs" / f"packed-{s}" for s in PACKED}
+    return runs_of(packed_recipe, {s: ["--parallel.strategy", s, "--train.output_dir", str(outs[s]), *extra]
+                                   for s, extra in PACKED.items()}, outs)
+
+
+@pytest.mark.parametrize("strategy", list(PACKED), ids=["fsdp-rows", "zero2-padding_free"])
+def test_packed_runs_train_like_plain_transformers(packed_recipe, packed_runs, strategy):
     """Packed rows (and their padding-free flattening, which changes no token's loss) against
     plain transformers on the same rows: documents kept apart by position_ids, no mask."""
-    out = packed_recipe.parent / "runs" / f"packed-{strategy}"
-    run_cli("finetune", str(packed_recipe), "--parallel.strategy", strategy, "--train.output_dir", str(out), *extra)
+    out, _ = finished(packed_runs[strategy])
     check_against_reference(out, plain_reference(packed_recipe, batch_size=8))
 
 
-def test_one_process_trains_like_plain_transformers(recipe, reference):
+def test_one_process_trains_like_plain_transformers(recipe, reference, runs):
     """One process with the whole batch; with ``--train.report_to tensorboard`` the event files
     TensorBoard reads hold every logged loss at its step, as metrics.jsonl has them, and the
     evaluations before and after."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = recipe.parent / "runs" / "one"
-    log = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "8",
-                  "--train.report_to", "tensorboard", "--train.output_dir", str(out)).stdout
+    out, log = finished(runs["one"])
     assert "launching: torchrun" not in log
     check_against_reference(out, reference)
     events = EventAccumulator(str(out / "runs"))
@@ -79,27 +88,39 @@ def test_one_process_trains_like_plain_transformers(recipe, reference):
     assert sorted(e.step for e in events.Scalars("eval/loss")) == [0, STEPS]
 
 
+STRATEGIES = ["fsdp", "zero2", "zero1", "ddp"]
 # The fsdp run checkpoints every 2 steps: test_every_strategy checks its training (checkpointing
 # changes none of it) and test_resume_mid_epoch resumes from its step-2 checkpoint, one launch for both.
 CHECKPOINTING = ("--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3")
 
 
-def strategy_run(recipe: Path, strategy: str) -> tuple[Path, str]:
-    """The recipe on 2 processes under ``strategy``: (its output folder, its log)."""
-    out = recipe.parent / "runs" / strategy
-    extra = CHECKPOINTING if strategy == "fsdp" else ()
-    log = run_cli("finetune", str(recipe), "--parallel.strategy", strategy, *extra, "--train.output_dir", str(out)).stdout
-    return out, log
+def runs_of(recipe: Path, overrides: dict[str, list[str]], outs: dict[str, Path]) -> dict:
+    """``hf-scale finetune recipe *overrides[name]`` for each name, two at a time (most of a run
+    is process starts): name -> (its output folder, its finished command, unchecked)."""
+    argvs = [[sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), *args] for args in overrides.values()]
+    return {name: (outs[name], done) for name, done in zip(overrides, run_commands(argvs))}
+
+
+def finished(run: tuple[Path, subprocess.CompletedProcess]) -> tuple[Path, str]:
+    """(output folder, log) of a run of :func:`runs_of`; fails the test when it exited non-zero."""
+    out, done = run
+    assert done.returncode == 0, f"{' '.join(done.args[1:])} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return out, done.stdout
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(recipe) -> tuple[Path, str]:
-    return strategy_run(recipe, "fsdp")
+def runs(recipe) -> dict:
+    """The recipe on 2 processes under each strategy, and in one process with the whole batch
+    (``--train.report_to tensorboard``): name -> (folder, command)."""
+    outs = {s: recipe.parent / "runs" / s for s in ("one", *STRATEGIES)}
+    overrides = {s: ["--parallel.strategy", s, *(CHECKPOINTING if s == "fsdp" else ())] for s in STRATEGIES}
+    overrides["one"] = ["--nproc-per-node", "1", "--train.batch_size", "8", "--train.report_to", "tensorboard"]
+    return runs_of(recipe, {s: [*args, "--train.output_dir", str(outs[s])] for s, args in overrides.items()}, outs)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero1", "ddp"])
-def test_every_strategy_trains_like_plain_transformers(recipe, reference, strategy, request):
-    out, log = request.getfixturevalue("fsdp_run") if strategy == "fsdp" else strategy_run(recipe, strategy)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_like_plain_transformers(reference, runs, strategy):
+    out, log = finished(runs[strategy])
     check_against_reference(out, reference)
     assert f"{strategy} over pp=1 x dp_replicate" in log and "launching: torchrun --nproc-per-node=2" in log
     _check_outputs(out, log)
@@ -154,9 +175,9 @@ def _check_outputs(out: Path, log: str) -> None:
     assert "reloaded" in log and "greedy answers" in log and "(expected '" in log
 
 
-def test_resume_mid_epoch_continues_at_the_right_sample(recipe, fsdp_run, tmp_path):
+def test_resume_mid_epoch_continues_at_the_right_sample(recipe, runs, tmp_path):
     # 48 examples / global batch 8 = 6 steps per epoch: step 2 is mid-epoch.
-    full = fsdp_run[0]
+    full, _ = finished(runs["fsdp"])
     args = ["finetune", str(recipe), "--parallel.strategy", "fsdp", *CHECKPOINTING]
     ckpt = tmp_path / "resumed" / "checkpoints"
     shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
@@ -180,9 +201,10 @@ def test_classification_script(tmp_path):
     out, one = tmp_path / "cls", tmp_path / "cls-one"
     args = [str(ROOT / "configs" / "minilm-classification.yaml"), "--model.name_or_path", model,
             "--train.max_steps", "6", "--train.progress", "false", "--train.lr", "3e-3", "--train.warmup_steps", "0"]
-    run_cli(*args, "--train.output_dir", str(out), script="scripts/finetune_classification.py")
-    run_cli(*args, "--train.output_dir", str(one), "--launch.nproc_per_node", "1", "--train.batch_size", "16",
-            script="scripts/finetune_classification.py")
+    script = [sys.executable, "scripts/finetune_classification.py", *args]
+    run_commands([[*script, "--train.output_dir", str(out)],  # both at once
+                  [*script, "--train.output_dir", str(one), "--launch.nproc_per_node", "1", "--train.batch_size", "16"]],
+                 check=True)
     summary, reference = (json.loads((d / "summary.json").read_text()) for d in (out, one))
     for when in ("before", "after"):
         got, want = summary[when], reference[when]
@@ -202,12 +224,13 @@ def test_classification_script(tmp_path):
 
 
 def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
-    wrong = run_cli(str(recipe), script="scripts/finetune_classification.py", check=False)
+    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--nproc-per-node", "1"]
+    wrong, empty, column = run_commands([  # two at a time: each is mostly a process start
+        [sys.executable, "scripts/finetune_classification.py", str(recipe)],
+        [*cli, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")],
+        [*cli, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")],
+    ])
     assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stdout
-    empty = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--resume", "latest",
-                    "--train.output_dir", str(tmp_path / "none"), check=False)
     assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout
     # too many processes (--nproc-per-node 64): test_bad_input_sweep's case, exit 2 in one line
-    column = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--data.prompt_column", "question",
-                     "--train.output_dir", str(tmp_path / "col"), check=False)
     assert column.returncode == 2 and "its columns are prompt, response" in column.stdout
