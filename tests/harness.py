@@ -249,6 +249,18 @@ def run_cli(*args: str, script: str | None = None, timeout: float = 300, check: 
     return finish_command(start_command([sys.executable, *entry, *args]), timeout, check)
 
 
+def run_commands(argvs: list[list[str]], timeout: float = 300, check: bool = False,
+                 at_once: int = 2) -> list[subprocess.CompletedProcess]:
+    """Each of ``argvs`` as :func:`start_command` starts it, ``at_once`` at a time; their results
+    in order (``check``: fail the test when one exits non-zero, as :func:`finish_command`). For
+    commands that are mostly process starts and imports, one core each: on 2 cores two at a time
+    take about half as long."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
+        return list(pool.map(lambda argv: finish_command(start_command(argv), timeout, check), argvs))
+
+
 # A stand-in for this machine's planner calibration (hf_scale.layout_search.calibrate measures it in
 # seconds with a 2-process gloo run; tests use fixed numbers of this machine's order instead).
 STAND_IN_CALIBRATION = {"flops_fp32": 3e10, "flops_bf16": 1e9, "mem_bandwidth": 5e9,

@@ -14,9 +14,12 @@ What a case's output may hold, exactly:
 * the ``launching`` line present exactly for the cases found in the workers (so the sweep
   checks where each is found, and that at least 5 are found only after the workers started).
 
-The cases found before launch run in this process (``hf_scale.cli.main``, whose status is the
-command's); the others each start ``python -m hf_scale.cli``, two at a time (each is mostly
-process start and imports), on a tiny Llama with its tokenizer. The one users hit first,
+The cases found before launch or in one process run in this process (``hf_scale.cli.main``,
+whose status is the command's; a Python warning raised meanwhile counts as a line of output, under
+Python's default filters, as a process would print it); those found in the workers each start
+``python -m hf_scale.cli``, two at a time (each is mostly process start and imports), on a tiny
+Llama with its tokenizer. The workers run the one-process code up to the same errors, so their
+output also holds what only a fresh process shows (import-time warnings, once-only log lines). The one users hit first,
 ``--parallel.tp 2`` on SmolLM2 (configs/quickstart.yaml, 9 heads), is found before launch from the
 model's config.
 """
@@ -156,13 +159,23 @@ def problems(result: tuple[int, str, str, float], words: str, where: str) -> lis
 def finetune_here(args: list[str], out: Path, capfd) -> tuple[int, str, str, float]:
     """``hf-scale finetune *args`` in this process (what ``python -m hf_scale.cli`` runs: its
     status is the process's), output read at the file descriptors; for the cases the launcher
-    refuses before it starts anything, which cost a process start each otherwise."""
+    refuses before it starts anything or one process refuses, which cost a process start each
+    otherwise. A warning raised meanwhile is a line of stderr, under Python's default filters
+    (deprecations and the like hidden), as a process would print it."""
+    import warnings
+
     from hf_scale.cli import main
 
     began = time.monotonic()
     capfd.readouterr()
-    status = main(["finetune", *args, "--train.output_dir", str(out)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.resetwarnings()
+        warnings.simplefilter("default")
+        for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.filterwarnings("ignore", category=hidden)
+        status = main(["finetune", *args, "--train.output_dir", str(out)])
     stdout, stderr = capfd.readouterr()
+    stderr += "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
     return status, stdout, stderr, time.monotonic() - began
 
 
@@ -174,9 +187,9 @@ def test_every_bad_input_is_one_line_exit_2_and_no_traceback(tmp_path, capfd):
     results = {}
     with ThreadPoolExecutor(max_workers=2) as pool:
         started = {i: pool.submit(run_finetune, args, tmp_path / f"run{i}")
-                   for i, (_, args, _, where) in enumerate(sweep) if where != BEFORE}
+                   for i, (_, args, _, where) in enumerate(sweep) if where == WORKERS}
         for i, (_, args, _, where) in enumerate(sweep):
-            if where == BEFORE:
+            if where != WORKERS:
                 results[i] = finetune_here(args, tmp_path / f"run{i}", capfd)
         results.update({i: future.result() for i, future in started.items()})
     report, failed = [], []

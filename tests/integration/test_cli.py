@@ -1,4 +1,5 @@
-"""``hf-scale finetune`` end to end on tiny models: every strategy, resume, two nodes, errors.
+"""``hf-scale finetune`` end to end on tiny models: every strategy, resume, errors. Two nodes:
+``test_cli_tp`` (two agents on an ``--rdzv-endpoint``) and ``test_slurm`` (hsdp, 2 nodes x 2 workers).
 
 Each run is the real command in a subprocess (it starts torchrun itself). Parity: a run on N
 ranks with batch B per rank must log the losses and gradient norms, and end with the weights, of
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,8 +21,8 @@ import pytest
 from tests.harness import (
     ROOT,
     finish_command,
-    free_port,
     run_cli,
+    run_commands,
     stand_in_calibration,
     start_command,
 )
@@ -50,25 +52,32 @@ def packed_recipe(tmp_path_factory) -> Path:
     return tiny_recipe(tmp_path_factory.mktemp("packed"), steps=STEPS, sharp=True, data={"packing": "bfd", "max_seq_len": 128})
 
 
-@pytest.mark.parametrize("strategy, extra", [("fsdp", []), ("zero2", ["--data.padding_free", "true"])],
-                         ids=["fsdp-rows", "zero2-padding_free"])
-def test_packed_runs_train_like_plain_transformers(packed_recipe, strategy, extra):
+PACKED = {"fsdp": [], "zero2": ["--data.padding_free", "true"]}
+
+
+@pytest.fixture(scope="module")
+def packed_runs(packed_recipe) -> dict:
+    """Both packed runs at once (most of a run is process starts): strategy -> (folder, command)."""
+    outs = {s: packed_recipe.parent / "runs" / f"packed-{s}" for s in PACKED}
+    return runs_of(packed_recipe, {s: ["--parallel.strategy", s, "--train.output_dir", str(outs[s]), *extra]
+                                   for s, extra in PACKED.items()}, outs)
+
+
+@pytest.mark.parametrize("strategy", list(PACKED), ids=["fsdp-rows", "zero2-padding_free"])
+def test_packed_runs_train_like_plain_transformers(packed_recipe, packed_runs, strategy):
     """Packed rows (and their padding-free flattening, which changes no token's loss) against
     plain transformers on the same rows: documents kept apart by position_ids, no mask."""
-    out = packed_recipe.parent / "runs" / f"packed-{strategy}"
-    run_cli("finetune", str(packed_recipe), "--parallel.strategy", strategy, "--train.output_dir", str(out), *extra)
+    out, _ = finished(packed_runs[strategy])
     check_against_reference(out, plain_reference(packed_recipe, batch_size=8))
 
 
-def test_one_process_trains_like_plain_transformers(recipe, reference):
+def test_one_process_trains_like_plain_transformers(recipe, reference, runs):
     """One process with the whole batch; with ``--train.report_to tensorboard`` the event files
     TensorBoard reads hold every logged loss at its step, as metrics.jsonl has them, and the
     evaluations before and after."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = recipe.parent / "runs" / "one"
-    log = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "8",
-                  "--train.report_to", "tensorboard", "--train.output_dir", str(out)).stdout
+    out, log = finished(runs["one"])
     assert "launching: torchrun" not in log
     check_against_reference(out, reference)
     events = EventAccumulator(str(out / "runs"))
@@ -79,10 +88,39 @@ def test_one_process_trains_like_plain_transformers(recipe, reference):
     assert sorted(e.step for e in events.Scalars("eval/loss")) == [0, STEPS]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero1", "ddp"])
-def test_every_strategy_trains_like_plain_transformers(recipe, reference, strategy):
-    out = recipe.parent / "runs" / strategy
-    log = run_cli("finetune", str(recipe), "--parallel.strategy", strategy, "--train.output_dir", str(out)).stdout
+STRATEGIES = ["fsdp", "zero2", "zero1", "ddp"]
+# The fsdp run checkpoints every 2 steps: test_every_strategy checks its training (checkpointing
+# changes none of it) and test_resume_mid_epoch resumes from its step-2 checkpoint, one launch for both.
+CHECKPOINTING = ("--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3")
+
+
+def runs_of(recipe: Path, overrides: dict[str, list[str]], outs: dict[str, Path]) -> dict:
+    """``hf-scale finetune recipe *overrides[name]`` for each name, two at a time (most of a run
+    is process starts): name -> (its output folder, its finished command, unchecked)."""
+    argvs = [[sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), *args] for args in overrides.values()]
+    return {name: (outs[name], done) for name, done in zip(overrides, run_commands(argvs))}
+
+
+def finished(run: tuple[Path, subprocess.CompletedProcess]) -> tuple[Path, str]:
+    """(output folder, log) of a run of :func:`runs_of`; fails the test when it exited non-zero."""
+    out, done = run
+    assert done.returncode == 0, f"{' '.join(done.args[1:])} exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return out, done.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(recipe) -> dict:
+    """The recipe on 2 processes under each strategy, and in one process with the whole batch
+    (``--train.report_to tensorboard``): name -> (folder, command)."""
+    outs = {s: recipe.parent / "runs" / s for s in ("one", *STRATEGIES)}
+    overrides = {s: ["--parallel.strategy", s, *(CHECKPOINTING if s == "fsdp" else ())] for s in STRATEGIES}
+    overrides["one"] = ["--nproc-per-node", "1", "--train.batch_size", "8", "--train.report_to", "tensorboard"]
+    return runs_of(recipe, {s: [*args, "--train.output_dir", str(outs[s])] for s, args in overrides.items()}, outs)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_trains_like_plain_transformers(reference, runs, strategy):
+    out, log = finished(runs[strategy])
     check_against_reference(out, reference)
     assert f"{strategy} over pp=1 x dp_replicate" in log and "launching: torchrun --nproc-per-node=2" in log
     _check_outputs(out, log)
@@ -137,11 +175,10 @@ def _check_outputs(out: Path, log: str) -> None:
     assert "reloaded" in log and "greedy answers" in log and "(expected '" in log
 
 
-def test_resume_mid_epoch_continues_at_the_right_sample(recipe, tmp_path):
+def test_resume_mid_epoch_continues_at_the_right_sample(recipe, runs, tmp_path):
     # 48 examples / global batch 8 = 6 steps per epoch: step 2 is mid-epoch.
-    full = tmp_path / "full"
-    args = ["finetune", str(recipe), "--checkpoint.every_steps", "2", "--checkpoint.keep_last", "3"]
-    run_cli(*args, "--train.output_dir", str(full))
+    full, _ = finished(runs["fsdp"])
+    args = ["finetune", str(recipe), "--parallel.strategy", "fsdp", *CHECKPOINTING]
     ckpt = tmp_path / "resumed" / "checkpoints"
     shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
     (ckpt / "latest").write_text("step_00000002\n")
@@ -157,18 +194,6 @@ def test_resume_mid_epoch_continues_at_the_right_sample(recipe, tmp_path):
     np.testing.assert_allclose([after[3], after[4]], [before[3], before[4]], rtol=1e-6)
 
 
-def test_two_nodes_with_hsdp(recipe, reference, tmp_path):
-    """Two torchrun agents on a loopback rendezvous, 2 processes each: replicate x shard = 2 x 2."""
-    out, port = tmp_path / "two-nodes", free_port()
-    args = ["finetune", str(recipe), "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint",
-            f"127.0.0.1:{port}", "--parallel.strategy", "hsdp", "--train.batch_size", "2",
-            "--train.output_dir", str(out), "--train.sample_generations", "0"]
-    nodes = [start_command([sys.executable, "-m", "hf_scale.cli", *args]) for _ in range(2)]
-    logs = [finish_command(node, timeout=300).stdout for node in nodes]
-    assert any("hsdp over pp=1 x dp_replicate=2 x dp_shard=2" in x for x in logs)
-    check_against_reference(out, reference)  # fails on an empty or partial metrics log
-
-
 def test_classification_script(tmp_path):
     """2 ranks x batch 8 evaluate and train as one process with batch 16 does: the same eval
     loss and accuracy before and after, the same training losses and gradient norms."""
@@ -176,9 +201,10 @@ def test_classification_script(tmp_path):
     out, one = tmp_path / "cls", tmp_path / "cls-one"
     args = [str(ROOT / "configs" / "minilm-classification.yaml"), "--model.name_or_path", model,
             "--train.max_steps", "6", "--train.progress", "false", "--train.lr", "3e-3", "--train.warmup_steps", "0"]
-    run_cli(*args, "--train.output_dir", str(out), script="scripts/finetune_classification.py")
-    run_cli(*args, "--train.output_dir", str(one), "--launch.nproc_per_node", "1", "--train.batch_size", "16",
-            script="scripts/finetune_classification.py")
+    script = [sys.executable, "scripts/finetune_classification.py", *args]
+    run_commands([[*script, "--train.output_dir", str(out)],  # both at once
+                  [*script, "--train.output_dir", str(one), "--launch.nproc_per_node", "1", "--train.batch_size", "16"]],
+                 check=True)
     summary, reference = (json.loads((d / "summary.json").read_text()) for d in (out, one))
     for when in ("before", "after"):
         got, want = summary[when], reference[when]
@@ -198,13 +224,13 @@ def test_classification_script(tmp_path):
 
 
 def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
-    wrong = run_cli(str(recipe), script="scripts/finetune_classification.py", check=False)
+    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--nproc-per-node", "1"]
+    wrong, empty, column = run_commands([  # two at a time: each is mostly a process start
+        [sys.executable, "scripts/finetune_classification.py", str(recipe)],
+        [*cli, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")],
+        [*cli, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")],
+    ])
     assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stdout
-    empty = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--resume", "latest",
-                    "--train.output_dir", str(tmp_path / "none"), check=False)
     assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout
-    too_many = run_cli("finetune", str(recipe), "--nproc-per-node", "64", check=False)
-    assert too_many.returncode == 2 and "launch.nproc_per_node=64, but this machine has" in too_many.stdout
-    column = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--data.prompt_column", "question",
-                     "--train.output_dir", str(tmp_path / "col"), check=False)
+    # too many processes (--nproc-per-node 64): test_bad_input_sweep's case, exit 2 in one line
     assert column.returncode == 2 and "its columns are prompt, response" in column.stdout

@@ -15,10 +15,11 @@ contiguous layout, holds to the same reference.
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
-from tests.harness import run_cli
+from tests.harness import run_commands
 from tests.integration.cli_reference import check_against_reference, one_process_eval, plain_reference
 from tests.tiny_models import tiny_recipe
 
@@ -26,11 +27,24 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def cp_run(tmp_path_factory):
+def cp_runs(tmp_path_factory):
+    """The recipe, the cp=2 runs' output folders and logs (head_tail layout, and contiguous with
+    padding-free rows: both at once, most of a run is process starts), the one-process reference."""
     recipe = tiny_recipe(tmp_path_factory.mktemp("cli-cp"), steps=STEPS, sharp=True, data={"packing": "bfd", "max_seq_len": 128})
-    out = recipe.parent / "runs" / "cp2"
-    log = run_cli("finetune", str(recipe), "--parallel.cp", "2", "--train.output_dir", str(out), timeout=900).stdout
-    return recipe, out, log, plain_reference(recipe, batch_size=4)
+    out, flat = recipe.parent / "runs" / "cp2", recipe.parent / "runs" / "cp2-flat"
+    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--parallel.cp", "2"]
+    logs = [done.stdout for done in run_commands([
+        [*cli, "--train.output_dir", str(out)],
+        [*cli, "--parallel.cp_layout", "contiguous", "--data.padding_free", "true", "--train.output_dir", str(flat)],
+    ], timeout=900, check=True)]
+    return recipe, {"head_tail": (out, logs[0]), "flat": (flat, logs[1])}, plain_reference(recipe, batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def cp_run(cp_runs):
+    """The recipe, the head_tail run's output folder and log, and the one-process reference."""
+    recipe, runs, reference = cp_runs
+    return recipe, *runs["head_tail"], reference
 
 
 def test_cp2_trains_and_saves_like_one_process(cp_run):
@@ -59,12 +73,10 @@ def test_generations_are_skipped_with_a_reason_and_the_export_answers(cp_run):
     assert "reloaded" in log and "greedy answers" in log
 
 
-def test_cp2_padding_free_trains_like_one_process(cp_run):
+def test_cp2_padding_free_trains_like_one_process(cp_runs):
     """Padding-free on top of the packed rows (each micro-batch's 4 rows flattened into one, which
     changes no token's loss), contiguous layout: the same reference as the packed rows."""
-    recipe, _, _, reference = cp_run
-    out = recipe.parent / "runs" / "cp2-flat"
-    log = run_cli("finetune", str(recipe), "--parallel.cp", "2", "--parallel.cp_layout", "contiguous",
-                  "--data.padding_free", "true", "--train.output_dir", str(out), timeout=900).stdout
+    _, runs, reference = cp_runs
+    out, log = runs["flat"]
     assert "sequences split over cp=2 (contiguous)" in log, log[-3000:]
     check_against_reference(out, reference)

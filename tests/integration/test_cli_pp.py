@@ -17,12 +17,13 @@ same reference.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_cli
+from tests.harness import run_commands
 from tests.integration.cli_reference import (
     LOSS_RTOL,
     check_against_reference,
@@ -36,11 +37,33 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def pp_run(tmp_path_factory):
-    """The recipe, the pp=2 run's output folder and log, and the one-process reference."""
+def pp_runs(tmp_path_factory):
+    """Both runs' (recipe, output folder, log), started together (most of a run is process
+    starts): "pp2", the tiny Llama at pp=2; "interleaved", a 4-block tiny Llama at pp=2 under
+    interleaved 1F1B, stages 0 and 2 on rank 0, 1 and 3 (the head's copy) on rank 1."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_models import tiny_config
+
     recipe = tiny_recipe(tmp_path_factory.mktemp("cli-pp"), steps=STEPS)
-    out = recipe.parent / "runs" / "pp2"
-    log = run_cli("finetune", str(recipe), "--parallel.pp", "2", "--train.output_dir", str(out), timeout=900).stdout
+    interleaved = tiny_recipe(tmp_path_factory.mktemp("cli-pp-interleaved"), steps=STEPS)
+    config = tiny_config("llama")
+    config.num_hidden_layers, config.max_position_embeddings = 4, 128
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(interleaved.parent / "tiny-llama")
+    runs = {"pp2": (recipe, recipe.parent / "runs" / "pp2", []),
+            "interleaved": (interleaved, interleaved.parent / "runs" / "pp2-interleaved",
+                            ["--parallel.pp_schedule", "interleaved_1f1b"])}
+    argvs = [[sys.executable, "-m", "hf_scale.cli", "finetune", str(r), "--parallel.pp", "2", *extra,
+              "--train.output_dir", str(out)] for r, out, extra in runs.values()]
+    done = run_commands(argvs, timeout=900, check=True)
+    return {name: (r, out, d.stdout) for (name, (r, out, _)), d in zip(runs.items(), done)}
+
+
+@pytest.fixture(scope="module")
+def pp_run(pp_runs):
+    """The recipe, the pp=2 run's output folder and log, and the one-process reference."""
+    recipe, out, log = pp_runs["pp2"]
     return recipe, out, log, plain_reference(recipe, batch_size=4)
 
 
@@ -83,21 +106,9 @@ def test_generations_are_skipped_with_a_reason_and_the_export_answers(pp_run):
 
 
 @pytest.fixture(scope="module")
-def interleaved_run(tmp_path_factory):
-    """A 4-block tiny Llama at pp=2 under interleaved 1F1B: stages 0 and 2 on rank 0, 1 and 3
-    (the head's copy) on rank 1; the recipe's output folder and the one-process reference."""
-    from transformers import AutoModelForCausalLM
-
-    from tests.tiny_models import tiny_config
-
-    recipe = tiny_recipe(tmp_path_factory.mktemp("cli-pp-interleaved"), steps=STEPS)
-    config = tiny_config("llama")
-    config.num_hidden_layers, config.max_position_embeddings = 4, 128
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(recipe.parent / "tiny-llama")
-    out = recipe.parent / "runs" / "pp2-interleaved"
-    log = run_cli("finetune", str(recipe), "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b",
-                  "--train.output_dir", str(out), timeout=900).stdout
+def interleaved_run(pp_runs):
+    """The interleaved run's output folder and log, and the one-process reference."""
+    recipe, out, log = pp_runs["interleaved"]
     return out, log, plain_reference(recipe, batch_size=4)
 
 

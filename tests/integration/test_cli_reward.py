@@ -6,10 +6,11 @@ pairs as the run's final evaluation reported."""
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 
-from tests.harness import ROOT, run_cli
+from tests.harness import ROOT, run_commands
 from tests.integration.cli_reference import logged_steps
 from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 
@@ -28,9 +29,10 @@ def test_reward_recipe_trains_like_one_process_and_reloads(tmp_path):
                  "--train.max_steps", "3", "--train.progress", "false", "--train.lr", "3e-3",
                  "--train.warmup_steps", "0", "--train.eval_batch_size", "4"]
     out, one = tmp_path / "two", tmp_path / "one"
-    run_cli("finetune", recipe, *overrides, "--train.batch_size", "4", "--train.output_dir", str(out))
-    run_cli("finetune", recipe, *overrides, "--train.batch_size", "8", "--launch.nproc_per_node", "1",
-            "--train.output_dir", str(one))
+    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", recipe, *overrides]
+    run_commands([[*cli, "--train.batch_size", "4", "--train.output_dir", str(out)],  # both at once
+                  [*cli, "--train.batch_size", "8", "--launch.nproc_per_node", "1", "--train.output_dir", str(one)]],
+                 check=True)
     summary, reference = (json.loads((d / "summary.json").read_text()) for d in (out, one))
     for when in ("before", "after"):
         got, want = summary[when], reference[when]

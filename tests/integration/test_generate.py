@@ -5,10 +5,11 @@ and bad input fails in one line before any worker starts."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 
-from tests.harness import run_cli
+from tests.harness import run_commands
 from tests.tiny_models import save_tiny_checkpoint
 
 PROMPTS = ["What is 12 + 30?", "hello"]
@@ -37,13 +38,14 @@ def completions(out: str) -> list[str]:
     return [text for _, _, text in found]
 
 
-def generate(folder, *flags: str):
+def generate(folder, *flags: str) -> list[str]:
     prompts = [a for p in PROMPTS for a in ("--prompt", p)]
-    return run_cli("generate", folder, *prompts, "--max-new-tokens", "10", "--batch-size", "2", *flags, timeout=300)
+    return [sys.executable, "-m", "hf_scale.cli", "generate", str(folder), *prompts, "--max-new-tokens", "10",
+            "--batch-size", "2", *flags]
 
 
 def test_tp2_prints_the_text_of_one_process(folder):
-    one, two = generate(folder), generate(folder, "--tp", "2")
+    one, two = run_commands([generate(folder), generate(folder, "--tp", "2")], timeout=300, check=True)  # at once
     assert "launching: torchrun" in two.stdout and "launching" not in one.stdout
     texts = completions(one.stdout)
     assert len(texts) == 2 and all(texts) and "(empty completion" not in one.stdout, one.stdout
@@ -55,21 +57,37 @@ def test_tp2_prints_the_text_of_one_process(folder):
     assert speed and int(speed.group(1)) == 20 and float(speed.group(2)) > 0, two.stdout
 
 
-@pytest.mark.parametrize("flags, message", [
+MISSING = [
     (("--tp", "2", "--prompt", "x"), "cannot find model '{missing}': it is not a local folder"),
     (("--prompt", "x"), "cannot find model '{missing}'"),
     (("--tp", "3", "--prompt", "x", "--model-folder"), "unknown flag --model-folder"),
-])
-def test_a_model_that_does_not_exist_is_one_line_before_any_worker(tmp_path, flags, message):
-    missing = str(tmp_path / "nope")
-    result = run_cli("generate", missing, *flags, check=False, timeout=120)
+]
+
+
+@pytest.fixture(scope="module")
+def missing_runs(tmp_path_factory):
+    """(the folder that does not exist, each MISSING case's command run to its end, two at a time)."""
+    missing = str(tmp_path_factory.mktemp("generate-missing") / "nope")
+    argvs = [[sys.executable, "-m", "hf_scale.cli", "generate", missing, *flags] for flags, _ in MISSING]
+    return missing, dict(zip((flags for flags, _ in MISSING), run_commands(argvs, timeout=120)))
+
+
+@pytest.mark.parametrize("flags, message", MISSING)
+def test_a_model_that_does_not_exist_is_one_line_before_any_worker(missing_runs, flags, message):
+    missing, results = missing_runs
+    result = results[flags]
     assert result.returncode == 2, result.stdout
     assert result.stdout.count("\n") == 1, result.stdout
     assert result.stdout.startswith("hf-scale generate: error: " + message.format(missing=missing)), result.stdout
     assert "Traceback" not in result.stdout and "launching" not in result.stdout
 
 
-def test_other_bad_input_is_one_line(folder, tmp_path):
+def test_other_bad_input_is_one_line(folder, tmp_path, capfd):
+    """In this process (``hf_scale.cli.main``, whose status is the command's; each is found
+    before anything loads, so a process start would be most of its cost): the command as a
+    process is held to one line above."""
+    from hf_scale.cli import main
+
     (tmp_path / "empty").mkdir()
     for args, message in [
         ((str(tmp_path / "empty"), "--prompt", "x"), "has no config.json"),
@@ -79,9 +97,11 @@ def test_other_bad_input_is_one_line(folder, tmp_path):
         ((folder, "--prompt", "x", "--temperature", "0.5"), "add --do-sample"),
         (("zoo:minilm", "--prompt", "x"), "zoo:minilm serves sequence_classification, not task 'causal_lm'"),
     ]:
-        result = run_cli("generate", *args, check=False, timeout=120)
-        assert result.returncode == 2 and result.stdout.count("\n") == 1, (args, result.stdout)
-        assert message in result.stdout, (args, result.stdout)
+        capfd.readouterr()
+        status = main(["generate", *map(str, args)])
+        said = "".join(capfd.readouterr())
+        assert status == 2 and said.count("\n") == 1 and said.startswith("hf-scale generate: error: "), (args, said)
+        assert message in said, (args, said)
 
 
 def test_prompts_file_and_flags(tmp_path, monkeypatch):

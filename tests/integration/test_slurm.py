@@ -1,7 +1,8 @@
 """``hf-scale finetune`` under SLURM: ``srun`` starts one task per node, and each reads its node
 count, node rank and the rendezvous host from SLURM's variables. Simulated on loopback: two
-commands with the variables of two nodes, one worker each, against the plain reference. Then
-what is no srun step (an salloc shell, sbatch's batch script) and is never read as a layout."""
+commands with the variables of two nodes, two workers each under hsdp (replicate across the
+nodes x shard within each), against the plain reference. Then what is no srun step (an salloc
+shell, sbatch's batch script) and is never read as a layout."""
 
 from __future__ import annotations
 
@@ -35,15 +36,15 @@ def recipe(tmp_path_factory):
 def test_two_slurm_nodes_train_as_one_job(recipe, tmp_path):
     out = tmp_path / "slurm-run"
     slurm = {**ALLOCATION, "SLURM_JOB_NODELIST": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    args = ["finetune", str(recipe), "--nproc-per-node", "1", "--parallel.strategy", "hsdp",
-            "--train.batch_size", "4", "--train.output_dir", str(out), "--train.sample_generations", "0"]
+    args = ["finetune", str(recipe), "--nproc-per-node", "2", "--parallel.strategy", "hsdp",
+            "--train.batch_size", "2", "--train.output_dir", str(out), "--train.sample_generations", "0"]
     nodes = [start_command([sys.executable, "-m", "hf_scale.cli", *args], env={**slurm, **srun_task(i, 2)})
              for i in range(2)]
     logs = [finish_command(node, timeout=300).stdout for node in nodes]
     for i, log in enumerate(logs):
         assert f"--nnodes=2 --max-restarts=0 --node-rank={i} --master-addr=127.0.0.1" in log
-    assert any("hsdp over pp=1 x dp_replicate=2 x dp_shard=1" in log for log in logs)  # world 2
-    # 2 nodes x batch 4 = the reference's batch of 8: same losses, gradient norms, weights
+    assert any("hsdp over pp=1 x dp_replicate=2 x dp_shard=2" in log for log in logs)  # world 4
+    # 2 nodes x 2 workers x batch 2 = the reference's batch of 8: same losses, gradient norms, weights
     check_against_reference(out, plain_reference(recipe, batch_size=8))
 
 

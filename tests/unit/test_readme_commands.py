@@ -96,15 +96,28 @@ def test_every_readme_command_is_run_or_not_run_with_a_reason():
     assert all(why.strip() for why in not_run.values())
 
 
-@pytest.mark.slow  # plan reads the real SmolLM2's config (its zoo copy is de-quantized once, ~30 s)
-@pytest.mark.parametrize("command", list(RUN))
-def test_cheap_readme_commands_exit_0(command):
-    words = shlex.split(command)
-    assert words[0] == "hf-scale", f"RUN knows how to start hf-scale only, not {words[0]!r}"
+@pytest.fixture(scope="module")
+def readme_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Each RUN command run to its end, two at a time (each is mostly a process start and imports)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "hf_scale.cli", *words[1:]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240, check=False)
+
+    def run(command: str) -> subprocess.CompletedProcess:
+        words = shlex.split(command)
+        assert words[0] == "hf-scale", f"RUN knows how to start hf-scale only, not {words[0]!r}"
+        return subprocess.run([sys.executable, "-m", "hf_scale.cli", *words[1:]], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=240, check=False)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(RUN, pool.map(run, RUN)))
+
+
+@pytest.mark.slow  # plan reads the real SmolLM2's config (its zoo copy is de-quantized once, ~30 s)
+@pytest.mark.parametrize("command", list(RUN))
+def test_cheap_readme_commands_exit_0(readme_runs, command):
+    done = readme_runs[command]
     assert done.returncode == 0, f"{command}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert RUN[command] in done.stdout, f"{command} printed:\n{done.stdout[-3000:]}"
 
