@@ -207,7 +207,7 @@ def bad_inputs(folder: str) -> dict:
     from tests.distributed.adapter_checks import expect_error
 
     out = {}
-    for name, config in (("tp", {"strategy": "ddp", "tp": 2}), ("pp", {"strategy": "ddp", "pp": 2}),
+    for name, config in (("pp", {"strategy": "ddp", "pp": 2}),
                          ("zero1", {"strategy": "zero1"})):
         out[name] = expect_error(lambda c: hf_scale.from_pretrained(folder, c, adapter=LORA, quantize="nf4"), config)
     out["no_adapter"] = expect_error(lambda: hf_scale.from_pretrained(folder, {"strategy": "fsdp"}, quantize="nf4"))

@@ -138,8 +138,13 @@ def test_slice_quantization_equals_whole(layout, base, request):
             want = whole.split(whole.shape[0] // parts)[shard] if parts > 1 else whole
             held = result["parity"][cases.index(case)]["nf4"][proj]
             for name, value in held.items():
-                np.testing.assert_array_equal(value, getattr(want, name).float().numpy() if name != "quantized_data"
-                                              else getattr(want, name).numpy(), err_msg=f"rank {rank} {proj} {name}")
+                expected = getattr(want, name).numpy() if name == "quantized_data" else getattr(want, name).float().numpy()
+                if proj == "q_proj" or name == "quantized_data":
+                    np.testing.assert_array_equal(value, expected, err_msg=f"rank {rank} {proj} {name}")
+                else:  # the mean: exact (fp64) rounded to fp32 here, summed in fp32 by torchao (an ulp apart for
+                    # o_proj: its factors 2e-7 apart, a scaler may move one int8 step)
+                    np.testing.assert_allclose(value, expected, rtol=1e-6, atol=1 if name == "quantized_scalers" else 0,
+                                               err_msg=f"rank {rank} {proj} {name}")
 
 
 @pytest.mark.parametrize("layout,parts", [("fsdp", 2), ("ddp", 1), ("fsdp4", 4), ("tp2", 2), ("tp2_fsdp2", 4)])
@@ -178,9 +183,9 @@ def test_refusals_on_every_rank(world2):
     for result in world2:
         bad = result["bad"]
         assert "error" not in bad, bad.get("error")
-        for name in ("tp", "pp", "zero1"):
+        for name in ("pp", "zero1"):  # tp under hsdp / ddp: tests/unit/test_nf4.py (check_quantize)
             assert bad[name].startswith("HfScaleConfigError") and "quantize='nf4' with" in bad[name], bad[name]
-        assert "tp=2" in bad["tp"] and "pp=2" in bad["pp"] and "zero1" in bad["zero1"]
+        assert "pp=2" in bad["pp"] and "zero1" in bad["zero1"]
         assert bad["no_adapter"].startswith("HfScaleConfigError") and "adapter=" in bad["no_adapter"]
         assert bad["unknown"].startswith("HfScaleConfigError") and "'nf4'" in bad["unknown"]
         assert bad["merge"].startswith("HfScaleConfigError") and "export --merge" in bad["merge"], bad["merge"]
