@@ -96,8 +96,15 @@ def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, tor
     keys = sorted(pending)
     slices = {key: tp_slice(pending[key][1]) for key in keys}
     tp = max([n for _, n, _ in slices.values()], default=1)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different weights
+        from ..ranks import gather
+
+        every = gather([(tuple(keys), tp)])
+        keys, tp = sorted({k for held, _ in every for k in held}), max(n for _, n in every)
     stats = torch.zeros(len(keys), tp, 2, dtype=torch.float64)
     for i, key in enumerate(keys):
+        if key not in pending:
+            continue
         scalers = block_absmax(pending[key][0])
         # fp64 throughout: torch.tensor of two Python floats would be fp32, and the mean one ulp off
         stats[i, slices[key][0], 0] = scalers.double().sum()
@@ -108,6 +115,8 @@ def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, tor
     def quantize() -> None:
         new = {}
         for i, key in enumerate(keys):
+            if key not in pending:
+                continue
             local, target = pending[key]
             index, _, whole = slices[key]
             nf4 = quantize_rows(local, stats[i, index, 0] / stats[i, index, 1], whole)

@@ -54,10 +54,12 @@ class NF4Share:
     plain_bytes: int  # their bytes in their own dtype
     nf4_bytes: int  # their bytes as NF4 (codes, scalers, factors)
     largest: int  # elements of the largest NF4 weight (the dequantization workspace)
+    held: float = 1.0  # the share of them one rank holds (pp: its stages'; bytes above already scaled)
 
     @property
     def params(self) -> int:
-        return sum(self.blocks) + self.root
+        """NF4 elements one rank holds (``blocks`` stay per block: a unit gathers a whole block)."""
+        return int((sum(self.blocks) + self.root) * self.held)
 
     @property
     def saved_bytes(self) -> int:
@@ -75,13 +77,20 @@ def nf4_element_bytes(dtype_bytes: int) -> float:
     return 0.5 + 1 / BLOCK + dtype_bytes / GROUP
 
 
-def nf4_share(facts, parts: int, tp: int = 1) -> NF4Share | None:
+def nf4_share(facts, parts: int, tp: int = 1, held: float = 1.0) -> NF4Share | None:
     """The NF4 weights of ``facts``' model (adapters inside) split in ``parts`` dim-0 slices
     (of each tp slice under ``tp`` > 1), as the loader chooses them; None when the run quantizes
-    nothing. Under tp the elements are one tp rank's (a colwise / rowwise base holds 1/tp)."""
+    nothing. Under tp the elements are one tp rank's (a colwise / rowwise base holds 1/tp); under
+    pp ``held`` is the busiest pp rank's share of the model (its stages'), which scales the bytes
+    and :attr:`NF4Share.params`, not the per-block counts."""
     if getattr(facts, "quantize", None) is None:
         return None
-    return facts.cached(("nf4", parts, tp), lambda: _share(facts, parts, tp))
+    share = facts.cached(("nf4", parts, tp), lambda: _share(facts, parts, tp))
+    if held == 1.0:
+        return share
+    from dataclasses import replace
+
+    return replace(share, plain_bytes=int(share.plain_bytes * held), nf4_bytes=int(share.nf4_bytes * held), held=held)
 
 
 def nf4_chosen(facts, parts: int, tp: int = 1) -> tuple[list[str], dict[str, str]]:
@@ -135,8 +144,8 @@ def dequant_bytes_per_step(share: NF4Share | None, compute_bytes: int, passes: f
 
 
 def check_layout_quantize(facts, layout) -> None:
-    """The loader's refusal of ``layout`` for a quantized run (pp, ep, zero1, tp under hsdp or
-    ddp: NF4 bases are held under fsdp, zero2, hsdp and ddp, and tp > 1 under fsdp or zero2),
+    """The loader's refusal of ``layout`` for a quantized run (ep, zero1, tp x pp, tp or pp under
+    hsdp or ddp: NF4 bases are held under fsdp, zero2, hsdp and ddp, tp or pp under fsdp or zero2),
     raised before any estimate so that the chooser rejects the layout with the message the run
     would stop with."""
     if getattr(facts, "quantize", None) is None:

@@ -12,8 +12,9 @@ parallel under fsdp or zero2 (tp alone, or tp x fsdp): a ``colwise`` / ``rowwise
 computed on each rank's local NF4 slice (:mod:`hf_scale.parallel.tp_nf4`; DTensor's dispatch on
 ``NF4Tensor`` gives a silently wrong backward, the weight transposed), each tp slice quantized as
 a tensor of its own, then FSDP-sharded as any NF4 weight. A base under another tp style stays in
-the compute dtype. Pipeline, expert and context parallel, and tp under hsdp or ddp, are refused:
-not tested yet.
+the compute dtype. Pipeline parallel under fsdp or zero2: each stage's ranks hold and quantize
+their blocks' weights. Expert and context parallel, tp x pp, and tp or pp under hsdp or ddp are
+refused: not tested yet.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .adapters import is_lora_layer
 
 QUANTIZE_CHOICES = ("nf4",)
 NF4_STRATEGIES = ("fsdp", "zero2", "hsdp", "ddp")
-NF4_TP_STRATEGIES = ("fsdp", "zero2")  # tp with a quantized base: local NF4 slices, FSDP on top
+NF4_TP_STRATEGIES = ("fsdp", "zero2")  # tp (local NF4 slices, FSDP on top) or pp with a quantized base
 NF4_TP_SPLIT = {"colwise": 0, "rowwise": 1}  # a base's tp style -> the weight dim split (parallel.tp_nf4)
 
 
@@ -41,16 +42,20 @@ def check_quantize(quantize: str | None, config, adapter) -> None:
             "quantize='nf4' freezes the base in 4-bit, which only adapters can train on (QLoRA): pass "
             "adapter={'r': 16, 'target_modules': 'all-linear'} (recipe: peft.r, e.g. 16), or drop quantize."
         )
-    others = [f"{n}={getattr(config, n)}" for n in ("pp", "ep", "cp") if getattr(config, n) > 1]
-    if config.tp > 1 and config.strategy not in NF4_TP_STRATEGIES:
-        others.insert(0, f"tp={config.tp} and strategy={config.strategy!r}")
+    others = [f"{n}={getattr(config, n)}" for n in ("ep", "cp") if getattr(config, n) > 1]
+    split = [f"{n}={getattr(config, n)}" for n in ("tp", "pp") if getattr(config, n) > 1]
+    if split and config.strategy not in NF4_TP_STRATEGIES:
+        others.insert(0, f"{' and '.join(split)} and strategy={config.strategy!r}")
+    elif len(split) == 2:
+        others.insert(0, " and ".join(split))
     if config.strategy not in NF4_STRATEGIES or others:
         what = ", ".join(others) or f"strategy={config.strategy!r}"
         raise HfScaleConfigError(
             f"quantize='nf4' with {what}: NF4 bases are supported under strategy {', '.join(NF4_STRATEGIES)} "
-            f"with pp = ep = cp = 1, and tp > 1 under strategy {' or '.join(NF4_TP_STRATEGIES)} (the base "
-            "computed on local NF4 slices); pipeline, expert and context parallel, and tp under hsdp or ddp, "
-            "are untested. Use one of those layouts, or drop quantize."
+            f"with ep = cp = 1, and tp > 1 or pp > 1 (one of them) under strategy {' or '.join(NF4_TP_STRATEGIES)} "
+            "(tp: the base computed on local NF4 slices; pp: each stage's blocks); expert and context "
+            "parallel, tp x pp, and tp or pp under hsdp or ddp are untested. Use one of those layouts, or "
+            "drop quantize."
         )
 
 

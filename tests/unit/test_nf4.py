@@ -86,8 +86,8 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 
 
 def test_quantize_refuses_tp_outside_fsdp_and_zero2():
-    """tp with an NF4 base runs under fsdp / zero2 (local NF4 slices, FSDP on top); under hsdp or
-    ddp, and with pp, it is refused naming the layout."""
+    """tp or pp with an NF4 base runs under fsdp / zero2 (tp: local NF4 slices, FSDP on top); under
+    hsdp or ddp, and tp x pp, it is refused naming the layout."""
     from types import SimpleNamespace
 
     from hf_scale.model_plans.quantize import check_quantize
@@ -100,5 +100,8 @@ def test_quantize_refuses_tp_outside_fsdp_and_zero2():
     for strategy in ("hsdp", "ddp"):
         with pytest.raises(HfScaleConfigError, match=f"tp=2 and strategy='{strategy}'"):
             check_quantize("nf4", config(strategy, tp=2), adapter="lora")
-    with pytest.raises(HfScaleConfigError, match="pp=2"):
+    check_quantize("nf4", config("zero2", pp=2), adapter="lora")
+    with pytest.raises(HfScaleConfigError, match="with tp=2 and pp=2:"):
         check_quantize("nf4", config("fsdp", tp=2, pp=2), adapter="lora")
+    with pytest.raises(HfScaleConfigError, match="pp=2 and strategy='ddp'"):
+        check_quantize("nf4", config("ddp", pp=2), adapter="lora")
