@@ -140,15 +140,18 @@ def quantization_record(model: nn.Module) -> dict | None:
     from ..quantize.nf4 import BLOCK, SCALER_BLOCK, is_nf4
 
     host = adapter_host(model)
-    names, dtype = [], None
+    names, dtype, split = [], None, {}
     for name, p in host.named_parameters():
         if is_nf4(p):
             names.append(name.replace(".base_layer.", "."))
             dtype = (p._local_tensor if isinstance(p, DTensor) else p).dtype
+            if tp_dim(p) is not None:  # tensor parallel: each tp slice was quantized alone
+                split[names[-1]] = list(tp_dim(p))
     if not names:
         return None
-    return {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
-            "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
+    record = {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
+              "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
+    return {**record, "tp_split": split} if split else record
 
 
 def write_quantization_record(model: nn.Module, folder: Path) -> None:
@@ -182,10 +185,22 @@ def dequantized_base(model: nn.Module, folder: Path) -> list[str]:
             f"{path} names {len(missing)} weight(s) the base model lacks (e.g. {missing[0]}): give the base the "
             "adapter was trained on (--base)."
         )
+    split = record.get("tp_split", {})  # name -> [dim, tp]: trained under tp, each slice quantized alone
     for name in record["weights"]:
         weight = params[name]
-        weight.copy_(quantize_whole(weight.to(dtype)).get_original_weight().to(weight.dtype))
+        dim, tp = split.get(name, (0, 1))
+        slices = [quantize_whole(part.to(dtype).contiguous()).get_original_weight() for part in weight.chunk(tp, dim)]
+        weight.copy_(torch.cat(slices, dim).to(weight.dtype))
     return record["weights"]
+
+
+def tp_dim(param) -> tuple[int, int] | None:
+    """(the dim split, the tp degree) of a weight split on the ``tp`` dimension of its DTensor
+    mesh; None for a weight whole on every tp rank."""
+    _, tp, local = tp_slice(param)
+    if tp == 1:
+        return None
+    return next(d for d, (a, b) in enumerate(zip(param.shape, local)) if a != b), tp
 
 
 def tp_slice(target) -> tuple[int, int, tuple[int, ...]]:

@@ -169,7 +169,9 @@ def parallel_run(folder: str, config: dict) -> dict:
     model = hf_scale.from_pretrained(folder, config, adapter=LORA, quantize="nf4")
     set_adapters(model.get_base_model(), init_lora)
     state = hf_scale.get_state(model)
-    out = {"nf4": nf4_report(model)}
+    from hf_scale.checkpoint.quantized import quantization_record
+
+    out = {"nf4": nf4_report(model), "tp_split": (quantization_record(model) or {}).get("tp_split", {})}
     out.update(train(model, state.dp_rank, state.dp_degree, state.dp_group, parallel=True))
     frozen = [n for n, p in model.get_base_model().named_parameters() if not p.requires_grad and p.grad is not None]
     out["frozen_grads"] = frozen

@@ -98,6 +98,10 @@ def check_parity(case: dict, ranks: list[dict], base: str) -> None:
         assert r["frozen_grads"] == [], r["frozen_grads"][:4]
         assert r["no_grad_equal"] or (case.get("pp") and r["no_grad_equal"] is None), "two no_grad forwards differ"
         assert r["nf4"]["requires_grad"] == []
+        # what quantization.json records for export --dequantize: each tp-split weight's dim and degree
+        want = {n.replace(".base_layer.", "."): [qlora_checks.tp_dim(n), case["tp"]] for n in r["nf4"]["names"]} \
+            if case.get("tp") else {}
+        assert r["tp_split"] == want
 
 
 @pytest.mark.parametrize("case", WORLD2, ids=[c["id"] for c in WORLD2])
