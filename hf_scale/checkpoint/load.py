@@ -105,7 +105,7 @@ def from_pretrained(
         from .quantized import place_nf4, shard_parts
 
         check_quantize(quantize, parallel, adapter)
-        place_nf4(model, shard_parts(parallel, init_distributed().world_size))
+        place_nf4(model, shard_parts(parallel, init_distributed().world_size), parallel.tp, plan)
     # parameters split (or pipeline stages pruned): parallelize on meta, read this rank's slices
     sharded = parallel.sharded or parallel.tp > 1 or parallel.pp > 1
     if sharded:

@@ -8,6 +8,11 @@ in the compute dtype (:func:`hf_scale.checkpoint.load.assign_from_files` sets it
 :func:`quantize_loaded` then agrees each weight's mean block absmax (one all-reduce of every
 weight's sum and count together) and quantizes each rank's slice with it, exactly as the whole
 tensor quantized and split (:mod:`hf_scale.quantize.nf4`).
+
+Under tensor parallel each rank's tp slice of a weight (rows for ``colwise``, columns for
+``rowwise``) is quantized as a tensor of its own (torchao's ``to_nf4`` of that slice: its own
+mean), then sharded by FSDP over the data-parallel ranks like any NF4 weight; the mean is
+agreed among the ranks holding the same tp slice (:func:`tp_slice`).
 """
 
 from __future__ import annotations
@@ -38,14 +43,21 @@ def shard_parts(config, world_size: int) -> int:
 
 
 @torch.no_grad()
-def place_nf4(model: nn.Module, parts: int) -> list[str]:
-    """Replace the weights :func:`nf4_targets` chooses (``model`` on the meta device) by meta
-    ``NF4Tensor`` s; say once which stay in the compute dtype and why. Returns their names."""
+def place_nf4(model: nn.Module, parts: int, tp: int = 1, plan=None) -> list[str]:
+    """Replace the weights :func:`nf4_targets` chooses (``model`` on the meta device; ``tp`` > 1:
+    split by the tp styles of ``plan``, as ``parallelize`` will) by meta ``NF4Tensor`` s; say
+    once which stay in the compute dtype and why. Returns their names."""
     from ..quantize.nf4 import quantize_rows, torchao_nf4
 
     torchao_nf4()  # a missing torchao fails here, before any work
     host = adapter_host(model)
-    chosen, kept = nf4_targets(host, parts)
+    styles = None
+    if tp > 1:
+        from ..model_plans import resolve_plan
+        from ..model_plans.tp import tp_layout
+
+        styles = tp_layout(host, resolve_plan(host, plan), tp).styles
+    chosen, kept = nf4_targets(host, parts, tp, styles)
     for name in chosen:
         owner, _, leaf = name.rpartition(".")
         module = host.get_submodule(owner)
@@ -58,7 +70,8 @@ def place_nf4(model: nn.Module, parts: int) -> list[str]:
         first = next(iter(kept.items()))
         log_rank0(f"quantize nf4: {len(kept)} LoRA base weight(s) stay in the compute dtype, their slices "
                   f"cannot hold whole NF4 groups (e.g. {first[0]}: {first[1]})", once=True)
-    log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s) each", once=True)
+    split = f" of each tp={tp} slice" if tp > 1 else ""
+    log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s){split} each", once=True)
     return chosen
 
 
@@ -76,23 +89,37 @@ def _refuse_merge(self, *args, **kwargs) -> None:
 def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Collective (every rank holds the same NF4 weights, in the same order): ``pending`` (state
     key -> (this rank's block in the compute dtype, the meta NF4 target)) quantized and put in
-    place. The mean block absmax of each weight: one all-reduce of every weight's (sum, count)."""
+    place. The mean block absmax of each weight (of each tp slice under tensor parallel): one
+    all-reduce of every weight's (sum, count) per tp slice."""
     from ..quantize.nf4 import block_absmax, quantize_rows
 
     keys = sorted(pending)
-    stats = torch.zeros(len(keys), 2, dtype=torch.float64)
+    slices = {key: tp_slice(pending[key][1]) for key in keys}
+    tp = max([n for _, n, _ in slices.values()], default=1)
+    if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold different weights
+        from ..ranks import gather
+
+        every = gather([(tuple(keys), tp)])
+        keys, tp = sorted({k for held, _ in every for k in held}), max(n for _, n in every)
+    stats = torch.zeros(len(keys), tp, 2, dtype=torch.float64)
     for i, key in enumerate(keys):
+        if key not in pending:
+            continue
         scalers = block_absmax(pending[key][0])
-        stats[i] = torch.tensor([scalers.double().sum().item(), scalers.numel()])
+        # fp64 throughout: torch.tensor of two Python floats would be fp32, and the mean one ulp off
+        stats[i, slices[key][0], 0] = scalers.double().sum()
+        stats[i, slices[key][0], 1] = scalers.numel()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(stats)  # replicas (hsdp, ddp) count their slices equally often: the mean holds
 
     def quantize() -> None:
         new = {}
         for i, key in enumerate(keys):
+            if key not in pending:
+                continue
             local, target = pending[key]
-            whole = tuple(target.shape)
-            nf4 = quantize_rows(local, stats[i, 0] / stats[i, 1], whole)
+            index, _, whole = slices[key]
+            nf4 = quantize_rows(local, stats[i, index, 0] / stats[i, index, 1], whole)
             if isinstance(target, DTensor):
                 nf4 = DTensor.from_local(nf4, target.device_mesh, target.placements, run_check=False,
                                          shape=target.shape, stride=target.stride())
@@ -113,15 +140,18 @@ def quantization_record(model: nn.Module) -> dict | None:
     from ..quantize.nf4 import BLOCK, SCALER_BLOCK, is_nf4
 
     host = adapter_host(model)
-    names, dtype = [], None
+    names, dtype, split = [], None, {}
     for name, p in host.named_parameters():
         if is_nf4(p):
             names.append(name.replace(".base_layer.", "."))
             dtype = (p._local_tensor if isinstance(p, DTensor) else p).dtype
+            if tp_dim(p) is not None:  # tensor parallel: each tp slice was quantized alone
+                split[names[-1]] = list(tp_dim(p))
     if not names:
         return None
-    return {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
-            "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
+    record = {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
+              "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
+    return {**record, "tp_split": split} if split else record
 
 
 def write_quantization_record(model: nn.Module, folder: Path) -> None:
@@ -155,7 +185,34 @@ def dequantized_base(model: nn.Module, folder: Path) -> list[str]:
             f"{path} names {len(missing)} weight(s) the base model lacks (e.g. {missing[0]}): give the base the "
             "adapter was trained on (--base)."
         )
+    split = record.get("tp_split", {})  # name -> [dim, tp]: trained under tp, each slice quantized alone
     for name in record["weights"]:
         weight = params[name]
-        weight.copy_(quantize_whole(weight.to(dtype)).get_original_weight().to(weight.dtype))
+        dim, tp = split.get(name, (0, 1))
+        slices = [quantize_whole(part.to(dtype).contiguous()).get_original_weight() for part in weight.chunk(tp, dim)]
+        weight.copy_(torch.cat(slices, dim).to(weight.dtype))
     return record["weights"]
+
+
+def tp_dim(param) -> tuple[int, int] | None:
+    """(the dim split, the tp degree) of a weight split on the ``tp`` dimension of its DTensor
+    mesh; None for a weight whole on every tp rank."""
+    _, tp, local = tp_slice(param)
+    if tp == 1:
+        return None
+    return next(d for d, (a, b) in enumerate(zip(param.shape, local)) if a != b), tp
+
+
+def tp_slice(target) -> tuple[int, int, tuple[int, ...]]:
+    """(this rank's tp slice index, the tp degree, the slice's shape) of an NF4 placeholder: its
+    shape and (0, 1) unless it is split on the ``tp`` dimension of its DTensor mesh."""
+    shape = tuple(target.shape)
+    if not isinstance(target, DTensor) or "tp" not in (target.device_mesh.mesh_dim_names or ()):
+        return 0, 1, shape
+    mesh_dim = target.device_mesh.mesh_dim_names.index("tp")
+    placement = target.placements[mesh_dim]
+    if not placement.is_shard():
+        return 0, 1, shape
+    tp = target.device_mesh.size(mesh_dim)
+    local = tuple(n // tp if d == placement.dim else n for d, n in enumerate(shape))
+    return target.device_mesh.get_local_rank(mesh_dim), tp, local

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from .estimate import GiB, Workload, estimate_memory
 from .profile import model_facts
-from .quantized import nf4_share
+from .quantized import nf4_chosen, nf4_share
 
 MB = 1e6
 
 
 def adapter_lines(job, world_size: int, num_nodes: int = 1) -> list[str]:
     """Lines for ``job`` (a ``JobConfig`` with ``peft`` enabled) on ``world_size`` ranks."""
-    from ..model_plans.quantize import nf4_targets
     from ..train.model import meta_model
     from .simulate import as_layout
 
@@ -32,10 +31,12 @@ def adapter_lines(job, world_size: int, num_nodes: int = 1) -> list[str]:
     parts = 1 if layout is None or layout.strategy not in ("fsdp", "zero2", "hsdp") or world_size == 1 \
         else layout.dp_shard
     if facts.quantize:
-        share = nf4_share(facts, parts)
-        chosen, kept = nf4_targets(facts.model, parts)
+        tp = layout.tp if layout is not None else 1
+        share = nf4_share(facts, parts, tp)
+        chosen, kept = nf4_chosen(facts, parts, tp)
         line = (f"QLoRA (model.quantize: {facts.quantize}): {len(chosen)} of {len(chosen) + len(kept)} LoRA base "
-                f"weights in NF4 over {parts} slice(s) each, {share.params / 1e6:,.1f}M parameters: "
+                f"weights in NF4 over {parts} slice(s){f' of each tp={tp} slice' if tp > 1 else ''} each, "
+                f"{share.params / 1e6:,.1f}M parameters{' per tp rank' if tp > 1 else ''}: "
                 f"{share.nf4_bytes / MB:,.1f} MB at {8 * share.bytes_per_element:.3f} bits a parameter (codes, "
                 f"scalers, factors), where {frozen_dtype} took {share.plain_bytes / MB:,.1f} MB")
         if kept:

@@ -68,6 +68,7 @@ from .estimate import (
     moe_layers_per_pp_rank,
     pipeline_shape,
     pp_rank_params,
+    pp_share,
     pp_stages,
     rank_blocks,
     rank_moe_layers,
@@ -289,7 +290,7 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
     gather_bytes = params * d if layout.precision or not frozen else (params - frozen) * d + frozen * facts.frozen_bytes
     # QLoRA: the NF4 weights are gathered in NF4 bytes (never cast), and dequantized in every matmul
     nf4 = nf4_share(facts, layout.dp_shard if layout.strategy in ("fsdp", "zero2", "hsdp") and layout.world_size > 1
-                    else 1)
+                    else 1, layout.tp, pp_share(facts, layout))
     if nf4:
         gather_bytes -= nf4.params * (d if layout.precision else facts.frozen_bytes) - nf4.nf4_bytes
     dequant = runs * dequant_bytes_per_step(nf4, d, 3 if layout.ac else 2) / device.mem_bandwidth

@@ -247,6 +247,11 @@ def _rank_params(facts: ModelFacts, layout: Layout) -> int:
     return params
 
 
+def pp_share(facts: ModelFacts, layout: Layout) -> float:
+    """The busiest pp rank's share of the model's parameters (1 without pp)."""
+    return max(pp_rank_params(facts, layout)) / facts.params if layout.pp > 1 else 1.0
+
+
 def pp_stages(facts: ModelFacts, layout: Layout) -> dict:
     """``plan_report.pp_report`` for the layout's pipeline, once per pp degree and schedule (the
     schedule sets the stages per rank): read its ``stages`` and ``rank_params``, which do not
@@ -357,7 +362,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     rank, or of ``pp_rank`` when given (its stages' parameters, in-flight microbatches, and the
     logits and loss on the last stage's rank only)."""
     check_layout_ep(facts, layout.ep)  # the engine's refusal (a dense model, experts ep does not divide)
-    check_layout_quantize(facts, layout)  # NF4 bases: fsdp, zero2, hsdp or ddp, without tp / pp / ep
+    check_layout_quantize(facts, layout)  # NF4 bases: fsdp, zero2, hsdp or ddp; tp or pp under fsdp / zero2
     d = DTYPE_BYTES[layout.precision]
     params = rank_params(facts, layout)
     frac = params / facts.params  # this rank's share of every part (tp and pp)
@@ -367,7 +372,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     sharded = layout.strategy in ("fsdp", "zero2", "hsdp")
     n = layout.dp_shard if sharded else 1
     # QLoRA: the base weights the loader quantizes at this layout's dim-0 slices, in NF4 bytes
-    nf4 = nf4_share(facts, n if layout.world_size > 1 else 1)
+    nf4 = nf4_share(facts, n if layout.world_size > 1 else 1, layout.tp, pp_share(facts, layout))  # this rank's
     nf4_held = nf4.nf4_bytes // n if nf4 else 0
     replicated = layout.strategy in ("ddp", "zero1")
     # ddp + ep: the dense weights replicated, each rank its 1/ep of the experts (FSDP-sharded over the

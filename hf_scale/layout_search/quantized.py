@@ -54,10 +54,12 @@ class NF4Share:
     plain_bytes: int  # their bytes in their own dtype
     nf4_bytes: int  # their bytes as NF4 (codes, scalers, factors)
     largest: int  # elements of the largest NF4 weight (the dequantization workspace)
+    held: float = 1.0  # the share of them one rank holds (pp: its stages'; bytes above already scaled)
 
     @property
     def params(self) -> int:
-        return sum(self.blocks) + self.root
+        """NF4 elements one rank holds (``blocks`` stay per block: a unit gathers a whole block)."""
+        return int((sum(self.blocks) + self.root) * self.held)
 
     @property
     def saved_bytes(self) -> int:
@@ -75,36 +77,59 @@ def nf4_element_bytes(dtype_bytes: int) -> float:
     return 0.5 + 1 / BLOCK + dtype_bytes / GROUP
 
 
-def nf4_share(facts, parts: int) -> NF4Share | None:
-    """The NF4 weights of ``facts``' model (adapters inside) split in ``parts`` dim-0 slices,
-    as the loader chooses them; None when the run quantizes nothing."""
+def nf4_share(facts, parts: int, tp: int = 1, held: float = 1.0) -> NF4Share | None:
+    """The NF4 weights of ``facts``' model (adapters inside) split in ``parts`` dim-0 slices
+    (of each tp slice under ``tp`` > 1), as the loader chooses them; None when the run quantizes
+    nothing. Under tp the elements are one tp rank's (a colwise / rowwise base holds 1/tp); under
+    pp ``held`` is the busiest pp rank's share of the model (its stages'), which scales the bytes
+    and :attr:`NF4Share.params`, not the per-block counts."""
     if getattr(facts, "quantize", None) is None:
         return None
-    return facts.cached(("nf4", parts), lambda: _share(facts, parts))
+    share = facts.cached(("nf4", parts, tp), lambda: _share(facts, parts, tp))
+    if held == 1.0:
+        return share
+    from dataclasses import replace
+
+    return replace(share, plain_bytes=int(share.plain_bytes * held), nf4_bytes=int(share.nf4_bytes * held), held=held)
 
 
-def _share(facts, parts: int) -> NF4Share:
-    from ..model_plans import wrap_units
+def nf4_chosen(facts, parts: int, tp: int = 1) -> tuple[list[str], dict[str, str]]:
+    """:func:`hf_scale.model_plans.quantize.nf4_targets` at ``parts`` x ``tp`` with the plan's tp styles."""
     from ..model_plans.quantize import nf4_targets
+    from .profile import _tp_styles
 
-    chosen, _ = nf4_targets(facts.model, parts)
+    return nf4_targets(facts.model, parts, tp, _tp_styles(facts) if tp > 1 else None)
+
+
+def _share(facts, parts: int, tp: int = 1) -> NF4Share:
+    from ..model_plans import wrap_units
+    from ..model_plans.quantize import NF4_TP_SPLIT
+
+    chosen, _ = nf4_chosen(facts, parts, tp)
+    styles = {}
+    if tp > 1:
+        from .profile import _tp_styles
+
+        styles = _tp_styles(facts)
     params = dict(facts.model.named_parameters())
     weights = [params[name] for name in chosen]
+    split = {id(params[n]): tp if styles.get(n.rpartition(".")[0]) in NF4_TP_SPLIT else 1 for n in chosen}
     owner = {}
     for i, unit in enumerate(wrap_units(facts.model, facts.plan)):
         for p in unit.parameters():
             owner.setdefault(id(p), i)
     blocks = [0] * len(facts.block_params)
     root = 0
+    held = {id(w): w.numel() // split[id(w)] for w in weights}  # this tp rank's elements
     for w in weights:
         if id(w) in owner:
-            blocks[owner[id(w)]] += w.numel()
+            blocks[owner[id(w)]] += held[id(w)]
         else:
-            root += w.numel()
+            root += held[id(w)]
     return NF4Share(blocks=blocks, root=root,
-                    plain_bytes=sum(w.numel() * w.element_size() for w in weights),
-                    nf4_bytes=int(sum(w.numel() * nf4_element_bytes(w.element_size()) for w in weights)),
-                    largest=max((w.numel() for w in weights), default=0))
+                    plain_bytes=sum(held[id(w)] * w.element_size() for w in weights),
+                    nf4_bytes=int(sum(held[id(w)] * nf4_element_bytes(w.element_size()) for w in weights)),
+                    largest=max(held.values(), default=0))
 
 
 def dequant_workspace(share: NF4Share | None, compute_bytes: int) -> int:
@@ -119,9 +144,10 @@ def dequant_bytes_per_step(share: NF4Share | None, compute_bytes: int, passes: f
 
 
 def check_layout_quantize(facts, layout) -> None:
-    """The loader's refusal of ``layout`` for a quantized run (tp, pp, ep, zero1: NF4 bases are
-    held under fsdp, zero2, hsdp and ddp only), raised before any estimate so that the chooser
-    rejects the layout with the message the run would stop with."""
+    """The loader's refusal of ``layout`` for a quantized run (ep, zero1, tp x pp, tp or pp under
+    hsdp or ddp: NF4 bases are held under fsdp, zero2, hsdp and ddp, tp or pp under fsdp or zero2),
+    raised before any estimate so that the chooser rejects the layout with the message the run
+    would stop with."""
     if getattr(facts, "quantize", None) is None:
         return
     from ..model_plans.quantize import check_quantize

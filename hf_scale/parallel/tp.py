@@ -87,10 +87,13 @@ def apply_tp(
         apply_tp(model, mesh["tp"], {"model.layers.0.self_attn.q_proj": "colwise", ...})
     """
     tp = tp_mesh.size()
+    nf4 = {name: style for name, style in styles.items() if _has_nf4_weight(model.get_submodule(name))}
     plan = {name: _style(model.get_submodule(name), style) for name, style in styles.items()
             if style != "replicate" and style not in HOOK_STYLES and not replicated_kv_width(style)
-            and not heads_input(style)}
+            and not heads_input(style) and name not in nf4}
     parallelize_module(model, tp_mesh, plan)
+    for name, style in nf4.items():  # QLoRA's NF4 base: computed on local NF4 slices, never by DTensor
+        _nf4_style(model.get_submodule(name), tp_mesh, name, style)
     for name, dim in (params or {}).items():
         owner, _, leaf = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -113,6 +116,28 @@ def apply_tp(
         for attr in attrs:
             _divide_attr(module, attr, tp)
     _retie(model, ties)
+
+
+def _has_nf4_weight(module: nn.Module) -> bool:
+    from ..quantize.nf4 import is_nf4
+
+    return is_nf4(getattr(module, "weight", None))
+
+
+def _nf4_style(module: nn.Module, tp_mesh, name: str, style: str) -> None:
+    """An NF4 Linear (a QLoRA base) under ``style``: local slices (:mod:`.tp_nf4`), or refused."""
+    from .tp_nf4 import NF4_TP_STYLES, apply_nf4_tp
+
+    if style == "replicate":
+        return
+    if style not in NF4_TP_STYLES or type(module) is not nn.Linear:
+        from ..errors import HfScaleConfigError
+
+        raise HfScaleConfigError(
+            f"tensor parallel: {name} holds an NF4 (4-bit) base weight under the {style!r} style; NF4 bases are "
+            f"split under {', '.join(NF4_TP_STYLES)} only (DTensor's dispatch on NF4 is wrong in backward). "
+            "Leave that layer out of the LoRA target_modules, or use tp=1 with quantize='nf4'.")
+    apply_nf4_tp(module, tp_mesh, style)
 
 
 def _divide_attr(module: nn.Module, attr: str, tp: int) -> None:

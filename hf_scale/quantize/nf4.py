@@ -43,7 +43,29 @@ def torchao_nf4():
                 "quantize='nf4' (QLoRA) needs torchao's NF4Tensor (torchao>=0.18), which is not installed: "
                 "pip install 'hf-scale[qlora]' (or pip install torchao), or train without model.quantize."
             ) from None
+    _accept_dtensor_out(NF4Tensor)
     return NF4Tensor
+
+
+def _accept_dtensor_out(cls) -> None:
+    """Let ``cls.fsdp_post_all_gather`` take FSDP2's ``out=`` as a DTensor: FSDP over a
+    tensor-parallel NF4 weight (a DTensor on the tp mesh whose local tensor is NF4) passes the
+    unsharded DTensor when it gathers again (backward, after resharding), and torchao's hook
+    asserts a plain NF4Tensor. Its NF4 local tensor is what the hook checks (the gathered storage
+    is already in place); torchao's float8 hook unwraps the DTensor so. Done once per class."""
+    original = cls.fsdp_post_all_gather
+    if getattr(original, "_hf_scale_unwraps_dtensor", False):
+        return
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(out, DTensor):
+            out = out._local_tensor
+        return original(self, all_gather_outputs, metadata, param_dtype, out=out)
+
+    fsdp_post_all_gather._hf_scale_unwraps_dtensor = True
+    cls.fsdp_post_all_gather = fsdp_post_all_gather
 
 
 def is_nf4(t) -> bool:

@@ -76,3 +76,23 @@ def test_dequantize_applies_with_merge_only(capsys):
 
     assert main(["export", "ckpt", "out", "--dequantize"]) == 2
     assert "--base, --dtype and --dequantize apply with --merge only" in capsys.readouterr().err
+
+
+def test_dequantize_follows_the_tp_split_recorded(tmp_path):
+    """An adapter trained under tp records each split weight's dim and degree (``tp_split``): the
+    round trip quantizes each tp slice alone, as the ranks did, which differs from the whole's."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_scale.checkpoint.quantized import dequantized_base
+    from hf_scale.quantize.nf4 import quantize_whole
+
+    save_base(str(tmp_path / "base"))
+    name = "model.layers.0.self_attn.o_proj.weight"
+    (tmp_path / QUANTIZATION_FILE).write_text(json.dumps(
+        {"quantize": "nf4", "dtype": "float32", "weights": [name], "tp_split": {name: [1, 2]}}))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    weight = model.get_parameter(name).detach().clone()
+    dequantized_base(model, tmp_path)
+    slices = torch.cat([quantize_whole(w.contiguous()).get_original_weight() for w in weight.chunk(2, 1)], 1)
+    assert torch.equal(model.get_parameter(name), slices)
+    assert not torch.equal(slices, quantize_whole(weight).get_original_weight())

@@ -66,6 +66,16 @@ def test_lora_base_weights_chosen():
     assert len(chosen) == 7 and not kept and all(n.endswith(".base_layer.weight") for n in chosen)
     chosen, kept = nf4_targets(model.get_base_model(), 4)
     assert len(chosen) == 5 and sorted(k.split(".")[4] for k in kept) == ["k_proj", "v_proj"]
+    # tp=2: a colwise slice (rows) or rowwise slice (columns) of each weight, then 2 dim-0 parts of it
+    styles = {n: "rowwise" if n.split(".")[-2] in ("o_proj", "down_proj") else "colwise"
+              for n, _ in model.get_base_model().named_modules() if n.endswith(".base_layer")}
+    chosen, kept = nf4_targets(model.get_base_model(), 1, 2, styles)
+    assert len(chosen) == 7 and not kept
+    chosen, kept = nf4_targets(model.get_base_model(), 2, 2, styles)
+    assert len(chosen) == 5 and sorted(k.split(".")[4] for k in kept) == ["k_proj", "v_proj"]
+    styles = {n: "packed_colwise" if ".q_proj." in n else s for n, s in styles.items()}
+    chosen, kept = nf4_targets(model.get_base_model(), 1, 2, styles)  # a style NF4 is not split under
+    assert len(chosen) == 6 and "DTensor" in kept["model.layers.0.self_attn.q_proj.base_layer.weight"]
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
@@ -73,3 +83,25 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(HfScaleConfigError, match=r"pip install 'hf-scale\[qlora\]'"):
         nf4.torchao_nf4()
+
+
+def test_quantize_refuses_tp_outside_fsdp_and_zero2():
+    """tp or pp with an NF4 base runs under fsdp / zero2 (tp: local NF4 slices, FSDP on top); under
+    hsdp or ddp, and tp x pp, it is refused naming the layout."""
+    from types import SimpleNamespace
+
+    from hf_scale.model_plans.quantize import check_quantize
+
+    def config(strategy, **degrees):
+        return SimpleNamespace(strategy=strategy, **{"tp": 1, "pp": 1, "ep": 1, "cp": 1, **degrees})
+
+    for strategy in ("fsdp", "zero2"):
+        check_quantize("nf4", config(strategy, tp=2), adapter="lora")
+    for strategy in ("hsdp", "ddp"):
+        with pytest.raises(HfScaleConfigError, match=f"tp=2 and strategy='{strategy}'"):
+            check_quantize("nf4", config(strategy, tp=2), adapter="lora")
+    check_quantize("nf4", config("zero2", pp=2), adapter="lora")
+    with pytest.raises(HfScaleConfigError, match="with tp=2 and pp=2:"):
+        check_quantize("nf4", config("fsdp", tp=2, pp=2), adapter="lora")
+    with pytest.raises(HfScaleConfigError, match="pp=2 and strategy='ddp'"):
+        check_quantize("nf4", config("ddp", pp=2), adapter="lora")

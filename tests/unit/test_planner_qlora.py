@@ -18,7 +18,7 @@ from hf_scale.layout_search.cost import Device, Link, step_cost
 from hf_scale.layout_search.estimate import Layout, Workload, estimate_memory
 from hf_scale.layout_search.profile import model_facts
 from hf_scale.layout_search.quantized import dequant_workspace, nf4_share
-from hf_scale.model_plans.quantize import NF4_STRATEGIES
+from hf_scale.model_plans.quantize import NF4_STRATEGIES, NF4_TP_STRATEGIES
 from hf_scale.quantize.nf4 import GROUP, nf4_nbytes, quantize_whole
 
 WORK = Workload(seq=16, batch=1, device="cuda")
@@ -129,18 +129,47 @@ def test_workspace_joins_a_blocks_backward_not_the_logits():
 
 
 def test_refused_layouts_are_never_proposed():
-    """With quantize set the chooser ranks fsdp / zero2 / hsdp / ddp without tp, pp or ep only,
-    and says why the others were left out (the loader's own message)."""
+    """With quantize set the chooser ranks fsdp / zero2 / hsdp / ddp without ep, and tp or pp only
+    under fsdp / zero2, and says why the others were left out (the loader's own message)."""
     q = model_facts(lora_llama(torch.bfloat16), quantize="nf4")
     _, ranked = choose(q, WORK, 4, 80 * 2**30, GPU, strategies=("fsdp", "zero2", "zero1", "ddp", "hsdp"))
     fits = [c for c in ranked if c.fits]
-    assert fits and all(c.layout.strategy in NF4_STRATEGIES and c.layout.tp == c.layout.pp == c.layout.ep == 1
-                        for c in fits)
+    assert fits and all(c.layout.strategy in NF4_STRATEGIES and c.layout.ep == 1 for c in fits)
+    assert all(c.layout.strategy in NF4_TP_STRATEGIES for c in fits if c.layout.tp > 1 or c.layout.pp > 1)
+    assert any(c.layout.tp > 1 for c in fits)  # tensor parallel is proposed now
     refused = [c for c in ranked if not c.fits and "quantize='nf4'" in (c.reason or "")]
-    assert {c.layout.strategy for c in refused} >= {"zero1"} and any(c.layout.tp > 1 for c in refused)
-    assert any(c.layout.tp > 1 for c in ranked if not c.fits and c.reason)  # never fitting
-    with pytest.raises(HfScaleConfigError, match="tp=2"):
-        estimate_memory(q, Layout("fsdp", 1, 2, tp=2), WORK)
+    assert {c.layout.strategy for c in refused} >= {"zero1"}
+    with pytest.raises(HfScaleConfigError, match="tp=2 and strategy='hsdp'"):
+        estimate_memory(q, Layout("hsdp", 2, 2, tp=2), WORK)
+    with pytest.raises(HfScaleConfigError, match="pp=2 and strategy='ddp'"):
+        estimate_memory(q, Layout("ddp", 2, 1, pp=2), WORK)
+
+
+def test_tp_holds_one_tp_slice_of_each_nf4_weight():
+    """Under tp the NF4 weights a rank holds are its tp slices (colwise rows, rowwise columns), in
+    NF4 where a slice holds whole groups: at tp=2 the MLP's (256 x 128 = 2 groups: 1 per slice),
+    not q / o (1 group: half a slice each), never k / v; at tp=2 x 2 dim-0 parts none."""
+    q = model_facts(lora_llama(torch.bfloat16), quantize="nf4")
+    two = nf4_share(q, 1, tp=2)
+    mlp_slice = 256 * 128 // 2
+    assert two.blocks == [3 * mlp_slice] * 2 and two.largest == mlp_slice
+    assert two.nf4_bytes == int(two.params * (0.5 + 1 / 64 + 2 / 16384))
+    assert nf4_share(q, 2, tp=2).params == 0
+    held = estimate_memory(q, Layout("fsdp", 1, 1, tp=2), WORK).nf4_params
+    assert held == two.nf4_bytes
+
+
+
+def test_pp_holds_its_stages_nf4_weights():
+    """Under pp a rank holds its stages' NF4 weights: the estimate's NF4 bytes are the busiest
+    pp rank's share of the pp=1 run's (one of the 2 blocks, and half-ish of the rest)."""
+    from hf_scale.layout_search.estimate import pp_share
+
+    q = model_facts(lora_llama(torch.bfloat16), quantize="nf4")
+    whole = estimate_memory(q, Layout("fsdp", 1, 1), WORK).nf4_params
+    staged = Layout("fsdp", 1, 1, pp=2, micro_batch=2)
+    held = estimate_memory(q, staged, WORK).nf4_params
+    assert 0.49 < pp_share(q, staged) < 0.51 and held == int(whole * pp_share(q, staged))
 
 
 def test_step_gathers_nf4_bytes_and_pays_the_dequantization():
@@ -186,7 +215,7 @@ def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     # --gpus: the QLoRA run ranked (not a full fine-tune of the base), NF4's refusals among the rejected
     assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--gpus", "2"]) == 0
     out = capsys.readouterr().out
-    assert "M trainable)" in out and "/ NF4 dequantization = peak" in out and "x quantize='nf4' with tp=2" in out
+    assert "M trainable)" in out and "/ NF4 dequantization = peak" in out and "x quantize='nf4' with" in out
     assert main(["plan", str(configs / "quickstart-lora.yaml"), "--model.name_or_path", folder]) == 0
     out = capsys.readouterr().out
     assert "LoRA (peft.r=" in out and "NF4" not in out and "per rank, estimated for fsdp 1x2x1x1" in out
