@@ -161,6 +161,13 @@ class ParallelConfig:
             heads / cp of the heads (:mod:`hf_scale.parallel.cp_alltoall`): no rank holds the whole
             sequence's K / V of every head. Needs the attention and key-value heads divisible by cp
             (key-value heads fewer than cp and dividing it are repeated).
+        packed_attention: packed documents (``position_ids`` restarting at 0, no attention mask)
+            attended one document at a time, one causal SDPA call each, instead of one call over
+            the whole row under a block-diagonal mask (:mod:`hf_scale.parallel.packed_attention`:
+            the same results, attention work ``sum n_d^2`` instead of ``(sum n_d)^2``). Models on
+            transformers' ``"sdpa"`` only; not under cp (which keeps documents apart itself).
+            None (default): off here; ``hf-scale finetune`` turns it on for packed or
+            padding-free data. True / False: as said.
         timeout_seconds: collective timeout when hf_scale creates the process group.
     """
 
@@ -188,6 +195,7 @@ class ParallelConfig:
     cp_layout: str = "head_tail"
     cp_attention: str = "auto"
     cp_exchange: str = "allgather"
+    packed_attention: bool | None = None
     timeout_seconds: int = 1800
 
     def __post_init__(self) -> None:
@@ -207,6 +215,8 @@ class ParallelConfig:
         self._check_pp()
         self._check_cp()
         _check_positive_int("loss_chunk_tokens", self.loss_chunk_tokens, "(tokens per chunk, e.g. 1024) or None")
+        if self.packed_attention is not None and not isinstance(self.packed_attention, bool):
+            raise HfScaleConfigError(f"packed_attention={self.packed_attention!r} must be true, false or null.")
         if not isinstance(self.loss_labeled_only, bool):
             raise HfScaleConfigError(f"loss_labeled_only={self.loss_labeled_only!r} must be true or false.")
         _check_positive_int("ac_every", self.ac_every, "(1 = every block)", optional=False)

@@ -2,7 +2,7 @@
 
 :func:`apply_parallelism` reads as that order: plan -> process group -> mesh (degrees, tensor
 and pipeline layouts) -> this rank's pipeline stages -> loss -> tensor parallel -> context
-parallel -> device -> no KV cache in training forwards -> activation checkpointing -> data
+parallel -> packed documents' attention -> device -> no KV cache in training forwards -> activation checkpointing -> data
 parallel (FSDP2 / DDP over dp x cp, or
 autocast alone) -> pipeline schedule -> state. Each step is a small function with explicit arguments; the engine's
 ``apply_*`` functions (:mod:`hf_scale.parallel`) do the work. ``config`` is a resolved
@@ -43,6 +43,7 @@ from .parallel.cp_check import check_cp_model
 from .parallel.ep import apply_experts, unsplit_parameters
 from .parallel.fsdp import shard_experts
 from .parallel.loss import is_fake
+from .parallel.packed_attention import apply_packed_attention
 from .parallel.pp import is_stand_in, prune_to_stages, stage_module
 from .parallel.pp_grads import choose_grad_sync, sync_each_microbatch
 from .parallel.pp_schedule import Pipeline, tie_group, tied_across_stages
@@ -95,6 +96,7 @@ def apply_parallelism(model: nn.Module, config: ParallelConfig, plan: ModelPlan 
     apply_tensor_parallel(model, topology, resolved)
     apply_expert_parallel(model, topology)
     apply_context_parallel(model, topology, config)
+    apply_document_attention(model, topology, config)
     move_to_device(model, config, topology, env)
     disable_kv_cache(model)
     apply_checkpointing(model, units, config)
@@ -312,6 +314,19 @@ def apply_context_parallel(model: nn.Module, topology: Topology, config: Paralle
         return
     apply_cp(model, topology.dims.cp_mesh(topology.mesh), config.cp_layout, config.cp_attention,
              config.cp_exchange)
+
+
+def apply_document_attention(model: nn.Module, topology: Topology, config: ParallelConfig) -> None:
+    """``packed_attention``: packed documents attended one at a time
+    (:mod:`hf_scale.parallel.packed_attention`); cp keeps documents apart itself."""
+    if not config.packed_attention or (topology.dims is not None and topology.dims.cp_enabled):
+        return
+    if apply_packed_attention(model):
+        log_rank0("packed_attention: packed documents attended one at a time (one causal SDPA call each)", once=True)
+    else:
+        log_rank0(f"packed_attention: {type(model).__name__} uses attention "
+                  f"'{getattr(model.config, '_attn_implementation', None)}', not sdpa: packed documents keep "
+                  "their block-diagonal mask", once=True)
 
 
 def move_to_device(model: nn.Module, config: ParallelConfig, topology: Topology, env: DistEnv) -> None:

@@ -76,6 +76,8 @@ def run(job: JobConfig) -> dict:
     check_seq_len(job.data.max_seq_len, model_config)
     if job.data.keeps_documents_apart:  # before any data or weights are read
         check_packing(model_config)
+        if job.parallel.packed_attention is None:  # each document attended alone (same results, less work)
+            job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, packed_attention=True))
     train_ds, eval_ds, labels, answers = _datasets(job, tokenizer)
     check_vocab(tokenizer, model_config, train_ds, eval_ds)
     model = load_model(job.model, job.parallel, labels=labels, pad_id=tokenizer.pad_token_id, adapter=job.peft,

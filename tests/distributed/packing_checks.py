@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import hf_scale
 from hf_scale.data.packing import PackedCollator, pack_examples
+from hf_scale.parallel import packed_attention
 from hf_scale.train.dp import DataParallel
 from hf_scale.train.loader import PadCollator
 from tests.tiny_models import packing_examples, packing_model, slice_batch
@@ -42,16 +43,21 @@ def reference(arch: str, lora: bool = False) -> tuple[float, dict]:
     model = _model(arch, lora)
     loss = model(**PadCollator(0)(packing_examples(EXAMPLES))).loss
     loss.backward()
-    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # every name of a tied weight (a pipeline's last stage holds the output head as its own parameter)
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)
+                                  if p.grad is not None}
 
 
 def packed_run(case: dict) -> dict:
     """This rank's share of the packed rows through ``hf_scale.train_step``, weighted by its label
     tokens as the loop weighs them; returns the global loss and the largest relative gradient
     difference from :func:`reference`, per parameter."""
-    arch, layout = case["arch"], case["config"]
+    arch, layout = case["arch"], dict(case["config"], packed_attention=True)  # as hf-scale finetune packs
     ref_loss, ref_grads = reference(arch, case.get("lora", False))
     model = hf_scale.parallelize(_model(arch, case.get("lora", False)), copy.deepcopy(layout))
+    found = []  # the masks the per-document attention split (tests/unit/test_packed_attention.py)
+    split = packed_attention.document_starts
+    packed_attention.document_starts = lambda mask: found.append(split(mask)) or found[-1]
     rows = packed_rows(packing_examples(EXAMPLES))
     assert len(rows) == 4, len(rows)
     dp = DataParallel.of(model)
@@ -62,7 +68,10 @@ def packed_run(case: dict) -> dict:
     mine = (batch["labels"][:, 1:] != -100).sum().double()
     total = dp.all_reduce(mine.clone())
     share = float(mine / total)
-    loss = hf_scale.train_step(model, batch, loss_scale=share * dp.degree)
+    try:
+        loss = hf_scale.train_step(model, batch, loss_scale=share * dp.degree)
+    finally:
+        packed_attention.document_starts = split
     global_loss = dp.all_reduce(torch.tensor(float(loss) * share, dtype=torch.float64))
     errors = {}
     for name, param in model.named_parameters():
@@ -71,7 +80,8 @@ def packed_run(case: dict) -> dict:
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
         want = ref_grads[name]
         errors[name] = float((grad - want).norm() / want.norm().clamp_min(1e-12))
-    return {"loss": float(global_loss), "ref_loss": ref_loss, "grad_errors": errors, "rows": len(rows)}
+    return {"loss": float(global_loss), "ref_loss": ref_loss, "grad_errors": errors, "rows": len(rows),
+            "documents_split": sum(starts is not None and any(len(r) > 1 for r in starts) for starts in found)}
 
 
 def run_packed_cases(cases: list[dict]) -> list[dict]:

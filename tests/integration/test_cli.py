@@ -67,7 +67,8 @@ def packed_runs(packed_recipe) -> dict:
 def test_packed_runs_train_like_plain_transformers(packed_recipe, packed_runs, strategy):
     """Packed rows (and their padding-free flattening, which changes no token's loss) against
     plain transformers on the same rows: documents kept apart by position_ids, no mask."""
-    out, _ = finished(packed_runs[strategy])
+    out, log = finished(packed_runs[strategy])
+    assert "packed documents attended one at a time" in log  # parallel.packed_attention, on for packed data
     check_against_reference(out, plain_reference(packed_recipe, batch_size=8))
 
 
