@@ -171,3 +171,11 @@ def test_a_simulated_cp_layout_agrees_with_the_estimate(config, facts, monkeypat
     per = 2 * config.num_hidden_layers  # two steps
     assert counted.calls == per * moved["collectives"]
     assert counted.received == pytest.approx(per * (moved["forward"] + moved["backward"]))
+
+
+def test_an_unpacked_simulation_builds_no_dense_mask(config):
+    """The simulated batches are unpacked: transformers' packed-document check, which takes fake
+    tensors for a traced graph, must not make it build an ``S x S`` mask (here 48 MB beside a few
+    MB of activations) that an unpacked batch on a GPU never makes."""
+    result = simulate(config, 2, 0, Layout("fsdp", 1, 2, precision="bf16"), seq=SEQ, batch=1)
+    assert 0.9 <= result.ratio <= 1.1, result.format()
