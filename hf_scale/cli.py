@@ -273,7 +273,7 @@ def plan(args: list[str]) -> int:
         if overrides:
             raise HfScaleConfigError(
                 f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a recipe (.yaml): use "
-                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, "
+                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --cp, --cp-exchange, --pp, --pp-schedule, --pp-microbatches, "
                 "--pp-grad-sync, or plan a "
                 "recipe."
             )

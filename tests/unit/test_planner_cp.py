@@ -45,6 +45,18 @@ def test_a_cp_layout_counts_its_ranks_and_runs_as_configured():
     assert "cp=2 alltoall" in lay.describe()
 
 
+def test_state_is_sharded_over_dp_shard_times_cp(facts):
+    """FSDP shards parameters, gradients and AdamW's state over dp_shard x cp (DDP replicates)."""
+    work = Workload(seq=SEQ, batch=1, device="cuda")
+    cp = estimate_memory(facts, cp_layout(2, world=4), work)
+    four = estimate_memory(facts, Layout("fsdp", 1, 4, precision="bf16"), work)
+    assert (cp.params, cp.grads, cp.optimizer) == (four.params, four.grads, four.optimizer)
+    two = estimate_memory(facts, Layout("fsdp", 1, 2, precision="bf16"), work)
+    assert cp.params < two.params
+    ddp = estimate_memory(facts, Layout("ddp", 2, 1, precision="bf16", cp=2), work)
+    assert ddp.params == estimate_memory(facts, Layout("ddp", 4, 1, precision="bf16"), work).params
+
+
 @pytest.mark.parametrize("ac", [None, "full"])
 def test_activations_fall_as_one_over_cp(facts, ac):
     """The all-to-all keeps what one process keeps for S/cp tokens (this model's key-value heads
