@@ -212,6 +212,11 @@ def plan(args: list[str]) -> int:
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel degree (MoE models): experts per rank, their training state and the "
                              "all-to-all volume (default: the recipe's parallel.ep, else 1)")
+    parser.add_argument("--cp", type=int, default=None,
+                        help="context-parallel degree: each sequence split over cp ranks (default: the recipe's "
+                             "parallel.cp, else 1; the auto-planner tries it when a sequence fits no layout without)")
+    parser.add_argument("--cp-exchange", default=None, choices=("allgather", "alltoall"),
+                        help="context parallel's exchange: K / V all-gathered, or heads for sequence (all-to-all)")
     parser.add_argument("--pp", type=int, default=None,
                         help="pipeline-parallel degree: show the stage split and the schedule's bubble "
                              "(default: the recipe's parallel.pp, else 1)")
@@ -250,7 +255,8 @@ def plan(args: list[str]) -> int:
                         help="auto-planner for this machine: the recipe's CPU processes, the RAM divided among them")
     args, overrides = take_overrides(args)
     ns = parser.parse_strict(args)
-    flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("ep", ns.ep), ("pp", ns.pp),
+    flags = {k: v for k, v in (("strategy", ns.strategy), ("tp", ns.tp), ("ep", ns.ep), ("pp", ns.pp), ("cp", ns.cp),
+                                ("cp_exchange", ns.cp_exchange),
                                 ("pp_schedule", ns.pp_schedule),
                                 ("pp_microbatches", ns.pp_microbatches),
                                 ("pp_grad_sync", ns.pp_grad_sync)) if v is not None}
@@ -267,13 +273,13 @@ def plan(args: list[str]) -> int:
         if overrides:
             raise HfScaleConfigError(
                 f"{overrides[0]} overrides a recipe field, but {ns.source!r} is not a recipe (.yaml): use "
-                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, "
+                "--world-size, --nnodes, --task, --strategy, --tp, --ep, --cp, --cp-exchange, --pp, --pp-schedule, --pp-microbatches, "
                 "--pp-grad-sync, or plan a "
                 "recipe."
             )
         model_cfg = ModelConfig(name_or_path=ns.source, task=ns.task or "causal_lm")
         parallel = from_dict(ParallelConfig, {"strategy": "fsdp", **flags})
-        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp * parallel.ep
+        nnodes, world = ns.nnodes or 1, ns.world_size or parallel.tp * parallel.pp * parallel.ep * parallel.cp
         given_nodes = ns.nnodes
     links = {k: v for k, v in (("intra_gbps", ns.intra_gbps), ("inter_gbps", ns.inter_gbps),
                                ("latency_us", ns.latency_us)) if v is not None}

@@ -361,9 +361,8 @@ class ParallelConfig:
                 "and ddp (over dp x cp) only, so far. Drop one of them (e.g. cp with more data-parallel ranks "
                 f"instead of {others[0].split('=')[0]})."
             )
-        if self.strategy not in ("fsdp", "zero2", "ddp"):
-            why = {AUTO: "the planner does not price context parallel yet",
-                   "hsdp": "not yet: hsdp with cp (FSDP over dp_shard x cp, replicated over dp_replicate) is untested",
+        if self.strategy not in ("fsdp", "zero2", "ddp", AUTO):  # auto: the planner picks one of those
+            why = {"hsdp": "not yet: hsdp with cp (FSDP over dp_shard x cp, replicated over dp_replicate) is untested",
                    "zero1": "not yet: ZeRO-1's optimizer shards over the data-parallel ranks only"}[self.strategy]
             raise HfScaleConfigError(
                 f"cp={self.cp} with strategy={self.strategy!r}: {why}. Use strategy='fsdp', 'zero2' or 'ddp' with cp."

@@ -69,7 +69,7 @@ def plan_report(config, parallel: ParallelConfig, world_size: int, num_nodes: in
     per_tp_rank = tp["params_per_rank"] if tp else params
     if pp:  # the busiest pp rank's part of the model (a tied head counted on both ends)
         per_tp_rank = per_tp_rank * max(pp["rank_params"]) // params
-    shards = dims.dp_shard if dims and parallel.sharded else 1
+    shards = dims.dp_shard * dims.cp if dims and parallel.sharded else 1  # FSDP shards over dp_shard x cp
     if ep and not parallel.sharded:  # ddp + ep: the dense weights whole, this rank's share of the experts
         per_tp_rank -= ep["expert_params"] // parallel.tp - ep["expert_params_per_rank"]
     return {

@@ -7,6 +7,7 @@ Run (one process, no GPU; tens of seconds per 8B rank, about a minute per 70B ra
     python scripts/simulate_published.py --write docs/benchmarks.md
     python scripts/simulate_published.py --parts gpu        # or: pp, lora, moe, cpu
     python scripts/simulate_published.py --parts pp --write docs/benchmarks.md --section simulate-pp
+    python scripts/simulate_published.py --parts cp --write docs/benchmarks.md --section simulate-cp
 
 For each row, :func:`hf_scale.layout_search.simulate.simulate` builds the model on fake tensors, runs
 ``hf_scale.parallelize`` as rank r of N (torch's fake process group: no communication), builds the
@@ -41,6 +42,16 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
   bf16 mixed precision, full checkpointing), one pair (2 rows: chosen and rejected) of 2048 tokens
   per rank and step, ``model.dtype`` float32 (the default: policy and reference are loaded in it),
   first and last rank: the reference's no-grad forward, then the policy's step;
+* ``cp`` (run on its own into the ``simulate-cp`` section; issue 39): Llama-3-8B at 128k tokens
+  (131072) on 8 x 80 GB, accelerate's published context-parallel setting (``CP_SOURCE``: an 8B model
+  "with up-to 128k context length on a single 8xH100 node", ``--cp-size=8 --sequence-length=128000``
+  under FSDP2 with activation checkpointing; its memory per GPU is printed only in a figure,
+  ``cp_perf.png``, not in the text: no number is read from it here): cp=8 with each exchange (bf16,
+  full checkpointing, the chunked loss at 1024 tokens), first and last rank, the estimate within
+  +-10% of the simulation and the peak under 80 GB; what the planner recommends at 128k and at
+  256k; and the longest sequence the planner finds under a fixed budget (80 GB less the chooser's
+  margin) at cp=1, 2 and 4 (fsdp over 8 ranks: dp_shard x cp = 8), each simulated at its length
+  (target: cp=2 >= 1.8x and cp=4 >= 3.2x the cp=1 length, issue 39), per exchange;
 * ``cpu``: the legs of ``scripts/bench_planner.py`` without pipeline parallel, simulated as CPU
   processes (``device="cpu"``), against the tracked bytes that script measured in real gloo runs
   on this machine (read from its section of docs/benchmarks.md, where it writes them).
@@ -296,6 +307,107 @@ def dpo_rows() -> list[list[str]]:
     return cells
 
 
+CP_SOURCE = ("https://github.com/huggingface/accelerate/blob/05b6ac12f9c8aea9f1828b4d6bae74368655fe7e/"
+             "docs/source/concept_guides/context_parallelism.md")
+CP_SEQ, CP_GPUS, CP_CHUNK, CP_STEP = 131072, 8, 1024, 1024
+CP_TARGETS = {2: 1.8, 4: 3.2}  # the longest sequence at cp over cp=1's (issue 39)
+
+
+def cp_layout(cp: int, exchange: str):
+    from hf_scale.layout_search import Layout
+
+    return Layout("fsdp", 1, CP_GPUS // cp, precision="bf16", ac="full", loss_chunk_tokens=CP_CHUNK, cp=cp,
+                  cp_exchange=exchange)
+
+
+def fits_row(name: str, result) -> list[str]:
+    """A cp row: the estimate within +-10% of the simulation and the peak (with the process
+    overhead) under 80 GB."""
+    cells = row(name, result, 0.9, 1.1)
+    peak = (result.peak["total"] + result.estimate.overhead) / GiB
+    ok = cells[-1].startswith("PASS") and peak <= 80e9 / GiB
+    cells[-1] = (f"{'PASS' if ok else 'FAIL'} (estimate within 0.90-1.10x of the simulation, peak with overhead "
+                 f"{peak:.1f} GiB <= 80 GB = {80e9 / GiB:.1f} GiB)")
+    return cells
+
+
+def longest(facts, cp: int, exchange: str, usable: float) -> int:
+    """The longest sequence (a multiple of CP_STEP) whose estimate fits ``usable`` bytes per rank."""
+    from hf_scale.layout_search import Workload
+    from hf_scale.layout_search.estimate import estimate_memory
+
+    def fits(seq: int) -> bool:
+        return estimate_memory(facts, cp_layout(cp, exchange), Workload(seq=seq, batch=1, device="cuda")
+                               ).device_total <= usable
+
+    low, high = 0, CP_STEP
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > CP_STEP:
+        mid = (low + high) // 2 // CP_STEP * CP_STEP
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def cp_rows() -> tuple[list[list[str]], str, list[str]]:
+    """Llama-3-8B at 128k over cp=8 (both exchanges), the planner's choices, and the longest
+    sequences (module doc): the table's rows, a text of the planner and the lengths, verdicts."""
+    from hf_scale.layout_search import H100, Workload, choose, model_facts, parse_memory
+    from hf_scale.layout_search.choose import MARGIN
+    from hf_scale.layout_search.simulate import simulate, simulate_ranks
+
+    config = llama(LLAMA3["Llama-3-8B"])
+    facts = model_facts(config)
+    cells, verdicts = [], []
+    for exchange in ("allgather", "alltoall"):
+        for result in simulate_ranks(config, cp_layout(CP_GPUS, exchange), CP_SEQ, 1):
+            cells.append(fits_row(f"Llama-3-8B, 8 x 80 GB, {CP_SEQ} tokens (accelerate's setting)", result))
+            print(result.format(), flush=True)
+    text = [f"accelerate's published setting ({CP_SOURCE}): an 8B model with up to 128k tokens on one 8 x H100 "
+            "node (`--cp-size=8 --sequence-length=128000`, FSDP2, activation checkpointing); its memory per GPU is "
+            "in a figure only (cp_perf.png), not in the text: the rows above show that hf_scale's simulation fits "
+            "the same setting, beside no published number.", ""]
+    budget = parse_memory("80GB")
+    for seq in (CP_SEQ, 2 * CP_SEQ):
+        best, ranked = choose(facts, Workload(seq=seq, batch=1, device="cuda"), CP_GPUS, budget, H100, 1,
+                              precisions=("bf16",))
+        with_cp = sum(c.layout.cp > 1 for c in ranked)
+        text.append(f"- planner at {seq} tokens x 1 sequence per data-parallel rank, 8 x 80 GB, bf16: recommends "
+                    f"`{best.layout.describe()}` ({best.memory.device_total / GiB:.1f} GiB, "
+                    f"{best.cost.tokens_per_second:,.0f} tokens/s estimated); {len(ranked)} layouts ranked, {with_cp} "
+                    f"with cp ({'tried: no layout without cp fits' if with_cp else 'not tried: a layout without cp fits'})")
+    usable = budget * (1 - MARGIN)
+    text += ["", f"Longest sequence under {usable / GiB:.1f} GiB per rank (80 GB less the chooser's {MARGIN:.0%} margin), "
+             f"fsdp over dp_shard x cp = 8, bf16, full checkpointing, chunked loss at {CP_CHUNK} tokens, by the "
+             "planner's estimate, each simulated at its length (rank 0):", ""]
+    header = ["exchange", "cp", "longest sequence (estimate)", "x cp=1", "target", "simulated peak + overhead (GiB)",
+              "estimate / simulated", "fits the budget searched (simulated)"]
+    lengths = []
+    for exchange in ("allgather", "alltoall"):
+        base = None
+        for cp in (1, 2, 4):
+            seq = longest(facts, cp, exchange, usable)
+            base = base or seq
+            result = simulate(config, CP_GPUS, 0, cp_layout(cp, exchange), seq=seq, batch=1)
+            print(result.format(), flush=True)
+            peak = (result.peak["total"] + result.estimate.overhead) / GiB
+            target = CP_TARGETS.get(cp)
+            ratio = seq / base
+            whole = 80e9 / GiB
+            lengths.append([exchange if cp > 1 else f"{exchange} (cp=1: none)", f"{cp}", f"{seq}", f"{ratio:.3f}",
+                            f">= {target}" if target else "-", f"{peak:.1f}", f"{result.ratio:.3f}",
+                            "yes" if peak <= usable / GiB else ("within 80 GB only" if peak <= whole else "NO")])
+            if target:
+                verdicts.append(f"{'PASS' if ratio >= target else 'FAIL'}: Llama-3-8B longest sequence at cp={cp} "
+                                f"({exchange}) by the planner's estimate: {seq} tokens, {ratio:.3f}x cp=1's {base} "
+                                f"(need >= {target})")
+            verdicts.append(f"{'PASS' if peak <= whole else 'FAIL'}: simulated at that length (cp={cp}, {exchange}, "
+                            f"{seq} tokens): {peak:.1f} GiB with overhead {'<=' if peak <= whole else '>'} 80 GB = "
+                            f"{whole:.1f} GiB (the budget searched: {usable / GiB:.1f} GiB); estimate / simulated "
+                            f"{result.ratio:.3f} (need 0.90-1.10: {'PASS' if 0.9 <= result.ratio <= 1.1 else 'FAIL'})")
+    return cells, "\n".join(text) + "\n\n" + markdown_table(header, lengths), verdicts
+
+
 def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> list[str]:
     """One PASS / FAIL line per target (the summaries read them): each GPU row's estimate against
     its simulation (a layout not simulated fails its target), and the CPU legs together."""
@@ -323,8 +435,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
     parser.add_argument("--parts", default="gpu,lora,moe,cpu",
-                        help="comma-separated: gpu, pp, lora, moe, cpu, dpo (pp and dpo have their own sections: "
-                             "--section simulate-pp / simulate-dpo)")
+                        help="comma-separated: gpu, pp, lora, moe, cpu, dpo, cp (pp, dpo and cp have their own "
+                             "sections: --section simulate-pp / simulate-dpo / simulate-cp)")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -334,11 +446,17 @@ def main() -> None:
             f"second, beside the planner's estimate less its process overhead. Seq {SEQ} x batch {BATCH} per rank "
             "unless said.\n\n")
     gpu_cells, cpu_cells = [], []
-    if parts & {"gpu", "pp", "lora", "moe", "dpo"}:
+    cp_text, cp_verdicts = "", []
+    if "cp" in parts:
+        cp_cells, cp_text, cp_verdicts = cp_rows()
+    if parts & {"gpu", "pp", "lora", "moe", "dpo", "cp"}:
         gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
                      + (lora_rows() if "lora" in parts else [])
-                     + (moe_rows() if "moe" in parts else []) + (dpo_rows() if "dpo" in parts else []))
+                     + (moe_rows() if "moe" in parts else []) + (dpo_rows() if "dpo" in parts else [])
+                     + (cp_cells if "cp" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
+    if cp_text:
+        body += cp_text + "\n\n"
     if "moe" in parts:
         body += (f"Qwen3-30B-A3B rows: published peaks from transformers' expert-parallelism guide ({QWEN_SOURCE}): "
                  f"full fine-tuning in bf16, seq {QWEN_SEQ}, 8 x H100. Simulated with the model held in bf16 "
@@ -352,7 +470,7 @@ def main() -> None:
         body += ("CPU legs of `scripts/bench_planner.py` simulated as CPU processes (rank 0), against the tracked "
                  "bytes that script measured (its section of this file):\n\n"
                  + markdown_table(header, cpu_cells := cpu_rows(doc)) + "\n\n")
-    body += "\n".join(verdict_lines(gpu_cells, cpu_cells)) + "\n\n"
+    body += "\n".join(verdict_lines(gpu_cells, cpu_cells) + cp_verdicts) + "\n\n"
     body += f"Whole run: {time.perf_counter() - start:.0f} s.\n"
     print(body)
     write_doc(args, body)

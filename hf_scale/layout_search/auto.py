@@ -40,8 +40,9 @@ from .profile import model_facts
 
 # ParallelConfig fields the chooser varies; a value given for one of them narrows its search.
 _SPACE = {"mixed_precision": "precisions", "activation_checkpointing": "acs", "cpu_offload": "offloads",
-          "loss_chunk_tokens": "chunks", "tp": "tps", "pp": "pps", "ep": "eps"}
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+          "loss_chunk_tokens": "chunks", "tp": "tps", "pp": "pps", "ep": "eps", "cp": "cps",
+          "cp_exchange": "cp_exchanges", "cp_layout": "cp_layouts"}
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 
 
 def fixed_fields(config) -> dict:

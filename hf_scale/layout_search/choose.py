@@ -82,7 +82,8 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                       chunks=(None, 1024), tps=None, pps=None, micro_batches=None,
                       ranks_per_node: int | None = None, keep=None, pp_schedules=PP_SCHEDULES,
                       pp_microbatches=None, units=(1,), prefetches=(None,), eps=(1,),
-                      pp_grad_syncs=("last", "each")) -> list[Layout]:
+                      pp_grad_syncs=("last", "each"), cps=(1,), cp_exchanges=("allgather",),
+                      cp_layouts=("head_tail",)) -> list[Layout]:
     """Every combination of degrees and knobs for ``world_size`` ranks (duplicates removed);
     ``keep(layout)``, when given, filters them (e.g. degrees a user fixed). Pipelines try each
     of ``pp_schedules`` with each of ``pp_microbatches`` microbatches (None: 1, 2 and 4 per
@@ -91,8 +92,16 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
     over more than one rank only. ``eps``: expert-parallel degrees (MoE models; 1: none), each
     tried where the engine accepts it (:func:`_ep_accepted`). ``pp_grad_syncs``: when an FSDP
     pipeline stage reduces its gradients, each tried under the schedules that allow it (the
-    chooser then takes "each", slower, only where "last" does not fit)."""
+    chooser then takes "each", slower, only where "last" does not fit). ``cps``: context-parallel
+    degrees (:func:`_cp_layouts`), each with each of ``cp_exchanges`` and ``cp_layouts``."""
     per_node = ranks_per_node or world_size
+    knobs = dict(acs=acs, precisions=precisions, offloads=offloads, chunks=chunks, micro_batches=micro_batches,
+                 units=units, prefetches=prefetches)
+    with_cp = [lay for cp in cps if cp > 1 for lay in _cp_layouts(world_size, work, cp, per_node, strategies, knobs,
+                                                                   cp_exchanges, cp_layouts)]
+    with_cp = [lay for lay in with_cp if keep is None or keep(lay)]
+    if 1 not in cps:
+        return list(dict.fromkeys(with_cp))
     tps = tps or [t for t in _divisors(world_size) if t <= per_node]
     micro_batches = micro_batches or _divisors(work.batch)
     layouts = []
@@ -125,7 +134,32 @@ def enumerate_layouts(world_size: int, work: Workload, *, strategies=("fsdp", "z
                                     prefetch=ahead, ep=ep)
                     if keep is None or keep(layout):
                         layouts.append(layout)
-    return list(dict.fromkeys(layouts))
+    return list(dict.fromkeys(layouts + with_cp))
+
+
+def _cp_layouts(world_size: int, work: Workload, cp: int, per_node: int, strategies, knobs: dict, exchanges,
+                cp_layouts) -> list[Layout]:
+    """Layouts with context parallel over ``cp`` ranks, where the engine takes it
+    (``ParallelConfig``): fsdp, zero2 or ddp over the other ``world_size / cp`` ranks, without tp,
+    pp or ep; cp inside a node (its exchange runs every layer); the sequence a multiple of the
+    layout's granule (``2 cp`` for head_tail, ``cp`` for contiguous: no padding). The knobs as
+    for one rank's ``S/cp`` tokens (a loss chunk below them)."""
+    if world_size % cp or cp > per_node:
+        return []
+    from .context import granule
+
+    local = replace(work, seq=work.seq // cp)
+    inner = enumerate_layouts(world_size // cp, local, strategies=[s for s in strategies if s in CP_STRATEGIES],
+                              tps=[1], pps=[1], eps=(1,), **knobs)
+    out = []
+    for lay, exchange, how in product(inner, exchanges, cp_layouts):
+        lay = replace(lay, cp=cp, cp_exchange=exchange, cp_layout=how)
+        if work.seq % granule(lay) == 0:
+            out.append(lay)
+    return out
+
+
+CP_STRATEGIES = ("fsdp", "zero2", "ddp")  # what ParallelConfig takes with cp
 
 
 def _ep_accepted(strategy: str, rep: int, shard: int, tp: int, pp: int, ep: int) -> bool:
@@ -179,6 +213,8 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
         if layout.pp > 1 and layout.micro_batch % (layout.pp_microbatches or layout.pp * config.stages_per_rank):
             return Candidate(layout, reason=f"micro-batch {layout.micro_batch} does not split into the pipeline's "
                                             f"{layout.pp * config.stages_per_rank} microbatches")
+        if layout.cp > 1:
+            _check_cp(facts, layout)
         memory = estimate_memory(facts, layout, work)
         cost = step_cost(facts, layout, work, device, nodes)
     except HfScaleError as e:
@@ -189,6 +225,17 @@ def evaluate(facts: ModelFacts, layout: Layout, work: Workload, budget: int, dev
             f"needs {memory.device_total / GiB:.2f} GiB > {usable / GiB:.2f} GiB usable "
             f"({budget / GiB:.2f} GiB less {margin:.0%})"))
     return Candidate(layout, memory, cost)
+
+
+def _check_cp(facts: ModelFacts, layout: Layout) -> None:
+    """The engine's refusals of context parallel for this model: its architecture
+    (:func:`hf_scale.parallel.cp_check.check_cp_model`), and heads the all-to-all cannot deal."""
+    from ..parallel.cp_alltoall import check_heads
+    from ..parallel.cp_check import check_cp_model
+
+    check_cp_model(facts.model)
+    if layout.cp_exchange == "alltoall":
+        check_heads(facts.model.config, layout.cp)
 
 
 def fitting_grad_sync(facts: ModelFacts, layout: Layout, work: Workload, budget: int,
@@ -238,8 +285,16 @@ def choose(facts: ModelFacts, work: Workload, world_size: int, budget: int, devi
     space.setdefault("units", unit_sizes(facts.layers))
     space.setdefault("prefetches", (None, 1) if device.host_block else (None,))
     space.setdefault("eps", ep_degrees(facts))  # (1,) for a dense model
-    layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, **space)
+    # context parallel only when the sequence fits no layout without it (its exchange is pure cost)
+    cps = space.pop("cps", None)
+    space.setdefault("cp_exchanges", ("allgather", "alltoall"))
+    layouts = enumerate_layouts(world_size, work, ranks_per_node=per_node, cps=cps or (1,), **space)
     ranked = rank([evaluate(facts, lay, work, budget, device, nodes, margin) for lay in layouts])
+    if cps is None and (not ranked or not ranked[0].fits):
+        more = enumerate_layouts(world_size, work, ranks_per_node=per_node,
+                                 cps=[c for c in _divisors(per_node) if c > 1], **space)
+        ranked = rank([c for c in ranked] + [evaluate(facts, lay, work, budget, device, nodes, margin)
+                                             for lay in more if lay.cp > 1])
     if not ranked:
         fixed = ", ".join(f"{k}={v[0] if isinstance(v, tuple) and len(v) == 1 else v}"
                           for k, v in space.items() if not callable(v))

@@ -242,11 +242,12 @@ class StepCost:
     tokens_per_step: int  # over all data-parallel ranks
     comm_ep: float = 0.0  # expert parallel's all-to-alls (on the critical path)
     dequant: float = 0.0  # QLoRA: NF4 weights dequantized in each matmul (memory-bound, :mod:`.quantized`)
+    comm_cp: float = 0.0  # context parallel's K / V (or heads) exchange, every layer (on the critical path)
 
     @property
     def total(self) -> float:
         return (self.compute + self.bubble + self.comm_dp + self.comm_tp + self.comm_pp + self.comm_ep + self.optimizer
-                + self.offload + self.dequant)
+                + self.offload + self.dequant + self.comm_cp)
 
     @property
     def tokens_per_second(self) -> float:
@@ -259,6 +260,9 @@ class StepCost:
 def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device, nodes: int = 1) -> StepCost:
     """The estimated step time of ``work`` under ``layout`` on ``device`` ranks."""
     from ..layout_preview import bubble_fraction
+
+    if layout.cp > 1:
+        return _cp_cost(facts, layout, work, device, nodes)
 
     device = device.at_world(layout.world_size)  # CPU: measured at this many ranks, or more crowded
     d = DTYPE_BYTES[layout.precision]
@@ -374,6 +378,33 @@ def step_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device,
         offload = (4 * local + facts.frozen_bytes * (int(frozen) // shards) + 4 * local) / device.host_bandwidth
     return StepCost(compute, bubble, comm_dp, comm_tp, comm_pp, optimizer, offload, tokens * layout.dp, comm_ep,
                     dequant)
+
+
+def _cp_cost(facts: ModelFacts, layout: Layout, work: Workload, device: Device, nodes: int) -> StepCost:
+    """Under context parallel (:mod:`.context`): the layout with cp folded into the data-parallel
+    degree on ``S/cp``-token sequences, plus the attention that reaches past the rank's own tokens
+    (its ``S/cp`` queries see up to ``S`` keys: the busiest rank's share of the sequence's causal
+    work, :func:`.context.attention_share`, against the ``S/cp``-token sequences' own) and the
+    exchange of every layer, on the critical path (cp inside a node: the intra-node link)."""
+    from .context import attention_share, exchange_bytes, flat_layout, local_work, padded
+
+    base = step_cost(facts, flat_layout(layout), local_work(work, layout), device, nodes)
+    device = device.at_world(layout.world_size)
+    seq = padded(work.seq, layout)
+    local = seq // layout.cp
+    passes = 4 / 3 if layout.ac == "full" else 1.0  # a recomputed forward: a third of the attention's work again
+    per_token = 12 * facts.layers * facts.hidden * passes  # flops_per_token's attention term, over the context
+    whole = work.batch * seq * per_token * seq * attention_share(layout.cp, layout.cp_layout)
+    attention = (whole - work.batch * local * per_token * local) / device.flops(layout.precision, layout.world_size,
+                                                                               facts.hidden)
+    per_node = max(1, layout.world_size // nodes)
+    link = device.intra if layout.cp <= per_node else device.inter
+    moved = exchange_bytes(facts, layout, work)
+    micro = max(1, work.batch // layout.micro_batch)
+    layers = rank_blocks(facts, layout)
+    comm = micro * layers * ((moved["forward"] + moved["backward"]) / link.bandwidth
+                             + moved["collectives"] * link.latency)
+    return replace(base, compute=base.compute + attention, comm_cp=comm)
 
 
 def _ep_experts(facts: ModelFacts, layout: Layout, params: int) -> tuple[float, int]:

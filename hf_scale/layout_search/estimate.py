@@ -69,7 +69,7 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -125,10 +125,15 @@ class Layout:
     # when a pipeline stage under FSDP reduces its gradients (``ParallelConfig.pp_grad_sync``):
     # "last" (torch's: unsharded fp32 through the schedule) or "each" microbatch (kept sharded)
     pp_grad_sync: str = "last"
+    # context parallel (:mod:`.context`): each sequence split over cp ranks, which share a batch
+    # (not counted in ``dp``); FSDP shards over dp_shard x cp, DDP averages over dp_replicate x cp
+    cp: int = 1
+    cp_exchange: str = "allgather"
+    cp_layout: str = "head_tail"
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
 
     @property
     def dp(self) -> int:
@@ -147,6 +152,8 @@ class Layout:
                 extra["pp_grad_sync"] = self.pp_grad_sync
         if self.ep > 1:
             extra["ep"] = self.ep
+        if self.cp > 1:
+            extra.update(cp=self.cp, cp_exchange=self.cp_exchange, cp_layout=self.cp_layout)
         return ParallelConfig(
             strategy=self.strategy, mixed_precision=self.precision, cpu_offload=self.cpu_offload,
             activation_checkpointing=self.ac, tp=self.tp, pp=self.pp, pp_schedule=self.pp_schedule,
@@ -154,6 +161,8 @@ class Layout:
 
     def describe(self) -> str:
         mesh = f"{self.dp_replicate}x{self.dp_shard}x{self.tp}x{self.pp}"
+        if self.cp > 1:  # cp=N and its exchange (and layout, when not the default head_tail)
+            mesh += f" cp={self.cp} {self.cp_exchange}" + (f" {self.cp_layout}" if self.cp_layout != "head_tail" else "")
         bits = [self.strategy, mesh + (f" ep={self.ep}" if self.ep > 1 else ""), self.precision or "fp32", f"ac={self.ac or 'none'}",
                 f"mb={self.micro_batch}"]
         if self.cpu_offload:
@@ -361,6 +370,8 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     """Peak per-rank memory of one training step of ``work`` under ``layout``: of the busiest pp
     rank, or of ``pp_rank`` when given (its stages' parameters, in-flight microbatches, and the
     logits and loss on the last stage's rank only)."""
+    if layout.cp > 1:
+        return _estimate_cp(facts, layout, work, pp_rank)
     check_layout_ep(facts, layout.ep)  # the engine's refusal (a dense model, experts ep does not divide)
     check_layout_quantize(facts, layout)  # NF4 bases: fsdp, zero2, hsdp or ddp; tp or pp under fsdp / zero2
     d = DTYPE_BYTES[layout.precision]
@@ -493,6 +504,21 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           others_in_flight=others, dequant=dequant_workspace(nf4, d),
                           nf4_params=0 if host else nf4_held, reference=reference,
                           reference_forward=reference_forward, bucket_grads=bucket_grads)
+
+
+def _estimate_cp(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: int | None) -> MemoryEstimate:
+    """Under context parallel (:mod:`.context`): the layout with cp folded into the data-parallel
+    degree on ``S/cp``-token sequences, plus the attention's own terms: kept per layer (every
+    layer without checkpointing, the recomputed one under full), while a layer runs (beside the
+    recomputation and the first block's backward), and held through the step."""
+    from .context import attention_bytes, flat_layout, local_work
+
+    base = estimate_memory(facts, flat_layout(layout), local_work(work, layout), pp_rank)
+    extra = attention_bytes(facts, layout, work)
+    every = extra.kept * rank_blocks(facts, layout) if layout.ac != "full" else 0
+    one = extra.running + (extra.kept if layout.ac == "full" else 0)
+    return replace(base, activations=base.activations + every + extra.held, recompute=base.recompute + one,
+                   first_block=base.first_block + one)
 
 
 def _reference_bytes(stored: int, params: float, n: int, layout: Layout, d: int, gathered_root: float,

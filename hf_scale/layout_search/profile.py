@@ -297,11 +297,19 @@ def _attention(model: nn.Module, attn: str, kept: _KeptOutputs):
             c._attn_implementation = b
 
 
+def _valueless(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
 @contextlib.contextmanager
-def _one_sequence():
+def one_sequence():
     """The checks transformers makes on a forward's input values, answered for the profile's
     input (one unpacked, unpadded sequence) when the tensors are meta, whose values do not exist
-    (``Tensor.item() cannot be called on meta tensors``):
+    (``Tensor.item() cannot be called on meta tensors``), or fake (a simulation's: transformers
+    then takes them for a traced graph and builds a dense ``S x S`` mask of packed documents that
+    an unpacked batch on a GPU never makes):
 
     - the packed-sequence detection (``masking_utils.find_packed_sequence_indices``, run when a
       forward gets no attention mask and no cache, as a cache-off model's does): one sequence;
@@ -316,11 +324,11 @@ def _one_sequence():
 
     @functools.wraps(find)
     def one_sequence(position_ids):
-        return None if position_ids.is_meta else find(position_ids)
+        return None if _valueless(position_ids) else find(position_ids)
 
     @functools.wraps(warn)
     def no_padding(self, input_ids, attention_mask):
-        if input_ids is None or not input_ids.is_meta:
+        if input_ids is None or not _valueless(input_ids):
             warn(self, input_ids, attention_mask)
 
     masking_utils.find_packed_sequence_indices = one_sequence
@@ -441,7 +449,7 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
 
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     try:
-        with _attention(model, attn, mode), _experts_kernel(), _one_sequence(), \
+        with _attention(model, attn, mode), _experts_kernel(), one_sequence(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
             model(input_ids=ids, labels=ids)
     finally:

@@ -82,6 +82,7 @@ def format_candidates(facts: ModelFacts, best: Candidate, ranked: list[Candidate
                  + (f", blocks_per_unit={lay.blocks_per_unit}" if lay.strategy in ("fsdp", "zero2", "hsdp") else "")
                  + (f", fsdp_prefetch={lay.prefetch}" if lay.prefetch else "")
                  + (f", ep={lay.ep}" if lay.ep > 1 else "")
+                 + (f", cp={lay.cp}, cp_exchange={lay.cp_exchange}, cp_layout={lay.cp_layout}" if lay.cp > 1 else "")
                  + (f", pp_schedule={lay.pp_schedule}, pp_microbatches={lay.pp_microbatches}"
                     if lay.pp > 1 else "")
                  + (f", pp_grad_sync={lay.pp_grad_sync}" if lay.pp > 1 and lay.strategy in ("fsdp", "zero2", "hsdp")

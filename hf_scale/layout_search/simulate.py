@@ -53,6 +53,7 @@ from ..errors import HfScaleConfigError
 from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
 from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
 from .peers import expert_peers, pipeline_peers
+from .profile import one_sequence
 
 GiB = 2**30
 # MemTracker's categories -> the names printed here
@@ -149,7 +150,9 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     if device not in ("cuda", "cpu"):
         raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
     runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
-    with _environ(env), runtime, fake_tensors(), _symmetric_objects():
+    # the batches are unpacked sequences (input_ids and labels): transformers' checks of their values
+    # answered so (one_sequence), as for the planner's meta profile
+    with _environ(env), runtime, fake_tensors(), _symmetric_objects(), one_sequence():
         try:
             result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps,
                           _fake_on_host(held) if held is not None else None)
@@ -188,11 +191,6 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
             )
         return parallel
     config = parallel if isinstance(parallel, ParallelConfig) else ParallelConfig(**(parallel or {}))
-    if config.cp > 1:
-        raise HfScaleConfigError(
-            f"cp={config.cp}: the planner does not model context parallel yet (its memory and time estimates "
-            "assume whole sequences per rank). Plan without cp."
-        )
     dims = ParallelDims.resolve(config, world_size, num_nodes)
     return Layout(strategy=config.strategy, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, tp=dims.tp,
                   pp=dims.pp, micro_batch=micro_batch, ac=config.activation_checkpointing, precision=config.mixed_precision,
@@ -201,7 +199,8 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
                   blocks_per_unit=config.blocks_per_unit or 1, prefetch=config.fsdp_prefetch, ep=dims.ep,
                   # "auto" decides on the device's free memory, which fake CUDA has not: torch's
                   # "last" here (``choose.fitting_grad_sync`` decides it by the estimate instead)
-                  pp_grad_sync="last" if config.pp_grad_sync == "auto" else config.pp_grad_sync)
+                  pp_grad_sync="last" if config.pp_grad_sync == "auto" else config.pp_grad_sync,
+                  cp=dims.cp, cp_exchange=config.cp_exchange, cp_layout=config.cp_layout)
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,

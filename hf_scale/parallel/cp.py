@@ -51,7 +51,6 @@ Usage::
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -105,7 +104,24 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor | None:
     return None if bool((docs[:, -1] == 0).all()) else docs
 
 
-@dataclass
+def _has_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds values to read (not a fake tensor of a simulation, nor meta)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not (tensor.is_meta or is_fake(tensor))
+
+
+def _documents(positions: torch.Tensor) -> torch.Tensor | None:
+    """:func:`document_ids` of positions the caller gave; refused on fake tensors, whose values (the
+    documents' starts) do not exist: a simulation runs unpacked sequences (no ``position_ids``)."""
+    if not _has_values(positions):
+        raise HfScaleConfigError(
+            "context parallel finds packed documents by reading position_ids, and these are fake tensors "
+            "(a simulation): simulate unpacked sequences (no position_ids in the batch)."
+        )
+    return document_ids(positions)
+
+
 class Forward:
     """One forward's split: this rank's global positions (``q_index``), those of the gathered
     keys in gather order (``kv_index``), the documents, the local shifted labels and the whole
@@ -115,27 +131,24 @@ class Forward:
     attention only); ``stash``: gathered K / V a recomputed forward leaves for its backward.
     ``exchange``: ``allgather`` or ``alltoall`` (:mod:`cp_alltoall`); ``starts``: each row's packed
     document starts (global positions), None for one document per row; ``order`` / ``placed``: the
-    permutations from gather order to global order and back (None when the layout keeps it)."""
+    permutations from gather order to global order and back (None when the layout keeps it).
 
-    group: Any
-    q_index: torch.Tensor
-    kv_index: torch.Tensor
-    docs: torch.Tensor | None  # [batch, S] global document ids, or None (one document per row)
-    shift_labels: torch.Tensor | None = None
-    num_items: torch.Tensor | None = None
-    chunks: list = field(default_factory=list)
-    chunk: int = 0
-    pieces: list | None = None
-    stash: dict = field(default_factory=dict)
-    masks: dict = field(default_factory=dict)
-    exchange: str = "allgather"
-    starts: list | None = None
-    order: torch.Tensor | None = None
-    placed: torch.Tensor | None = None
-    block_calls: int = 0
-    alltoall_calls: int = 0
-    attention_calls: int = 0
-    loss_calls: int = 0
+    A plain class, not a dataclass: FSDP2's mixed-precision cast of a unit's forward inputs
+    rebuilds every dataclass it meets in the keyword arguments (``dataclasses.replace``), and each
+    layer must count its calls on this one object (:meth:`ContextParallel.finish` checks them)."""
+
+    def __init__(self, group, q_index: torch.Tensor, kv_index: torch.Tensor, docs: torch.Tensor | None,
+                 shift_labels: torch.Tensor | None = None, num_items: torch.Tensor | None = None, *,
+                 chunks: list | None = None, chunk: int = 0, pieces: list | None = None, exchange: str = "allgather",
+                 starts: list | None = None, order: torch.Tensor | None = None, placed: torch.Tensor | None = None):
+        self.group, self.q_index, self.kv_index = group, q_index, kv_index
+        self.docs = docs  # [batch, S] global document ids, or None (one document per row)
+        self.shift_labels, self.num_items = shift_labels, num_items
+        self.chunks, self.chunk, self.pieces = chunks or [], chunk, pieces
+        self.stash: dict = {}
+        self.masks: dict = {}
+        self.exchange, self.starts, self.order, self.placed = exchange, starts, order, placed
+        self.block_calls = self.alltoall_calls = self.attention_calls = self.loss_calls = 0
 
     def mask(self, window: int | None, whole: bool = False) -> torch.Tensor:
         """Boolean ``[batch or 1, 1, S_local, S]``: key j visible to query i (global indices);
@@ -278,12 +291,13 @@ class ContextParallel:
         tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
         if tokens is None:
             raise HfScaleConfigError("context parallel needs input_ids or inputs_embeds in the forward.")
-        if module.training not in self.checked:
+        if module.training not in self.checked and _has_values(tokens):  # (a simulation's fake tensors: none)
             self._check_same_batch(tokens)
             self.checked.add(module.training)
         batch, length = tokens.shape[:2]
         device = tokens.device
         positions = kwargs.get("position_ids")
+        given = positions is not None  # else one document per row, known without reading the positions
         positions = (torch.arange(length, device=device) if positions is None else positions).expand(batch, length)
         mask = kwargs.pop("attention_mask", None)
         if mask is not None and mask.dim() == 2 and not bool(mask.all()):
@@ -293,7 +307,7 @@ class ContextParallel:
             )
         if mask is not None and mask.dim() != 2:
             raise HfScaleConfigError(f"context parallel takes no {mask.dim()}-D attention mask. {_PACK}.")
-        docs = document_ids(positions)
+        docs = _documents(positions) if given else None
         packed = docs is not None
         if mask is not None and docs is not None:
             raise HfScaleConfigError(
@@ -313,7 +327,11 @@ class ContextParallel:
         if pad:  # at the end, a document of its own with ignored labels
             kwargs, shift, length = self._pad(kwargs, shift, pad, batch, length)
             positions = kwargs["position_ids"]
-            docs = document_ids(positions)
+            # the padding is a document of its own: the rows' documents, then one more (by construction
+            # when the caller gave no positions: the same as reading them, which fake tensors cannot)
+            docs = _documents(positions) if given else torch.cat(
+                [torch.zeros(length - pad, dtype=torch.long, device=device),
+                 torch.ones(pad, dtype=torch.long, device=device)]).expand(batch, length)
         index = chunk_indices(length, self.size, self.rank, self.layout).to(device)
         every = [chunk_indices(length, self.size, r, self.layout) for r in range(self.size)]
         for name in SPLIT:
@@ -330,7 +348,8 @@ class ContextParallel:
         fwd = Forward(self.group, index, gathered.to(device), docs,
                       None if shift is None else shift.index_select(1, index), num_items,
                       chunks=chunks, chunk=chunk, pieces=pieces, exchange=self.exchange, starts=starts)
-        if self.exchange == "alltoall" and not torch.equal(gathered, torch.arange(length)):
+        in_order = [c for held in chunks for c in held] == list(range(sum(map(len, chunks))))
+        if self.exchange == "alltoall" and not in_order:
             fwd.order, fwd.placed = torch.argsort(gathered).to(device), gathered.to(device)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd

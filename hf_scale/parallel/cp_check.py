@@ -52,7 +52,12 @@ def cp_refusal(model: nn.Module) -> str | None:
                 "attention layers are split")
     key = (type(model), type(config), getattr(config, "model_type", None), str(getattr(config, "layer_types", None)))
     if key not in _VERDICTS:
-        _VERDICTS[key] = _probe(model)
+        # the probe computes on real tensors of its own, also where the model's are fake (a simulation
+        # under FakeTensorMode, whose values do not exist): the mode is set aside while it runs
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            _VERDICTS[key] = _probe(model)
     return _VERDICTS[key]
 
 

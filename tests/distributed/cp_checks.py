@@ -138,7 +138,8 @@ def comm_counts(arch: str = "llama", config: dict | None = None, packed: bool = 
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     out["layers"] = c.num_hidden_layers
-    out["kv_bytes"] = BATCH * c.num_key_value_heads * SEQ * 2 * head_dim * 4  # K and V, fp32, whole sequence
+    element = 2 if (config or {}).get("mixed_precision") else 4  # the compute dtype's bytes
+    out["kv_bytes"] = BATCH * c.num_key_value_heads * SEQ * 2 * head_dim * element  # K and V, whole sequence
     out["q_bytes"] = BATCH * c.num_attention_heads * SEQ * head_dim * 4  # the queries (and the output)
     out["blocks"] = cp.calls["blocks"] - before["blocks"]
     out["alltoall"] = cp.calls["alltoall"] - before["alltoall"]

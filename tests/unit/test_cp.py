@@ -31,7 +31,6 @@ SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
     ({"cp": 2, "ep": 2}, "cp=2 with ep=2: not yet"),
     ({"cp": 2, "strategy": "zero1"}, "not yet: ZeRO-1"),
     ({"cp": 2, "strategy": "hsdp"}, "not yet: hsdp with cp"),
-    ({"cp": 2, "strategy": "auto"}, "the planner does not price context parallel"),
     ({"cp": 2, "cp_exchange": "ring"}, "cp_exchange='ring' is not one of 'allgather', 'alltoall'"),
 ])
 def test_config_refuses_what_cp_does_not_compose_with_yet(fields, message):
@@ -188,15 +187,16 @@ def test_architectures_cp_cannot_split_are_refused(build, reason):
         assert verdict is not None and re.search(reason, verdict), verdict
 
 
-def test_finetune_refuses_cp_on_padded_rows_and_the_planner_refuses_cp():
+def test_finetune_refuses_cp_on_padded_rows_and_the_planner_takes_cp():
     """hf-scale finetune runs cp on packed data only (padded rows carry a mask cp cannot split:
-    tests/unit/test_train_cp.py); the planner prices whole sequences per rank and refuses cp
-    rather than price it wrong."""
+    tests/unit/test_train_cp.py); the planner prices cp (tests/unit/test_planner_cp.py): a cp
+    config is a planner layout, and strategy "auto" may keep a cp given beside it."""
     from hf_scale.layout_search.simulate import as_layout
     from hf_scale.train.config import DataConfig, JobConfig
 
     with pytest.raises(HfScaleConfigError, match="parallel.cp=2 on padded rows"):
         JobConfig(parallel=ParallelConfig(cp=2))
     JobConfig(parallel=ParallelConfig(cp=2), data=DataConfig(packing="bfd"))
-    with pytest.raises(HfScaleConfigError, match="the planner does not model context parallel yet"):
-        as_layout(ParallelConfig(cp=2), world_size=4)
+    layout = as_layout(ParallelConfig(cp=2, cp_exchange="alltoall"), world_size=4)
+    assert (layout.cp, layout.dp_shard, layout.cp_exchange, layout.world_size) == (2, 2, "alltoall", 4)
+    assert ParallelConfig(cp=2, strategy="auto").cp == 2

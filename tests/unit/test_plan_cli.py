@@ -85,7 +85,7 @@ def cli_output(capsys, tiny_folder):
     ("extra", "message"),
     [
         (["--devices", "8", "--bogus", "3"],
-         "unknown flag --devices: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp, --ep, --pp, --pp-schedule, --pp-microbatches, --pp-grad-sync, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, --inter-gbps, --latency-us, --simulate, --simulate-ranks, --candidates."),
+         "unknown flag --devices: hf-scale plan takes --world-size, --nnodes, --task, --strategy, --tp, --ep, --cp, --cp-exchange, --pp, --pp-schedule, --pp-microbatches, --pp-grad-sync, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, --inter-gbps, --latency-us, --simulate, --simulate-ranks, --candidates."),
         (["--world-siz", "8"], "unknown flag --world-siz: did you mean --world-size?"),
         (["--world", "8"], "unknown flag --world: did you mean --world-size?"),  # no abbreviations
         (["--world-size", "x"], "argument --world-size: invalid int value: 'x'. See hf-scale plan --help."),
