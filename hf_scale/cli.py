@@ -197,7 +197,7 @@ def _train(job) -> None:
 def plan(args: list[str]) -> int:
     """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
     from .config import PP_SCHEDULES, ParallelConfig, from_dict
-    from .layout_preview import format_report, plan_report
+    from .layout_preview import plan_report
     from .train.config import ModelConfig, load_job
     from .train.model import read_model_config
 
@@ -288,9 +288,10 @@ def plan(args: list[str]) -> int:
         from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
-        print(format_report(plan_report(config, parallel, world, nnodes, task)))
+        recipe = job if ns.source.endswith((".yaml", ".yml")) else None
+        print(_report_text(plan_report(config, parallel, world, nnodes, task), recipe, world, nnodes))
         # a LoRA recipe: the LoRA run (under model.quantize: nf4, its NF4 base), not a full fine-tune
-        config, quantize = _simulated_source(config, job if ns.source.endswith((".yaml", ".yml")) else None)
+        config, quantize = _simulated_source(config, recipe)
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         held = False
         if ns.source.endswith((".yaml", ".yml")) and job.preference.enabled:  # --batch pairs: 2 rows each
@@ -313,15 +314,21 @@ def plan(args: list[str]) -> int:
                         links=links, fixed=flags))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
-    adapters = ns.source.endswith((".yaml", ".yml")) and job.peft.enabled
-    if adapters:  # LoRA / QLoRA: the run's own training state replaces the full fine-tune's line
-        from .layout_search.adapter_report import adapter_lines
-
-        report["train_state_gb_per_rank"] = None
-    print(format_report(report))
-    if adapters:
-        print("\n".join(adapter_lines(job, world, nnodes)))
+    print(_report_text(report, job if ns.source.endswith((".yaml", ".yml")) else None, world, nnodes))
     return 0
+
+
+def _report_text(report: dict, job, world: int, nnodes: int) -> str:
+    """``hf-scale plan``'s layout report; of a LoRA / QLoRA recipe ``job``, with the run's own
+    training state (and NF4 base) in place of a full fine-tune's line."""
+    from .layout_preview import format_report
+
+    if job is None or not job.peft.enabled:
+        return format_report(report)
+    from .layout_search.adapter_report import adapter_lines
+
+    report["train_state_gb_per_rank"] = None
+    return format_report(report) + "\n" + "\n".join(adapter_lines(job, world, nnodes))
 
 
 def _simulated_source(config, job=None):

@@ -243,7 +243,9 @@ def test_plan_simulate_of_a_qlora_recipe_runs_its_nf4_base(tmp_path, capsys, cap
 
     assert main(["plan", *common]) == 0
     assert "6 LoRA base weights in NF4 over 2 slice(s)" in caplog.text  # the loader's own line
-    nf4 = simulated_params(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "QLoRA (model.quantize: nf4)" in out and "AdamW state ~" not in out  # the run's report, not a full FT's
+    nf4 = simulated_params(out)
     assert main(["plan", *common, "--model.quantize", "null"]) == 0
     assert simulated_params(capsys.readouterr().out) > 1.2 * nf4
     assert main(["plan", *common, "--gpus", "2"]) == 0

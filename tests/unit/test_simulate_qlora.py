@@ -14,7 +14,14 @@ peft = pytest.importorskip("peft")
 from hf_scale.errors import HfScaleConfigError
 from hf_scale.layout_search.estimate import Layout
 from hf_scale.layout_search.simulate import simulate
-from hf_scale.quantize.nf4 import GROUP, INNER, block_absmax, nf4_nbytes, nf4_placeholder, quantize_rows
+from hf_scale.quantize.nf4 import (
+    GROUP,
+    INNER,
+    block_absmax,
+    nf4_nbytes,
+    nf4_placeholder,
+    quantize_rows,
+)
 
 SEQ = 16
 pytestmark = pytest.mark.skipif(torch.cuda._is_compiled() and torch.cuda.device_count() < 2,
