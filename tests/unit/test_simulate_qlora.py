@@ -120,7 +120,15 @@ def test_qlora_simulation_holds_nf4_slices_and_agrees_with_the_estimate(name):
     assert 0.8 < result.ratio < 1.25, result.format()
 
 
-def test_layouts_the_loader_refuses_are_refused_in_the_simulation():
+def test_layouts_the_loader_refuses_are_refused_in_the_simulation(monkeypatch):
+    """Before the layout is applied, with the loader's message (the estimate would refuse it too,
+    after the run)."""
+    import hf_scale.api
+
+    def parallelize(*args, **kwargs):
+        raise AssertionError("the layout was applied before the refusal")
+
+    monkeypatch.setattr(hf_scale.api, "parallelize", parallelize)
     with pytest.raises(HfScaleConfigError, match="quantize='nf4' with"):
         simulate(lora_llama(), 2, 0, Layout("hsdp", dp_replicate=1, dp_shard=1, tp=2), seq=SEQ, quantize="nf4")
     with pytest.raises(HfScaleConfigError, match="reference"):
