@@ -53,6 +53,7 @@ from ..errors import HfScaleConfigError
 from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
 from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
 from .peers import expert_peers, pipeline_peers
+from .simulate_nf4 import assign_fake_nf4, layout_sharded, place_fake_nf4, quiet_storage_checks
 
 GiB = 2**30
 # MemTracker's categories -> the names printed here
@@ -156,7 +157,8 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     if device not in ("cuda", "cpu"):
         raise HfScaleConfigError(f"device={device!r}: simulate 'cuda' (GPUs) or 'cpu' (CPU processes).")
     runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
-    with _environ(env), runtime, fake_tensors(), _symmetric_objects():
+    quiet = quiet_storage_checks() if quantize is not None else contextlib.nullcontext()
+    with _environ(env), runtime, fake_tensors(), _symmetric_objects(), quiet:
         try:
             result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps,
                           _fake_on_host(held) if held is not None else None, quantize)
@@ -219,7 +221,6 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
     from ..api import parallelize
     from ..parallel.optim import build_optimizer, no_sync
     from ..parallel_state import get_state
-    from .simulate_nf4 import assign_fake_nf4, layout_sharded, place_fake_nf4
 
     config = layout.parallel_config()
     place_fake_nf4(model, config, world_size, quantize)

@@ -20,6 +20,10 @@ moved after the assignment.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -75,3 +79,13 @@ def assign_fake_nf4(model: nn.Module, state) -> int:
     if new and device.type != "cpu" and not fsdp_moved:
         model.to(device)
     return len(new)
+
+
+@contextlib.contextmanager
+def quiet_storage_checks() -> Iterator[None]:
+    """torchao's ``fsdp_post_all_gather`` checks by ``data_ptr`` that an NF4 weight gathered again
+    (backward, after resharding) still lies in FSDP's all-gather output; a fake tensor's storage
+    answers with a deprecation warning, once per weight and step. Silenced while entered."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield
