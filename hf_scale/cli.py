@@ -197,7 +197,7 @@ def _train(job) -> None:
 def plan(args: list[str]) -> int:
     """Print the resolved plan and mesh for a recipe, a Hub id, a folder or a config.json."""
     from .config import PP_SCHEDULES, ParallelConfig, from_dict
-    from .layout_preview import format_report, plan_report
+    from .layout_preview import plan_report
     from .train.config import ModelConfig, load_job
     from .train.model import read_model_config
 
@@ -285,7 +285,8 @@ def plan(args: list[str]) -> int:
                                ("latency_us", ns.latency_us)) if v is not None}
     ranks = [int(r) for r in ns.simulate_ranks.split(",")] if ns.simulate_ranks else None
     if ns.simulate and ns.gpus and not parallel.auto:
-        print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks, flags))
+        recipe = job if ns.source.endswith((".yaml", ".yml")) else None
+        print(_plan_and_simulate(read_model_config(model_cfg), ns, given_nodes, links, ranks, flags, recipe))
         return 0
     if ns.simulate and not parallel.auto:  # the layout of the flags (or the recipe), as planned below
         from .layout_search import Workload, model_facts, parse_memory
@@ -293,19 +294,10 @@ def plan(args: list[str]) -> int:
         from .layout_search.simulate import as_layout, format_simulations, simulate_ranks
 
         config, task = read_model_config(model_cfg), ns.task or model_cfg.task
-        print(format_report(plan_report(config, parallel, world, nnodes, task)))
-        if ns.source.endswith((".yaml", ".yml")) and job.peft.enabled:  # the LoRA run, not a full fine-tune
-            from .layout_search.frozen import meta_copy
-            from .layout_search.ranking import recipe_source
-
-            config, quantize = recipe_source(config, job)
-            config = meta_copy(config)  # the adapters too on the meta device (attach_adapter makes them real)
-            if quantize:
-                raise HfScaleConfigError(
-                    f"plan --simulate of a QLoRA recipe (model.quantize: {quantize}) is not supported yet: FSDP "
-                    "cannot shard torchao's NF4 weights on the simulation's fake tensors. `hf-scale plan RECIPE` "
-                    "prints the planner's estimate with the NF4 base; --model.quantize null simulates the same "
-                    "LoRA run on a base in model.dtype.")
+        recipe = job if ns.source.endswith((".yaml", ".yml")) else None
+        print(_report_text(plan_report(config, parallel, world, nnodes, task), recipe, world, nnodes))
+        # a LoRA recipe: the LoRA run (under model.quantize: nf4, its NF4 base), not a full fine-tune
+        config, quantize = _simulated_source(config, recipe)
         batch = ns.batch or 1  # one forward of the batch per step (a pipeline splits it into its microbatches)
         held = False
         if ns.source.endswith((".yaml", ".yml")) and job.preference.enabled:  # --batch pairs: 2 rows each
@@ -317,7 +309,7 @@ def plan(args: list[str]) -> int:
             layout = fitting_grad_sync(model_facts(config, task), layout, work, budget)
         print(format_simulations(simulate_ranks(config, layout, ns.seq or 1024, batch, ranks, task,
                                                 local_world_size=world // nnodes if given_nodes else None,
-                                                reference=held), budget))
+                                                reference=held, quantize=quantize), budget))
         return 0
     if ns.gpus or ns.candidates or ns.gpu_memory or ns.seq or ns.batch or links or parallel.auto:
         from .layout_search.ranking import plan_text
@@ -328,19 +320,39 @@ def plan(args: list[str]) -> int:
                         links=links, fixed=flags))
         return 0
     report = plan_report(read_model_config(model_cfg), parallel, world, nnodes, ns.task or model_cfg.task)
-    adapters = ns.source.endswith((".yaml", ".yml")) and job.peft.enabled
-    if adapters:  # LoRA / QLoRA: the run's own training state replaces the full fine-tune's line
-        from .layout_search.adapter_report import adapter_lines
-
-        report["train_state_gb_per_rank"] = None
-    print(format_report(report))
-    if adapters:
-        print("\n".join(adapter_lines(job, world, nnodes)))
+    print(_report_text(report, job if ns.source.endswith((".yaml", ".yml")) else None, world, nnodes))
     return 0
 
 
-def _plan_and_simulate(config, ns, nodes, links, ranks, fixed=None) -> str:
-    """``plan --gpus N --simulate``: the candidates, then the recommended layout simulated."""
+def _report_text(report: dict, job, world: int, nnodes: int) -> str:
+    """``hf-scale plan``'s layout report; of a LoRA / QLoRA recipe ``job``, with the run's own
+    training state (and NF4 base) in place of a full fine-tune's line."""
+    from .layout_preview import format_report
+
+    if job is None or not job.peft.enabled:
+        return format_report(report)
+    from .layout_search.adapter_report import adapter_lines
+
+    report["train_state_gb_per_rank"] = None
+    return format_report(report) + "\n" + "\n".join(adapter_lines(job, world, nnodes))
+
+
+def _simulated_source(config, job=None):
+    """``(source, quantize)`` a recipe's run is planned and simulated on: a LoRA recipe's model on
+    the meta device with its adapters and its ``model.quantize``; else ``config`` and None."""
+    from .layout_search.ranking import recipe_source
+
+    source, quantize = recipe_source(config, job)
+    if source is not config:
+        from .layout_search.frozen import meta_copy
+
+        source = meta_copy(source)  # the adapters too on the meta device (attach_adapter makes them real)
+    return source, quantize
+
+
+def _plan_and_simulate(config, ns, nodes, links, ranks, fixed=None, job=None) -> str:
+    """``plan --gpus N --simulate``: the candidates, then the recommended layout simulated (of a
+    LoRA recipe ``job``: its LoRA run, on an NF4 base under ``model.quantize: nf4``)."""
     from .layout_search.ranking import (
         H100,
         default_nodes,
@@ -353,13 +365,15 @@ def _plan_and_simulate(config, ns, nodes, links, ranks, fixed=None) -> str:
 
     seq, batch, task = ns.seq or 1024, ns.batch or 1, ns.task or "causal_lm"
     nodes = default_nodes(ns.gpus, nodes)
+    source, quantize = _simulated_source(config, job)
     facts, best, ranked, budget, work = plan_candidates(
-        config, ns.gpus, ns.gpu_memory or "80GB", seq, batch, nodes, with_links(H100, **links), task=task,
-        **pinned_space(fixed, ns.gpus, nodes))
+        source, ns.gpus, ns.gpu_memory or "80GB", seq, batch, nodes, with_links(H100, **links), task=task,
+        quantize=quantize, **pinned_space(fixed, ns.gpus, nodes))
     text = format_candidates(facts, best, ranked, budget, work)
     if best is None:
         return text
-    return text + "\n\n" + format_simulations(simulate_ranks(config, best.layout, seq, batch, ranks, task), budget)
+    return text + "\n\n" + format_simulations(simulate_ranks(source, best.layout, seq, batch, ranks, task,
+                                                             quantize=quantize), budget)
 
 
 def generate(args: list[str]) -> int:

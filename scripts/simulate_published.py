@@ -8,6 +8,7 @@ Run (one process, no GPU; tens of seconds per 8B rank, about a minute per 70B ra
     python scripts/simulate_published.py --parts gpu        # or: pp, lora, moe, cpu
     python scripts/simulate_published.py --parts pp --write docs/benchmarks.md --section simulate-pp
     python scripts/simulate_published.py --parts cp --write docs/benchmarks.md --section simulate-cp
+    python scripts/simulate_published.py --parts qlora --write docs/benchmarks.md --section simulate-qlora
 
 For each row, :func:`hf_scale.layout_search.simulate.simulate` builds the model on fake tensors, runs
 ``hf_scale.parallelize`` as rank r of N (torch's fake process group: no communication), builds the
@@ -52,6 +53,32 @@ layout less its process overhead (``MemTracker`` sees tensors, not the CUDA cont
   256k; and the longest sequence the planner finds under a fixed budget (80 GB less the chooser's
   margin) at cp=1, 2 and 4 (fsdp over 8 ranks: dp_shard x cp = 8), each simulated at its length
   (target: cp=2 >= 1.8x and cp=4 >= 3.2x the cp=1 length, issue 39), per exchange;
+* ``qlora`` (run on its own into the ``simulate-qlora`` section; issue 41): QLoRA, the LoRA base
+  weights held in NF4 (``simulate(..., quantize="nf4")``: placed, sharded and assigned as
+  ``from_pretrained(quantize="nf4")`` does, each rank's slice an ``NF4Tensor`` of fake inner
+  tensors; FSDP's 4-bit all-gather, the dequantization in forward and backward, the LoRA
+  backward run), adapters in fp32 (peft), bf16 compute, full checkpointing, 2 sequences of 2048
+  tokens per rank and step (torchtune's README table: "batch size 2 (without gradient
+  accumulation), a dataset packed to sequence length 2048, and torch compile enabled"), the loss
+  in chunks of 512 tokens (torchtune's chunked cross-entropy: 8 chunks of each sequence). Two runs:
+
+  - torchtune's Llama 3.1 8B QLoRA on one RTX 4090, 7.4 GiB peak (``README.md``, "Memory and
+    training speed", the row added in 30b8519 on 2024-09-24 and unchanged at bd2a0fc), its recipe
+    ``recipes/configs/llama3_1/8B_qlora_single_device.yaml`` as of 30b8519: LoRA rank 8, alpha
+    16, dropout 0 on ``q_proj``, ``k_proj``, ``v_proj``, ``output_proj`` and the MLP (not the
+    head), ``dtype: bf16``, ``enable_activation_checkpointing: True``, ``batch_size: 2``,
+    ``CEWithChunkedOutputLoss``; simulated as one process (``fsdp`` at world 1: every targeted
+    base weight NF4 whole);
+  - a Llama-3.1-70B QLoRA under fsdp on 8 x 80 GB with torchtune's 70B QLoRA recipe
+    (``recipes/configs/llama3_3/70B_qlora.yaml``, added in bfaa533, read at bd2a0fc; Llama 3.3
+    70B has Llama 3.1 70B's shapes): LoRA rank 16, alpha 32, dropout 0 on ``q_proj``,
+    ``v_proj``, ``output_proj`` and the MLP, bf16, activation checkpointing, ``batch_size: 2``,
+    run by ``lora_finetune_distributed`` (FSDP2 over the 8 ranks), rank 0 of 8. torchtune
+    publishes no peak for it (its README's distributed QLoRA row is 405B): the estimate is
+    judged against the simulation only.
+
+  Target: the estimate within +-10% of the simulation; the published peak is printed beside
+  (torchtune trains its adapters in bf16 under torch compile, whose dequantization fuses);
 * ``cpu``: the legs of ``scripts/bench_planner.py`` without pipeline parallel, simulated as CPU
   processes (``device="cpu"``), against the tracked bytes that script measured in real gloo runs
   on this machine (read from its section of docs/benchmarks.md, where it writes them).
@@ -76,9 +103,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import add_write_arg, check_doc, markdown_table, write_doc
 from plan_published import (
     LLAMA3,
+    LLAMA31_8B,
     LLAMA31_70B,
     TORCHTUNE_GIB,
     TORCHTUNE_LORA,
+    TORCHTUNE_QLORA,
+    TORCHTUNE_QLORA_GIB,
     TT_BATCH,
     TT_CHUNK,
     TT_GPUS,
@@ -169,6 +199,47 @@ def pp_row(name: str, result, sync: str) -> list[str]:
                      f"{peak:.1f} GiB <= {PP_FIT_GIB} GiB)")
     else:
         cells[-1] += f"; peak with overhead {peak:.1f} GiB: {'fits' if peak <= 80e9 / GiB else 'does not fit'} 80 GB"
+    return cells
+
+
+# torchtune's 70B QLoRA recipe (recipes/configs/llama3_3/70B_qlora.yaml, read at bd2a0fc)
+TORCHTUNE_QLORA_70B = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.0,
+                       "target_modules": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+QLORA_ROWS = [  # (name, shape, LoRA, GPUs, published peak GiB or None)
+    ("torchtune Llama 3.1 8B QLoRA, 1x 4090", LLAMA31_8B, TORCHTUNE_QLORA, 1, TORCHTUNE_QLORA_GIB),
+    ("Llama-3.1-70B QLoRA (torchtune's 70B recipe), 8 x 80 GB", LLAMA31_70B, TORCHTUNE_QLORA_70B, 8, None),
+]
+
+
+def qlora_rows() -> list[list[str]]:
+    """The QLoRA runs of the module doc: NF4 bases simulated, beside the published peak."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        return [[name, "needs peft"] + ["-"] * 9 for name, *_ in QLORA_ROWS]
+    import torch
+    import transformers
+
+    from hf_scale.layout_search import Layout
+    from hf_scale.layout_search.simulate import simulate
+
+    cells = []
+    for name, shape, lora, gpus, published in QLORA_ROWS:
+        with torch.device("meta"):
+            base = transformers.LlamaForCausalLM(llama(shape)).to(torch.bfloat16)
+        model = get_peft_model(base, LoraConfig(**lora))
+        layout = Layout("fsdp", 1, gpus, precision="bf16", ac="full", micro_batch=TT_BATCH, loss_chunk_tokens=TT_CHUNK)
+        result = simulate(model, gpus, 0, layout, seq=TT_SEQ, batch=TT_BATCH, quantize="nf4")
+        print(result.format(), flush=True)
+        cells.append(row(f"{name}, nf4, {TT_BATCH} x {TT_SEQ} per rank", result, 0.9, 1.1))
+        e = result.estimate
+        cells[-1][-1] += f"; NF4 base {e.nf4_params / GiB:.2f} GiB, dequantization {e.dequant / GiB:.2f} GiB (estimated)"
+        if published is None:
+            cells[-1][-1] += "; no published peak"
+        else:
+            cells[-1][-1] += (f"; published peak {published:.1f} GiB: simulated / published "
+                              f"{result.peak['total'] / GiB / published:.3f}, estimate / published "
+                              f"{result.estimated / GiB / published:.3f}")
     return cells
 
 
@@ -435,8 +506,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_write_arg(parser, "simulate-published")
     parser.add_argument("--parts", default="gpu,lora,moe,cpu",
-                        help="comma-separated: gpu, pp, lora, moe, cpu, dpo, cp (pp, dpo and cp have their own "
-                             "sections: --section simulate-pp / simulate-dpo / simulate-cp)")
+                        help="comma-separated: gpu, pp, lora, moe, cpu, dpo, cp, qlora (pp, dpo, cp and qlora have "
+                             "their own sections: --section simulate-pp / simulate-dpo / simulate-cp / simulate-qlora)")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -449,11 +520,11 @@ def main() -> None:
     cp_text, cp_verdicts = "", []
     if "cp" in parts:
         cp_cells, cp_text, cp_verdicts = cp_rows()
-    if parts & {"gpu", "pp", "lora", "moe", "dpo", "cp"}:
+    if parts & {"gpu", "pp", "lora", "moe", "dpo", "cp", "qlora"}:
         gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
                      + (lora_rows() if "lora" in parts else [])
                      + (moe_rows() if "moe" in parts else []) + (dpo_rows() if "dpo" in parts else [])
-                     + (cp_cells if "cp" in parts else []))
+                     + (cp_cells if "cp" in parts else []) + (qlora_rows() if "qlora" in parts else []))
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if cp_text:
         body += cp_text + "\n\n"

@@ -43,11 +43,12 @@ def shard_parts(config, world_size: int) -> int:
 
 
 @torch.no_grad()
-def place_nf4(model: nn.Module, parts: int, tp: int = 1, plan=None) -> list[str]:
+def place_nf4(model: nn.Module, parts: int, tp: int = 1, plan=None, device="meta") -> list[str]:
     """Replace the weights :func:`nf4_targets` chooses (``model`` on the meta device; ``tp`` > 1:
-    split by the tp styles of ``plan``, as ``parallelize`` will) by meta ``NF4Tensor`` s; say
-    once which stay in the compute dtype and why. Returns their names."""
-    from ..quantize.nf4 import quantize_rows, torchao_nf4
+    split by the tp styles of ``plan``, as ``parallelize`` will) by ``NF4Tensor`` placeholders on
+    ``device`` (meta; a simulation's fake host tensors); say once which stay in the compute dtype
+    and why. Returns their names."""
+    from ..quantize.nf4 import nf4_placeholder, torchao_nf4
 
     torchao_nf4()  # a missing torchao fails here, before any work
     host = adapter_host(model)
@@ -62,7 +63,7 @@ def place_nf4(model: nn.Module, parts: int, tp: int = 1, plan=None) -> list[str]
         owner, _, leaf = name.rpartition(".")
         module = host.get_submodule(owner)
         weight = getattr(module, leaf)
-        placeholder = quantize_rows(torch.empty_like(weight, device="meta"), torch.empty((), device="meta"))
+        placeholder = nf4_placeholder(tuple(weight.shape), weight.dtype, device)
         module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
         lora_layer = host.get_submodule(owner.rpartition(".")[0])
         lora_layer.merge = types.MethodType(_refuse_merge, lora_layer)  # this instance only

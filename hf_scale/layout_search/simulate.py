@@ -54,6 +54,7 @@ from .estimate import Layout, MemoryEstimate, Workload, estimate_memory
 from .fake_cuda import MAX_DEVICES, fake_cuda, fake_tensors
 from .peers import expert_peers, pipeline_peers
 from .profile import one_sequence
+from .simulate_nf4 import assign_fake_nf4, layout_sharded, place_fake_nf4, quiet_storage_checks
 
 GiB = 2**30
 # MemTracker's categories -> the names printed here
@@ -114,7 +115,8 @@ class Simulation:
 
 def simulate(source, world_size: int, rank: int = 0, parallel: Layout | ParallelConfig | None = None, *,
              seq: int = 1024, batch: int = 1, local_world_size: int | None = None, steps: int = 2,
-             task: str = "causal_lm", device: str = "cuda", reference: bool = False) -> Simulation:
+             task: str = "causal_lm", device: str = "cuda", reference: bool = False,
+             quantize: str | None = None) -> Simulation:
     """Run ``parallelize`` and ``steps`` training steps as rank ``rank`` of ``world_size`` on fake
     CUDA devices (module doc); ``source`` is a transformers config or a model on the meta device
     (e.g. with peft adapters). ``parallel`` is a planner :class:`Layout` (its ``micro_batch``
@@ -124,7 +126,10 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     measured on this machine. ``reference``: preference training (sigmoid DPO) with a frozen
     reference held beside the policy (``preference.reference: model``), parallelized as
     :func:`hf_scale.train.model.load_reference` does; each forward then holds ``micro_batch`` rows
-    (chosen and rejected interleaved: half as many pairs), the reference's no-grad forward first."""
+    (chosen and rejected interleaved: half as many pairs), the reference's no-grad forward first.
+    ``quantize="nf4"``: QLoRA, ``source`` a LoRA model whose base weights the loader would hold in
+    NF4 are held so (:mod:`.simulate_nf4`: placed, sharded and assigned as ``from_pretrained``
+    does, from fake inner tensors), and the estimate prices them so."""
     import torch.distributed as dist
 
     from ..distributed import BACKEND_VAR, shutdown_distributed
@@ -144,7 +149,10 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
            "LOCAL_WORLD_SIZE": str(local), "MASTER_ADDR": "localhost", "MASTER_PORT": "29500", BACKEND_VAR: "fake"}
     start = time.perf_counter()
-    facts = _facts(source, task)  # before the run: the model facts' meta forward runs outside fake mode
+    if quantize is not None and reference:
+        raise HfScaleConfigError("simulate(quantize=..., reference=True): a QLoRA preference run with a held "
+                                 "reference is not simulated; simulate the policy alone (reference=False).")
+    facts = _facts(source, task, quantize)  # before the run: the model facts' meta forward runs outside fake mode
     meta = _meta_model(source, task)  # outside fake mode: its tensors are swapped for fake ones inside
     held = _meta_model(source, task) if reference else None  # the preference reference: a second copy
     if device not in ("cuda", "cpu"):
@@ -152,10 +160,11 @@ def simulate(source, world_size: int, rank: int = 0, parallel: Layout | Parallel
     runtime = fake_cuda(local) if device == "cuda" else contextlib.nullcontext()
     # the batches are unpacked sequences (input_ids and labels): transformers' checks of their values
     # answered so (one_sequence), as for the planner's meta profile
-    with _environ(env), runtime, fake_tensors(), _symmetric_objects(), one_sequence():
+    quiet = quiet_storage_checks() if quantize is not None else contextlib.nullcontext()
+    with _environ(env), runtime, fake_tensors(), _symmetric_objects(), one_sequence(), quiet:
         try:
             result = _run(_fake_on_host(meta), layout, world_size, rank, local, seq, batch, steps,
-                          _fake_on_host(held) if held is not None else None)
+                          _fake_on_host(held) if held is not None else None, quantize)
         finally:
             shutdown_distributed()
     # under pp, the estimate of the pipeline rank this rank ran (its first stage's index)
@@ -204,16 +213,21 @@ def as_layout(parallel: Layout | ParallelConfig | None, world_size: int, num_nod
 
 
 def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: int, seq: int, batch: int,
-         steps: int, reference: nn.Module | None = None) -> Simulation:
+         steps: int, reference: nn.Module | None = None, quantize: str | None = None) -> Simulation:
     """``model`` (fake tensors on the host, as ``from_pretrained`` leaves it) parallelized and trained;
-    with ``reference`` (the same, a second copy), preference steps against it held beside."""
+    with ``reference`` (the same, a second copy), preference steps against it held beside; with
+    ``quantize``, its NF4 base placed and assigned around ``parallelize`` as the loader does."""
     from ..api import parallelize
     from ..parallel.optim import build_optimizer, no_sync
     from ..parallel_state import get_state
 
-    model = parallelize(model, layout.parallel_config())
+    config = layout.parallel_config()
+    place_fake_nf4(model, config, world_size, quantize)
+    model = parallelize(model, config)
     state = get_state(model)
     device = state.env.device
+    if quantize is not None and layout_sharded(config):
+        assign_fake_nf4(model, state)
     optimizer = build_optimizer(model, lr=1e-5)
     inputs = _record_inputs(model, state)
     micro = max(1, min(layout.micro_batch, batch))  # under pp: one pipeline step's sequences
@@ -519,10 +533,10 @@ def gradients_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
             handle.remove()
 
 
-def _facts(source, task: str):
+def _facts(source, task: str, quantize: str | None = None):
     from .profile import model_facts
 
-    return model_facts(source, task)
+    return model_facts(source, task, quantize)
 
 
 @contextlib.contextmanager
@@ -575,14 +589,14 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 def simulate_ranks(source, layout: Layout, seq: int, batch: int, ranks: list[int] | None = None,
                    task: str = "causal_lm", local_world_size: int | None = None,
-                   reference: bool = False) -> list[Simulation]:
+                   reference: bool = False, quantize: str | None = None) -> list[Simulation]:
     """:func:`simulate` of ``layout`` as each of ``ranks`` (default: the first and the last rank,
     which hold the first and last pipeline stage and the shortest shard of an uneven split);
-    ``reference``: preference steps with a held reference (:func:`simulate`)."""
+    ``reference``: preference steps with a held reference; ``quantize``: QLoRA (:func:`simulate`)."""
     world = layout.world_size
     ranks = sorted(set(ranks if ranks is not None else (0, world - 1)))
     return [simulate(source, world, r, layout, seq=seq, batch=batch, task=task, local_world_size=local_world_size,
-                     reference=reference)
+                     reference=reference, quantize=quantize)
             for r in ranks]
 
 

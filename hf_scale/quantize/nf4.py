@@ -133,6 +133,30 @@ def quantize_rows(rows: torch.Tensor, mean: torch.Tensor, whole_shape: tuple[int
                factor.contiguous().clone(), mean.to(dtype).reshape(()).clone(), codes, nf4)
 
 
+def nf4_placeholder(shape: tuple[int, ...], dtype: torch.dtype, device, whole_shape: tuple[int, ...] | None = None):
+    """An ``NF4Tensor`` of ``shape`` whose inner tensors are empty (uninitialised) tensors of the
+    shapes and dtypes :func:`quantize_rows` makes, on ``device``: the placeholder FSDP shards
+    before the load (``device="meta"``), or, under ``FakeTensorMode``, a simulated run's NF4
+    weight (:func:`hf_scale.layout_search.simulate.simulate`: quantizing reads values, which fake
+    tensors have not). ``whole_shape``: as in :func:`quantize_rows`."""
+    cls = torchao_nf4()
+    args = sys.modules[cls.__module__].SubclassTensorArgs
+    numel = 1
+    for n in shape:
+        numel *= n
+    if len(shape) != 2 or numel % GROUP:
+        raise ValueError(f"NF4 weights are 2-D slices of whole {GROUP}-element groups; got {tuple(shape)}")
+    whole = tuple(whole_shape or shape)
+    meta = args(torch.Size(shape), (shape[1], 1), 0, dtype, torch.device(device), False)
+
+    def empty(n, kind):
+        return torch.empty(n, dtype=kind, device=device)
+
+    return cls(meta, BLOCK, whole[0] * whole[1] // BLOCK, SCALER_BLOCK, empty(numel // BLOCK, torch.int8),
+               empty(numel // GROUP, dtype), empty((), dtype), empty(numel // 2, torch.uint8),
+               empty(len(NF4_CODES), dtype))
+
+
 def quantize_whole(weight: torch.Tensor):
     """``weight`` quantized whole (one process: what :func:`quantize_rows` of all slices is)."""
     return quantize_rows(weight, block_absmax(weight).double().mean())

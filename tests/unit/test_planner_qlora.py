@@ -221,21 +221,34 @@ def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     assert "LoRA (peft.r=" in out and "NF4" not in out and "per rank, estimated for fsdp 1x2x1x1" in out
 
 
-def test_plan_simulate_of_a_lora_recipe_runs_the_lora_model_and_refuses_nf4(tmp_path, capsys):
-    """``plan --simulate`` of a LoRA recipe simulates the LoRA run (frozen base, adapters); of a
-    QLoRA recipe it says that NF4 is not simulated yet and what to run instead."""
+def test_plan_simulate_of_a_qlora_recipe_runs_its_nf4_base(tmp_path, capsys):
+    """``plan --simulate`` of the QLoRA quickstart (a tiny Llama whose MLP weights hold whole NF4
+    groups at 2 slices) simulates the QLoRA run: the recipe's layout with its NF4 base, and with
+    ``--gpus`` the recommended layout of the QLoRA candidates; ``--model.quantize null`` the same
+    LoRA run on a base in model.dtype, whose parameters take more."""
+    import re
     from pathlib import Path
 
     from hf_scale.cli import main
     from tests.tiny_models import CAUSAL, save_tiny_checkpoint
 
-    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL)
-    configs = Path(__file__).resolve().parents[2] / "configs"
-    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--simulate",
-                 "--seq", "16", "--simulate-ranks", "0"]) != 0
-    assert "is not supported yet" in capsys.readouterr().err
-    assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--simulate",
-                 "--seq", "16", "--simulate-ranks", "0", "--model.quantize", "null"]) == 0
+    folder = save_tiny_checkpoint(tmp_path / "m", "llama", CAUSAL, hidden_size=128, intermediate_size=256)
+    recipe = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart-qlora.yaml")
+    common = [recipe, "--model.name_or_path", folder, "--simulate", "--seq", "16", "--simulate-ranks", "0"]
+
+    def simulated_params(out: str) -> float:
+        line = next(line for line in out.splitlines() if "simulated peak" in line)
+        assert "optimizer" in line and "estimate / simulated" in out  # the LoRA run: adapters' AdamW state
+        return float(re.search(r"params ([0-9.]+)", line).group(1))
+
+    assert main(["plan", *common]) == 0
     out = capsys.readouterr().out
-    frozen = next(line for line in out.splitlines() if "simulated peak" in line)
-    assert "optimizer" in frozen and "estimate / simulated" in out
+    assert "6 of 14 LoRA base weights in NF4 over 2 slice(s)" in out  # the run's report, not a full fine-tune's
+    assert "AdamW state ~" not in out
+    nf4 = simulated_params(out)  # held in NF4: below the null run's (not the log's "once" line: order-dependent)
+    assert main(["plan", *common, "--model.quantize", "null"]) == 0
+    assert simulated_params(capsys.readouterr().out) > 1.2 * nf4
+    assert main(["plan", *common, "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "M trainable)" in out and "/ NF4 dequantization = peak" in out and "x quantize='nf4' with" in out
+    assert "rank 0 of 2 on cuda:0" in out and "placement: every tensor on its rank's device" in out
