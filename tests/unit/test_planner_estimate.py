@@ -49,7 +49,8 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     fixed = mem.overhead + mem.params + mem.optimizer + mem.comm_buffers + mem.compute_copies
     root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
     assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
-    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute),
+    block = mem.recompute + mem.prefetched + mem.reduce_buffer + mem.head_grad  # a block's backward (FSDP's units)
+    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, block),
                                            mem.grads - mem.bucket_grads + mem.grad_buffers + mem.first_block)
 
 
@@ -60,7 +61,8 @@ def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
     assert acc.activations * 2 == one.activations
     assert acc.comm_buffers - one.comm_buffers == 4 * tiny.params
     assert acc.device_total - acc.overhead - acc.params - acc.optimizer - acc.comm_buffers == (
-        acc.activations + max(acc.logits_loss, acc.recompute) + acc.grads)
+        acc.activations + max(acc.logits_loss, acc.recompute + acc.prefetched + acc.reduce_buffer + acc.head_grad)
+        + acc.grads)
 
 
 def test_offload_moves_state_to_the_host(tiny):
@@ -120,16 +122,23 @@ def test_blocks_per_unit_gathers_a_larger_unit(tiny):
 
 
 def test_a_deeper_prefetch_keeps_more_units_gathered(tiny):
-    """An explicit prefetch of one unit gathers what FSDP2's default does; each unit deeper one
-    more block in the compute dtype."""
-    default = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16"), WORK)
-    one = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=1), WORK)
-    two = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK)
-    assert one.comm_buffers == two.comm_buffers == default.comm_buffers and one.prefetched == 0
-    assert two.prefetched == 2 * max(tiny.block_params)
+    """In the second block unit's backward FSDP2 has gathered the next unit (its default prefetch,
+    and an explicit prefetch of one unit); each unit deeper one more block in the compute dtype, as
+    far as the rank has blocks left: the tiny model's 2 blocks leave none after the second."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    deep = model_facts(config)
+    default, one, two = (estimate_memory(deep, Layout("fsdp", 1, 2, precision="bf16", prefetch=p), WORK)
+                         for p in (None, 1, 2))
+    block = 2 * max(deep.block_params)
+    assert one.comm_buffers == two.comm_buffers == default.comm_buffers
+    assert default.prefetched == one.prefetched == block and two.prefetched == 2 * block
+    assert estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK).prefetched == 0
+    # the previous unit's reduce-scatter input (fp32) and the head's unsharded gradient (bf16) beside it
+    assert default.reduce_buffer == 2 * block and default.head_grad == 2 * deep.head_params
     # from the last block's backward on, after the logits are freed: beside the recomputation
     full = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2, ac="full"), WORK)
-    later = full.activations + full.recompute + full.prefetched
+    later = full.activations + full.recompute + full.prefetched + full.reduce_buffer + full.head_grad
     assert (full.device_total - (full.overhead + full.params + full.optimizer + full.comm_buffers
                                  + full.compute_copies)) == max(full.activations + full.logits_loss, later,
                                                                 full.grads + full.grad_buffers + full.first_block)
@@ -155,7 +164,8 @@ def test_first_blocks_backward_holds_its_activations_beside_the_later_gradients(
     # under gradient accumulation the gradients are already beside the activations in backward
     acc = estimate_memory(tiny, Layout("fsdp", 1, 2, micro_batch=1, ac="full"), WORK2)
     fixed = acc.overhead + acc.params + acc.optimizer + acc.comm_buffers + acc.compute_copies
-    assert acc.device_total == fixed + acc.activations + max(acc.logits_loss, acc.recompute) + acc.grads
+    assert acc.device_total == fixed + acc.activations + max(
+        acc.logits_loss, acc.recompute + acc.prefetched + acc.reduce_buffer + acc.head_grad) + acc.grads
 
 
 def test_activations_order(tiny):
