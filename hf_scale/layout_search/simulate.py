@@ -14,8 +14,11 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
    per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
    shards), gradients (:func:`gradients_tagged`: unsharded, accumulated and reduced),
-   optimizer state, activations (what forward makes, FSDP's gathered parameters included) and
-   temporaries (the rest of what backward makes). Under pipeline parallel the rank's real
+   optimizer state, activations (what forward makes and keeps), buffers (FSDP's gathered
+   parameters and all-gather buffers: :func:`gathered_tagged`; the modules' own buffers) and
+   temporaries (the rest of what backward makes: activation gradients, recomputation,
+   reduce-scatter inputs); :meth:`Simulation.categories` sets them beside the estimate's
+   (buffers and temporaries together, as docs/planner.md's "Categories" defines them). Under pipeline parallel the rank's real
    schedule runs its microbatches (:mod:`.peers` stands in for the other stages' messages).
 3. A placement check: the device of every parameter (a ``DTensor``'s local shard), buffer,
    gradient and optimizer state, and of the tensors each block and the model receive, against

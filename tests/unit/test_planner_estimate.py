@@ -346,3 +346,47 @@ def test_profile_refuses_a_forward_that_reads_its_inputs_clearly(monkeypatch):
     monkeypatch.setattr(type(facts.model.model.layers[0]), "forward", reads_a_value)
     with pytest.raises(HfScalePlanError, match="reads a value of its inputs.*strategy: fsdp"):
         measure_activations(facts, 32, torch.float32, "sdpa")
+
+
+@pytest.mark.parametrize("layout, work", [
+    (Layout("ddp", 2, 1, precision="bf16"), WORK),  # DDP's buckets: gradients all along
+    (Layout("zero2", 1, 2, precision="bf16"), Workload(seq=256, batch=1)),  # every block gathered; the loss's peak
+    (Layout("fsdp", 1, 2, ac="full", loss_chunk_tokens=8), WORK),
+    (Layout("fsdp", 1, 2, ac="selective", tp=2), WORK),
+    (Layout("fsdp", 1, 2), WORK2),  # no_sync's unsharded accumulators: gradients
+    (Layout("fsdp", 1, 2, pp=2, micro_batch=2), WORK2),  # a stage's unsharded gradients: gradients
+    (Layout("fsdp", 1, 2, pp=2, micro_batch=2, pp_grad_sync="each"), WORK2),
+])
+def test_categories_split_the_peak_as_the_simulation_does(tiny, layout, work):
+    """The estimate's peak in the simulation's five categories (docs/planner.md, "Categories"):
+    they add up to the device total less the overhead; the parameters and optimizer state are
+    the held ones; gathered copies and communication buffers are buffers, gradient storage held
+    in the buffers (DDP's buckets, no_sync's and a pipeline stage's unsharded gradients) gradients."""
+    mem = estimate_memory(tiny, layout, work)
+    cats = mem.categories()
+    assert set(cats) == {"params", "grads", "optimizer", "activations", "buffers"}
+    assert sum(cats.values()) == mem.device_total - mem.overhead, (cats, mem)
+    assert (cats["params"], cats["optimizer"]) == (mem.params, mem.optimizer)
+    assert cats["grads"] >= mem.held_grads and cats["buffers"] >= mem.comm_buffers - mem.held_grads
+    if layout.strategy == "ddp":
+        assert mem.held_grads == mem.comm_buffers == mem.bucket_grads > 0
+    elif work.batch > layout.micro_batch or (layout.pp > 1 and layout.pp_grad_sync == "last"):
+        assert 0 < mem.held_grads < mem.comm_buffers  # the unsharded gradients beside the gathered parameters
+    else:
+        assert mem.held_grads == 0
+    if layout.strategy == "zero2":  # the peak at the loss's backward: its fp32 gradient a temporary
+        assert cats["grads"] == 0
+        assert cats["activations"] == mem.activations + mem.logits_loss - mem.logits_temp
+        assert cats["buffers"] == mem.comm_buffers + mem.logits_temp > mem.comm_buffers
+
+
+def test_a_pipeline_rank_gathers_only_its_stages_part_of_the_root(tiny):
+    """Under pp the first stage's rank holds the embeddings, the last's the final norm and head:
+    each gathers and reduces its own part of the root unit, not the whole of it."""
+    layout = Layout("fsdp", 1, 2, pp=2, micro_batch=2, pp_grad_sync="each")
+    first, last = (estimate_memory(tiny, layout, WORK2, r) for r in (0, 1))
+    flat = estimate_memory(tiny, Layout("fsdp", 1, 2), WORK2)
+    root = 4 * tiny.root_params  # unsharded fp32 gradient of the whole root, without pp
+    assert flat.grad_buffers - 4 * tiny.tied_params == root
+    assert first.grad_buffers == 4 * tiny.embedding_params
+    assert last.grad_buffers == 4 * (tiny.root_params - tiny.embedding_params)
