@@ -513,12 +513,6 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                                                   for s, st in zip(shares, staged)], pp_rank)
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
     comm, held = (staged[acts.rank], staged_grads[acts.rank]) if staged[acts.rank] else (comm, held)
-    # under pp a rank's root unit is its stages' part of the root: the embeddings on the first stage's
-    # rank, the rest (final norm, head) on the last's; the rest of the root is gathered elsewhere
-    away_root = 1 - _root_share(facts, layout, acts.rank)
-    if away_root and sharded and layout.dp > 1 and not staged[acts.rank]:
-        comm -= int(gathered(root * away_root, root_frozen * away_root, nf4.root * away_root if nf4 else 0))
-    root, root_frozen = root * (1 - away_root), root_frozen * (1 - away_root)
     # FSDP: the head's unsharded gradient (trainable, on the rank that runs it, not a stage holding
     # every gradient unsharded anyway) in a block's backward, before the root reduces it
     head_rank = 0 if layout.pp_schedule == "zbv" else layout.pp - 1
@@ -565,18 +559,6 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           reference_forward=reference_forward, bucket_grads=bucket_grads, held_grads=held,
                           logits_temp=acts.logits_temp if acts.logits_loss else 0,
                           first_block_kept=acts.first_block_kept)
-
-
-def _root_share(facts: ModelFacts, layout: Layout, pp_rank: int) -> float:
-    """The share of the root unit's parameters (embeddings, final norm, head) on pipeline rank
-    ``pp_rank``: the embeddings on the first stage's rank, the rest on the last's (rank 0 under
-    zbv, which folds the last stage back onto it); 1 without pp."""
-    if layout.pp == 1 or not facts.root_params:
-        return 1.0
-    last = 0 if layout.pp_schedule == "zbv" else layout.pp - 1
-    held = (facts.embedding_params if pp_rank == 0 else 0) + (
-        facts.root_params - facts.embedding_params if pp_rank == last else 0)
-    return held / facts.root_params
 
 
 def _reference_bytes(stored: int, params: float, n: int, layout: Layout, d: int, gathered_root: float,

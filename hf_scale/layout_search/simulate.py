@@ -14,8 +14,8 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
    per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
    shards), gradients (:func:`gradients_tagged`: unsharded, accumulated and reduced),
-   optimizer state, activations (what forward makes and keeps), buffers (FSDP's gathered
-   parameters and all-gather buffers: :func:`gathered_tagged`; the modules' own buffers) and
+   optimizer state, activations (what forward makes and keeps), gathered (FSDP's gathered
+   parameters and all-gather buffers: :func:`gathered_tagged`), buffers (the modules' own) and
    temporaries (the rest of what backward makes: activation gradients, recomputation,
    reduce-scatter inputs); :meth:`Simulation.categories` sets them beside the estimate's
    (buffers and temporaries together, as docs/planner.md's "Categories" defines them). Under pipeline parallel the rank's real
@@ -60,7 +60,10 @@ from .peers import expert_peers, pipeline_peers
 GiB = 2**30
 # MemTracker's categories -> the names printed here
 CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
-              "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+              "Activation": "activations", "Temp": "temporaries",
+              # MemTracker's "Other" (what track_external gets that fits no category: nothing here)
+              # holds FSDP's gathered parameters and all-gather buffers (gathered_tagged)
+              "Other": "gathered"}
 
 
 @dataclass
@@ -99,7 +102,7 @@ class Simulation:
         buffers). Each side sums to its total."""
         p = self.peak
         simulated = {k: p[k] for k in ("params", "grads", "optimizer", "activations")}
-        simulated["buffers"] = p["buffers"] + p["temporaries"] + p["other"]
+        simulated["buffers"] = p["gathered"] + p["buffers"] + p["temporaries"]
         return {"simulated": simulated, "estimate": self.estimate.categories()}
 
     def format(self) -> str:
@@ -117,7 +120,7 @@ class Simulation:
                  f"  planner estimate ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in estimate_parts.items() if v)
                  + f", total {gib(self.estimated)} (device total less {gib(est.overhead)} overhead)",
                  f"  estimate / simulated: {self.ratio:.3f}",
-                 "  by category, estimate / simulated ({unit}): ".replace("{unit}", unit) + ", ".join(
+                 "  by category, planner / simulation ({unit}): ".replace("{unit}", unit) + ", ".join(
                      f"{k} {gib(cats['estimate'][k])} / {gib(s)}" for k, s in cats["simulated"].items())]
         for kind, devices in self.placement.items():
             lines.append(f"  {kind}: " + ", ".join(f"{n} on {d}" for d, n in sorted(devices.items())))
@@ -538,8 +541,9 @@ def gradients_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def gathered_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
-    """FSDP's gathered parameters counted as buffers while entered (MemTracker counts them where
-    their storage was first made, as activations in the first forward): each unsharded parameter's
+    """FSDP's gathered parameters in a category of their own while entered (MemTracker's "Other",
+    unused otherwise, printed as "gathered"; MemTracker would count them where their storage was
+    first made, as activations in the first forward): each unsharded parameter's
     storage (``all_gather_outputs``, resized to nothing when resharded and back when gathered
     again; an all-gather extension's inner tensors) and each flat all-gather buffer
     (``foreach_all_gather``'s output, held from the all-gather until its copy-out). With the
@@ -551,7 +555,7 @@ def gathered_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     def tag(t: torch.Tensor) -> None:
-        tracker._update_and_maybe_create_winfos(t, _MemRefType.BUFFER)
+        tracker._update_and_maybe_create_winfos(t, _MemRefType.OTH)
 
     for root in roots:
         for module in root.modules():

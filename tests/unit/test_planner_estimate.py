@@ -379,14 +379,3 @@ def test_categories_split_the_peak_as_the_simulation_does(tiny, layout, work):
         assert cats["activations"] == mem.activations + mem.logits_loss - mem.logits_temp
         assert cats["buffers"] == mem.comm_buffers + mem.logits_temp > mem.comm_buffers
 
-
-def test_a_pipeline_rank_gathers_only_its_stages_part_of_the_root(tiny):
-    """Under pp the first stage's rank holds the embeddings, the last's the final norm and head:
-    each gathers and reduces its own part of the root unit, not the whole of it."""
-    layout = Layout("fsdp", 1, 2, pp=2, micro_batch=2, pp_grad_sync="each")
-    first, last = (estimate_memory(tiny, layout, WORK2, r) for r in (0, 1))
-    flat = estimate_memory(tiny, Layout("fsdp", 1, 2), WORK2)
-    root = 4 * tiny.root_params  # unsharded fp32 gradient of the whole root, without pp
-    assert flat.grad_buffers - 4 * tiny.tied_params == root
-    assert first.grad_buffers == 4 * tiny.embedding_params
-    assert last.grad_buffers == 4 * (tiny.root_params - tiny.embedding_params)

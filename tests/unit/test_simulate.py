@@ -364,7 +364,7 @@ def test_gathered_parameters_are_buffers_and_categories_agree_with_the_estimate(
     sim, est = cats["simulated"], cats["estimate"]
     assert sum(sim.values()) == result.peak["total"] and sum(est.values()) == result.estimated
     params = result.estimate.params // 4 * 8  # every parameter (fp32 shards over 8 ranks)
-    assert result.peak["buffers"] >= 2 * params == result.estimate.comm_buffers  # every one gathered, in bf16
+    assert result.peak["gathered"] >= 2 * params == result.estimate.comm_buffers  # every one gathered, in bf16
     assert sim["grads"] == est["grads"] == 0  # the peak at the loss's backward: none made yet
     for k in ("params", "optimizer"):
         assert abs(est[k] / sim[k] - 1) < 0.01, (k, cats)
