@@ -190,8 +190,8 @@ class MemoryEstimate:
     host: int = 0
     accumulating: bool = False  # gradient accumulation: gradients live through every backward
     grad_buffers: int = 0  # at backward's end: a tied weight's second gradient; FSDP's unsharded root gradient
-    # units FSDP prefetches in a block's backward (FSDP2's default one, or an explicit prefetch's), from the last block's
-    # backward on (after the loss's gradients are freed: beside a recomputation, not the logits)
+    # units FSDP has prefetched in the second block unit's backward (FSDP2's default one, or an
+    # explicit prefetch's; after the loss's gradients are freed: beside a recomputation, not the logits)
     prefetched: int = 0
     # beside a block's backward too (FSDP): the previous unit's reduce-scatter input (fp32, held
     # until the next reduce-scatter is issued) and the head's unsharded gradient (the compute
@@ -272,6 +272,7 @@ class MemoryEstimate:
                       "buffers": 0}
             policy = policy if sum(policy.values()) >= sum(before.values()) else before
         return held | policy
+
     def as_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)} | {"device_total": self.device_total}
 

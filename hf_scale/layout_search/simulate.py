@@ -120,7 +120,7 @@ class Simulation:
                  f"  planner estimate ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in estimate_parts.items() if v)
                  + f", total {gib(self.estimated)} (device total less {gib(est.overhead)} overhead)",
                  f"  estimate / simulated: {self.ratio:.3f}",
-                 "  by category, planner / simulation ({unit}): ".replace("{unit}", unit) + ", ".join(
+                 f"  by category, planner / simulation ({unit}): " + ", ".join(
                      f"{k} {gib(cats['estimate'][k])} / {gib(s)}" for k, s in cats["simulated"].items())]
         for kind, devices in self.placement.items():
             lines.append(f"  {kind}: " + ", ".join(f"{n} on {d}" for d, n in sorted(devices.items())))
