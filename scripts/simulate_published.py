@@ -121,6 +121,12 @@ SEQ, BATCH = 4096, 1
 # PP_FIT_GIB per rank (issue 42), the estimate within +-10% of the simulation
 PP_ROWS = [(4, "last"), (4, "each"), (8, "each")]
 PP_FIT_GIB = 75
+# the planner's estimate by category against the simulation's (issue 42): each of the five within
+# +-CATEGORY_BAND on the judged legs (8B zero2, 70B fsdp x tp2, 70B pp=4, LoRA 70B); a category
+# both sides hold under NEGLIGIBLE of the simulated peak is not judged by ratio (its ratio is noise)
+CATEGORY_BAND, NEGLIGIBLE = 0.15, 0.01
+CATEGORY_NAMES = ("params", "grads", "optimizer", "activations", "buffers")
+JUDGED: list[tuple[str, object]] = []  # (row name, Simulation) of the judged legs, in run order
 GPU_CASES = [("Llama-3-8B", 8), ("Llama-3-70B", 64)]
 HEADER = ["shape", "layout", "rank", "estimate / simulated", "simulated peak (GiB)", "estimate less overhead (GiB)",
           "simulated: params / grads / optimizer / activations / temporaries (GiB)",
@@ -162,6 +168,7 @@ def gpu_rows() -> list[list[str]]:
                          precisions=("bf16",))
         for result in simulate_ranks(config, best.layout, SEQ, BATCH):
             cells.append(row(f"{name}, {gpus} x 80 GB (recommended)", result, 0.9, 1.1))
+            JUDGED.append((f"{name}, {gpus} x 80 GB (recommended)", result))
             print(result.format(), flush=True)
     return cells
 
@@ -182,6 +189,7 @@ def pp_rows() -> list[list[str]]:
         try:
             for result in simulate_ranks(config, layout, SEQ, m):
                 cells.append(pp_row(name, result, sync))
+                JUDGED.append((name, result))
                 print(result.format(), flush=True)
         except HfScaleConfigError as e:
             cells.append([name, layout.describe(), *["-"] * 8, f"not simulated: {str(e).split('. ')[0]}"])
@@ -261,6 +269,7 @@ def lora_rows() -> list[list[str]]:
     result = simulate(model, TT_GPUS, 0, layout, seq=TT_SEQ, batch=TT_BATCH)
     print(result.format(), flush=True)
     cells = [row("torchtune Llama 3.1 70B LoRA, 8x A100", result, 0.9, 1.1)]
+    JUDGED.append(("torchtune Llama 3.1 70B LoRA, 8x A100", result))
     cells[-1][-1] += (f"; published peak {TORCHTUNE_GIB:.1f} GiB: simulated / published "
                       f"{result.peak['total'] / GiB / TORCHTUNE_GIB:.3f}, estimate / published "
                       f"{result.estimated / GiB / TORCHTUNE_GIB:.3f}")
@@ -479,6 +488,43 @@ def cp_rows() -> tuple[list[list[str]], str, list[str]]:
     return cells, "\n".join(text) + "\n\n" + markdown_table(header, lengths), verdicts
 
 
+def category_check(result) -> dict[str, tuple[int, int, str]]:
+    """Per category (``Simulation.categories``: docs/planner.md, "Categories"): (estimate bytes,
+    simulated bytes, verdict): PASS within +-CATEGORY_BAND, "n/a" when both sides hold under
+    NEGLIGIBLE of the simulated peak, else FAIL."""
+    cats = result.categories()
+    floor = NEGLIGIBLE * result.peak["total"]
+    checked = {}
+    for k in CATEGORY_NAMES:
+        e, s = cats["estimate"][k], cats["simulated"][k]
+        if e < floor and s < floor:
+            verdict = "n/a"
+        else:
+            verdict = "PASS" if s and abs(e / s - 1) <= CATEGORY_BAND else "FAIL"
+        checked[k] = (e, s, verdict)
+    return checked
+
+
+def category_table(judged: list[tuple[str, object]]) -> tuple[str, list[str]]:
+    """The estimate beside the simulation by category, one row per judged rank (GiB, and the
+    ratio estimate / simulated), and one PASS / FAIL line per rank."""
+    header = ["shape", "rank", *[f"{k}: estimate / simulated (GiB), ratio" for k in CATEGORY_NAMES], "verdict"]
+    cells, lines = [], []
+    for name, result in judged:
+        checked = category_check(result)
+        parts = [f"{e / GiB:.2f} / {s / GiB:.2f}, " + (f"{e / s:.2f}" if s else "-") + ("" if v == "PASS" else f" {v}")
+                 for e, s, v in checked.values()]
+        failed = [k for k, (_, _, v) in checked.items() if v == "FAIL"]
+        ok = not failed
+        verdict = (f"{'PASS' if ok else 'FAIL'} (each category within +-{CATEGORY_BAND:.0%}"
+                   + (f"; off: {', '.join(failed)}" if failed else "") + ")")
+        cells.append([name, f"{result.rank} of {result.world_size}", *parts, verdict])
+        ratios = ", ".join(f"{k} {e / s:.2f}" if s else f"{k} -" for k, (e, s, v) in checked.items() if v != "n/a")
+        lines.append(f"{'PASS' if ok else 'FAIL'}: {name} rank {result.rank} of {result.world_size}: by category, "
+                     f"estimate / simulated {ratios} (need {1 - CATEGORY_BAND:.2f}-{1 + CATEGORY_BAND:.2f} each)")
+    return markdown_table(header, cells), lines
+
+
 def verdict_lines(gpu_cells: list[list[str]], cpu_cells: list[list[str]]) -> list[str]:
     """One PASS / FAIL line per target (the summaries read them): each GPU row's estimate against
     its simulation (a layout not simulated fails its target), and the CPU legs together."""
@@ -528,6 +574,13 @@ def main() -> None:
         body += markdown_table(HEADER, gpu_cells) + "\n\n"
     if cp_text:
         body += cp_text + "\n\n"
+    if JUDGED:
+        table, category_lines = category_table(JUDGED)
+        body += ("The planner's estimate by category against the simulation's at its peak (docs/planner.md, "
+                 "\"Categories\"): parameters, gradients, optimizer state, activations (what forward keeps) "
+                 "and buffers / temporaries (gathered parameters, communication buffers, what backward makes "
+                 f"that is not a gradient); n/a: under {NEGLIGIBLE:.0%} of the peak on both sides.\n\n"
+                 + table + "\n\n")
     if "moe" in parts:
         body += (f"Qwen3-30B-A3B rows: published peaks from transformers' expert-parallelism guide ({QWEN_SOURCE}): "
                  f"full fine-tuning in bf16, seq {QWEN_SEQ}, 8 x H100. Simulated with the model held in bf16 "
@@ -541,7 +594,7 @@ def main() -> None:
         body += ("CPU legs of `scripts/bench_planner.py` simulated as CPU processes (rank 0), against the tracked "
                  "bytes that script measured (its section of this file):\n\n"
                  + markdown_table(header, cpu_cells := cpu_rows(doc)) + "\n\n")
-    body += "\n".join(verdict_lines(gpu_cells, cpu_cells) + cp_verdicts) + "\n\n"
+    body += "\n".join(verdict_lines(gpu_cells, cpu_cells) + cp_verdicts + (category_lines if JUDGED else [])) + "\n\n"
     body += f"Whole run: {time.perf_counter() - start:.0f} s.\n"
     print(body)
     write_doc(args, body)

@@ -7,10 +7,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   (``reduce_dtype`` fp32), AdamW's two fp32 moments on the shard. Communication buffers at
   the peak (the start of backward): the gathered root unit (embeddings, head: never resharded
   after forward) and the last unit (``blocks_per_unit`` blocks, kept gathered for backward) in
-  the compute dtype; zero2 keeps every block gathered between forward and backward. An explicit
-  ``prefetch`` of k units keeps k - 1 more units gathered than FSDP2's default (one ahead), from
-  the last block's backward on (``prefetched``: beside a recomputation, after the logits' peak;
-  measured: prefetch 2 on the small model's fsdp leg, the same tracked peak as the default).
+  the compute dtype; zero2 keeps every block gathered between forward and backward. In the second
+  block unit's backward (beside a recomputation, after the logits' peak) FSDP2 has already
+  all-gathered the next unit (its default backward prefetch; an explicit ``prefetch`` of k units:
+  k of them; ``prefetched``), still holds the first unit's reduce-scatter input in fp32
+  (``reduce_buffer``) and the head's unsharded gradient (``head_grad``): the simulation's peak of
+  Llama-3-70B at fsdp 32 x tp 2 with selective checkpointing holds all three.
 - ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, the
   gradients views into DDP's all-reduce buckets (``gradient_as_bucket_view``: no second copy);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
@@ -197,9 +199,14 @@ class MemoryEstimate:
     host: int = 0
     accumulating: bool = False  # gradient accumulation: gradients live through every backward
     grad_buffers: int = 0  # at backward's end: a tied weight's second gradient; FSDP's unsharded root gradient
-    # units an explicit FSDP prefetch gathers ahead beyond FSDP2's default, from the last block's
-    # backward on (after the loss's gradients are freed: beside a recomputation, not the logits)
+    # units FSDP has prefetched in the second block unit's backward (FSDP2's default one, or an
+    # explicit prefetch's; after the loss's gradients are freed: beside a recomputation, not the logits)
     prefetched: int = 0
+    # beside a block's backward too (FSDP): the previous unit's reduce-scatter input (fp32, held
+    # until the next reduce-scatter is issued) and the head's unsharded gradient (the compute
+    # dtype's, autograd's: the root reduces it at the step's end), made before any block's backward
+    reduce_buffer: int = 0
+    head_grad: int = 0
     # the first block's backward, the step's last: its kept and recomputed activations beside every
     # later block's gradient, less its own gradients, not made yet (not under accumulation: there
     # ``backward`` holds both)
@@ -222,18 +229,58 @@ class MemoryEstimate:
     # of ``grads``, the bytes that are views into ``comm_buffers`` (DDP's buckets under
     # ``gradient_as_bucket_view``): held all along in the buffers, not added again
     bucket_grads: int = 0
+    # of ``comm_buffers``, the bytes that are gradients (DDP's buckets, no_sync's unsharded fp32
+    # accumulators, a pipeline stage's unsharded gradients): counted as gradients by :meth:`categories`
+    held_grads: int = 0
+    # of ``logits_loss``, the bytes backward makes (the loss's fp32 gradient; a chunked loss's
+    # recomputed chunk and its gradients; tp's exp / gradient buffer): temporaries, not activations
+    logits_temp: int = 0
+    # of ``first_block``, the block's kept activations (the rest its recomputation: temporaries)
+    first_block_kept: int = 0
 
     @property
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         grads = self.grads - self.bucket_grads
-        backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant)
+        backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant
+                                           + self.reduce_buffer + self.head_grad)
                     + (grads if self.accumulating else 0))
         late = 0 if self.accumulating and not self.sync_each else (
             grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
         policy = self.comm_buffers + self.compute_copies + max(backward, late)
         before = self.reference_forward + (grads if self.accumulating else 0) if self.reference_forward else 0
         return self.overhead + self.params + self.optimizer + self.reference + max(policy, before)
+
+    def categories(self) -> dict[str, int]:
+        """The device total less the overhead at its peak, split as the simulation splits its tracked
+        peak (docs/planner.md, "Categories"): ``params`` (the parameters held between steps: FSDP's
+        shards, DDP's replicas, a held reference), ``grads`` (every gradient's storage: sharded,
+        unsharded, accumulating, DDP's buckets), ``optimizer``, ``activations`` (what forward makes
+        and keeps: saved tensors, the logits, autocast's weight copies) and ``buffers`` (buffers and
+        temporaries: gathered parameter copies, communication buffers, what backward makes that is
+        not a gradient: recomputation, the loss's gradient, a dequantized weight). Their sum is
+        ``device_total - overhead``; the moment is the one :attr:`device_total` takes (module doc)."""
+        grads = self.grads - self.bucket_grads
+        held = {"params": self.params + self.reference, "optimizer": self.optimizer}
+        gathered = self.comm_buffers - self.held_grads
+        extra = self.recompute + self.prefetched + self.dequant + self.reduce_buffer
+        logits = self.logits_loss >= extra + self.head_grad
+        backward = {"grads": self.held_grads + (grads if self.accumulating else 0) + (0 if logits else self.head_grad),
+                    "activations": self.compute_copies + self.activations
+                    + (self.logits_loss - self.logits_temp if logits else 0),
+                    "buffers": gathered + (self.logits_temp if logits else extra)}
+        kept = min(self.first_block, self.first_block_kept)
+        late = {"grads": self.held_grads + grads + self.grad_buffers,
+                "activations": self.compute_copies + self.others_in_flight + kept,
+                "buffers": gathered + self.first_block - kept + self.dequant}
+        if self.accumulating and not self.sync_each:
+            late = {k: self.held_grads if k == "grads" else 0 for k in late}
+        policy = max(backward, late, key=lambda c: sum(c.values()))
+        if self.reference_forward:
+            before = {"grads": grads if self.accumulating else 0, "activations": self.reference_forward,
+                      "buffers": 0}
+            policy = policy if sum(policy.values()) >= sum(before.values()) else before
+        return held | policy
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: int(getattr(self, f.name)) for f in fields(self)} | {"device_total": self.device_total}
@@ -412,10 +459,11 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
-    comm = compute = prefetched = bucket_grads = 0
+    comm = compute = prefetched = bucket_grads = held = reduce_buffer = 0  # held: of comm, gradient storage
     # under pp each rank holds its own stages' state: ``shares`` of the largest pp rank's parameters
     shares = _pp_rank_shares(facts, layout)
     staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
+    staged_grads = [0] * len(shares)  # of them, the gradients
     if sharded and layout.dp_shard * layout.dp_replicate > 1:
         # the root and the largest unit (blocks_per_unit blocks) gathered at once
         unit = unit_blocks(facts, layout) * gathered(block - in_unit, block_frozen - in_unit_frozen,
@@ -427,10 +475,18 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         unsharded = 4 * (train - moe_layers * (away - away_frozen))
         comm = int(everything if layout.strategy == "zero2" else gathered(root, root_frozen, nf4.root if nf4 else 0)
                    + unit)
-        if layout.strategy != "zero2":  # a prefetch deeper than FSDP2's one unit: more gathered in backward
-            prefetched = int(max(0, (layout.prefetch or 1) - 1) * unit)
+        # the second block unit's backward (the simulation's peak of Llama-3-70B at fsdp 32 x tp 2,
+        # selective checkpointing): the first one's reduce-scatter input, in fp32, held until this
+        # one's reduce-scatter is issued, and the units prefetched for the next ones (FSDP2's
+        # default: one; an explicit prefetch: that many) where the rank has them
+        units = fsdp_units(facts, layout) - 1  # block units on the rank
+        if layout.strategy != "zero2":
+            prefetched = int(max(0, min(layout.prefetch or 1, units - 2)) * unit)
+        if units > 1:
+            reduce_buffer = int(4 * unit_blocks(facts, layout) * (block - in_unit - block_frozen + in_unit_frozen))
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += int(unsharded)
+            held = int(unsharded)
         if layout.pp > 1 and layout.pp_grad_sync != "each":
             # torch's PipelineStage runs each microbatch's backward on an FSDP stage with resharding
             # and gradient reduction off (reshard_after_backward, requires_gradient_sync), and reduces
@@ -444,11 +500,13 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             staged = [int(gathered(params * s, frozen * s) + 4 * train * s
                           - layers * (gathered(away, away_frozen) + 4 * (away - away_frozen)))
                       for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
-            prefetched = 0
+            staged_grads = [int(4 * train * s - layers * 4 * (away - away_frozen))
+                            for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
+            prefetched = reduce_buffer = 0
     elif replicated and layout.dp > 1:
         # DDP's gradient buckets (trainable, not ep's experts), held from the first backward on; the
         # gradients are views into them (``gradient_as_bucket_view``), no second copy
-        comm = bucket_grads = int(4 * (train - own_experts))
+        comm = bucket_grads = held = int(4 * (train - own_experts))
         if r_away and layout.dp_replicate > layout.ep:  # experts FSDP-sharded over the replicas holding
             # the same ones: one MoE layer's 1/ep gathered in fp32, and its gradient before the reduce-scatter
             comm += int(2 * 4 * ddp_ep.layer_params / layout.ep * frac)
@@ -466,7 +524,13 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s + st
                                                   for s, st in zip(shares, staged)], pp_rank)
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
-    comm = staged[acts.rank] or comm
+    comm, held = (staged[acts.rank], staged_grads[acts.rank]) if staged[acts.rank] else (comm, held)
+    # FSDP: the head's unsharded gradient (trainable, on the rank that runs it, not a stage holding
+    # every gradient unsharded anyway) in a block's backward, before the root reduces it
+    head_rank = 0 if layout.pp_schedule == "zbv" else layout.pp - 1
+    trains_head = not (facts.frozen and facts.frozen.head)
+    head_grad = int(facts.head_params * scale * d) if (
+        sharded and layout.dp > 1 and trains_head and acts.rank == head_rank and not staged[acts.rank]) else 0
     # The last of backward: a tied weight's two uses each make a gradient, summed into one (one
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.) Frozen weights make none.
@@ -500,10 +564,13 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
-                          prefetched=prefetched, first_block=first_block, sync_each=each,
+                          prefetched=prefetched, reduce_buffer=reduce_buffer, head_grad=head_grad,
+                          first_block=first_block, sync_each=each,
                           others_in_flight=others, dequant=dequant_workspace(nf4, d),
                           nf4_params=0 if host else nf4_held, reference=reference,
-                          reference_forward=reference_forward, bucket_grads=bucket_grads)
+                          reference_forward=reference_forward, bucket_grads=bucket_grads, held_grads=held,
+                          logits_temp=acts.logits_temp if acts.logits_loss else 0,
+                          first_block_kept=acts.first_block_kept)
 
 
 def _estimate_cp(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: int | None) -> MemoryEstimate:
@@ -585,6 +652,8 @@ class Activations(NamedTuple):
     logits_loss: int  # the logits and the loss (0 unless the rank runs the head)
     rank: int  # the pp rank (0 without pp)
     first_block: int  # the first block's kept and recomputed activations, at its backward
+    logits_temp: int = 0  # of logits_loss (on the last stage), what backward makes: temporaries
+    first_block_kept: int = 0  # of first_block, the kept activations
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
@@ -621,10 +690,13 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
         chunk = min(layout.loss_chunk_tokens, work.seq * seqs) * facts.vocab / t
         # a chunk's logits and log-softmax (fp32), recomputed in backward, with their two gradients
         logits = chunk * (2 * d + 16) + prof.outside * seqs
+        temp = chunk * (2 * d + 16)  # all of the chunk's made in backward
     elif t > 1:  # vocabulary-parallel loss: the local fp32 logits and one buffer (exp, then the gradient)
         logits = vocab_tokens * 8 + prof.outside * seqs
+        temp = vocab_tokens * 4  # the buffer
     else:  # saved log-softmax + the returned logits + one fp32 gradient at backward's start
         logits = prof.logits * seqs + vocab_tokens * (d + 4) + prof.outside * seqs
+        temp = vocab_tokens * 4  # the gradient
     if layout.pp > 1 and layout.pp_schedule == "gpipe":
         logits += prof.logits / t * seqs * (inflight[-1] - 1)
     # under pp the logits live on the last stage's rank only (rank 0 in a V: zbv folds the last
@@ -635,7 +707,8 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
         max(logits, recompute * seqs) if r == last else recompute * seqs))
     return Activations(saved=int(per_rank[busiest]), recompute=int(recompute * seqs),
                        logits_loss=int(logits if busiest == last else 0), rank=busiest,
-                       first_block=int((kept + recompute) * seqs))
+                       first_block=int((kept + recompute) * seqs), logits_temp=int(temp if busiest == last else 0),
+                       first_block_kept=int(kept * seqs))
 
 
 def _pp_rank_shares(facts: ModelFacts, layout: Layout) -> list[float]:

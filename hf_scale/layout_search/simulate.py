@@ -14,8 +14,11 @@ devices, no memory, no arithmetic), then runs, as rank ``rank`` of a ``world_siz
    holds them, in MemTracker's categories as ``scripts/bench_planner.py`` reads them (its
    per-module hooks off, which a pipeline stage's repeated forwards refuse): parameters (FSDP's
    shards), gradients (:func:`gradients_tagged`: unsharded, accumulated and reduced),
-   optimizer state, activations (what forward makes, FSDP's gathered parameters included) and
-   temporaries (the rest of what backward makes). Under pipeline parallel the rank's real
+   optimizer state, activations (what forward makes and keeps), gathered (FSDP's gathered
+   parameters and all-gather buffers: :func:`gathered_tagged`), buffers (the modules' own) and
+   temporaries (the rest of what backward makes: activation gradients, recomputation,
+   reduce-scatter inputs); :meth:`Simulation.categories` sets them beside the estimate's
+   (buffers and temporaries together, as docs/planner.md's "Categories" defines them). Under pipeline parallel the rank's real
    schedule runs its microbatches (:mod:`.peers` stands in for the other stages' messages).
 3. A placement check: the device of every parameter (a ``DTensor``'s local shard), buffer,
    gradient and optimizer state, and of the tensors each block and the model receive, against
@@ -59,7 +62,10 @@ from .simulate_nf4 import assign_fake_nf4, layout_sharded, place_fake_nf4, quiet
 GiB = 2**30
 # MemTracker's categories -> the names printed here
 CATEGORIES = {"Parameter": "params", "Buffer": "buffers", "Gradient": "grads", "Optstate": "optimizer",
-              "Activation": "activations", "Temp": "temporaries", "Other": "other"}
+              "Activation": "activations", "Temp": "temporaries",
+              # MemTracker's "Other" (what track_external gets that fits no category: nothing here)
+              # holds FSDP's gathered parameters and all-gather buffers (gathered_tagged)
+              "Other": "gathered"}
 
 
 @dataclass
@@ -91,6 +97,16 @@ class Simulation:
         """estimate / simulated peak."""
         return self.estimated / max(1, self.peak["total"])
 
+    def categories(self) -> dict[str, dict[str, int]]:
+        """The peak by category on both sides (docs/planner.md, "Categories"): ``{"simulated": ...,
+        "estimate": ...}``, each params / grads / optimizer / activations / buffers (buffers and
+        temporaries: gathered parameters, communication buffers, backward's temporaries, module
+        buffers). Each side sums to its total."""
+        p = self.peak
+        simulated = {k: p[k] for k in ("params", "grads", "optimizer", "activations")}
+        simulated["buffers"] = p["gathered"] + p["buffers"] + p["temporaries"]
+        return {"simulated": simulated, "estimate": self.estimate.categories()}
+
     def format(self) -> str:
         unit, size = ("GiB", GiB) if self.peak["total"] >= GiB else ("MiB", 2**20)
         gib = lambda b: f"{b / size:.2f}"  # noqa: E731
@@ -99,12 +115,15 @@ class Simulation:
                           "activations": est.activations + est.logits_loss, "buffers": est.comm_buffers,
                           "reference": est.reference}
         stages = f", stages {', '.join(map(str, self.stages))}" if self.stages else ""
+        cats = self.categories()
         lines = [f"rank {self.rank} of {self.world_size} on {self.device}{stages}: {self.layout.describe()} "
                  f"({self.seconds:.1f} s)",
                  f"  simulated peak ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in self.peak.items() if v or k == "total"),
                  f"  planner estimate ({unit}): " + ", ".join(f"{k} {gib(v)}" for k, v in estimate_parts.items() if v)
                  + f", total {gib(self.estimated)} (device total less {gib(est.overhead)} overhead)",
-                 f"  estimate / simulated: {self.ratio:.3f}"]
+                 f"  estimate / simulated: {self.ratio:.3f}",
+                 f"  by category, planner / simulation ({unit}): " + ", ".join(
+                     f"{k} {gib(cats['estimate'][k])} / {gib(s)}" for k, s in cats["simulated"].items())]
         for kind, devices in self.placement.items():
             lines.append(f"  {kind}: " + ", ".join(f"{n} on {d}" for d, n in sorted(devices.items())))
         lines += [f"  MISPLACED {m}" for m in self.misplaced[:20]]
@@ -272,8 +291,8 @@ def _run(model: nn.Module, layout: Layout, world_size: int, rank: int, local: in
             for _ in range(max(0, steps - 1)):
                 step()
             tracker.restart_peak()
-            with gradients_tagged(tracker, roots):  # after a first step: FSDP's unsharded parameters exist
-                step(grads)
+            with gradients_tagged(tracker, roots), gathered_tagged(tracker, [*roots, *([reference] if reference else [])]):
+                step(grads)  # after a first step: FSDP's unsharded parameters exist
     snap = tracker.get_tracker_snapshot("peak").get(device, {})
     peak = {name: 0 for name in CATEGORIES.values()}
     for key, value in snap.items():
@@ -531,6 +550,46 @@ def gradients_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
         FSDPParamGroup.post_backward = post_backward
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def gathered_tagged(tracker, roots: list[nn.Module]) -> Iterator[None]:
+    """FSDP's gathered parameters in a category of their own while entered (MemTracker's "Other",
+    unused otherwise, printed as "gathered"; MemTracker would count them where their storage was
+    first made, as activations in the first forward): each unsharded parameter's
+    storage (``all_gather_outputs``, resized to nothing when resharded and back when gathered
+    again; an all-gather extension's inner tensors) and each flat all-gather buffer
+    (``foreach_all_gather``'s output, held from the all-gather until its copy-out). With the
+    temporaries they are the category "buffers / temporaries" that the planner's estimate counts
+    its gathered units and communication buffers in (``MemoryEstimate.categories``).
+    FSDP's unsharded parameters are made by its first forward: enter after a first step."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    def tag(t: torch.Tensor) -> None:
+        tracker._update_and_maybe_create_winfos(t, _MemRefType.OTH)
+
+    for root in roots:
+        for module in root.modules():
+            if isinstance(module, FSDPModule):
+                for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for fp in group.fsdp_params:
+                        for t in (*fp.all_gather_outputs, *getattr(fp, "_unsharded_inner_tensors", ())):
+                            tag(t)
+    all_gather = _fsdp_param_group.foreach_all_gather
+
+    def tagged(*args, **kwargs):
+        result = all_gather(*args, **kwargs)
+        if result is not None:
+            tag(result.all_gather_output)
+        return result
+
+    _fsdp_param_group.foreach_all_gather = tagged
+    try:
+        yield
+    finally:
+        _fsdp_param_group.foreach_all_gather = all_gather
 
 
 def _facts(source, task: str, quantize: str | None = None):

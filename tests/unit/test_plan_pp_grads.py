@@ -77,7 +77,8 @@ def simulated_peaks(m: int) -> tuple[float, float]:
     peaks = {}
     for row in section.splitlines():
         cells = [c.strip() for c in row.strip("|").split("|")]
-        if len(cells) > 4 and "pp_grad_sync=each" in cells[0] and f"({m} x 4096" in cells[0]:
+        # the peaks table's rows (the by-category table below it names the rank in its second cell)
+        if len(cells) > 4 and "pp_grad_sync=each" in cells[0] and f"({m} x 4096" in cells[0] and cells[2].endswith(" of 64"):
             peaks[cells[2]] = float(cells[4])
     assert set(peaks) == {"0 of 64", "63 of 64"}, f"simulate-pp rows for m={m}: {sorted(peaks)}"
     return peaks["0 of 64"], peaks["63 of 64"]

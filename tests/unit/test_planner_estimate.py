@@ -49,7 +49,8 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     fixed = mem.overhead + mem.params + mem.optimizer + mem.comm_buffers + mem.compute_copies
     root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
     assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
-    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, mem.recompute),
+    block = mem.recompute + mem.prefetched + mem.reduce_buffer + mem.head_grad  # a block's backward (FSDP's units)
+    assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, block),
                                            mem.grads - mem.bucket_grads + mem.grad_buffers + mem.first_block)
 
 
@@ -60,7 +61,8 @@ def test_gradient_accumulation_keeps_gradients_through_backward(tiny):
     assert acc.activations * 2 == one.activations
     assert acc.comm_buffers - one.comm_buffers == 4 * tiny.params
     assert acc.device_total - acc.overhead - acc.params - acc.optimizer - acc.comm_buffers == (
-        acc.activations + max(acc.logits_loss, acc.recompute) + acc.grads)
+        acc.activations + max(acc.logits_loss, acc.recompute + acc.prefetched + acc.reduce_buffer + acc.head_grad)
+        + acc.grads)
 
 
 def test_offload_moves_state_to_the_host(tiny):
@@ -120,16 +122,23 @@ def test_blocks_per_unit_gathers_a_larger_unit(tiny):
 
 
 def test_a_deeper_prefetch_keeps_more_units_gathered(tiny):
-    """An explicit prefetch of one unit gathers what FSDP2's default does; each unit deeper one
-    more block in the compute dtype."""
-    default = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16"), WORK)
-    one = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=1), WORK)
-    two = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK)
-    assert one.comm_buffers == two.comm_buffers == default.comm_buffers and one.prefetched == 0
-    assert two.prefetched == 2 * max(tiny.block_params)
+    """In the second block unit's backward FSDP2 has gathered the next unit (its default prefetch,
+    and an explicit prefetch of one unit); each unit deeper one more block in the compute dtype, as
+    far as the rank has blocks left: the tiny model's 2 blocks leave none after the second."""
+    config = tiny_config("llama")
+    config.num_hidden_layers = 4
+    deep = model_facts(config)
+    default, one, two = (estimate_memory(deep, Layout("fsdp", 1, 2, precision="bf16", prefetch=p), WORK)
+                         for p in (None, 1, 2))
+    block = 2 * max(deep.block_params)
+    assert one.comm_buffers == two.comm_buffers == default.comm_buffers
+    assert default.prefetched == one.prefetched == block and two.prefetched == 2 * block
+    assert estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK).prefetched == 0
+    # the previous unit's reduce-scatter input (fp32) and the head's unsharded gradient (bf16) beside it
+    assert default.reduce_buffer == 2 * block and default.head_grad == 2 * deep.head_params
     # from the last block's backward on, after the logits are freed: beside the recomputation
     full = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2, ac="full"), WORK)
-    later = full.activations + full.recompute + full.prefetched
+    later = full.activations + full.recompute + full.prefetched + full.reduce_buffer + full.head_grad
     assert (full.device_total - (full.overhead + full.params + full.optimizer + full.comm_buffers
                                  + full.compute_copies)) == max(full.activations + full.logits_loss, later,
                                                                 full.grads + full.grad_buffers + full.first_block)
@@ -155,7 +164,8 @@ def test_first_blocks_backward_holds_its_activations_beside_the_later_gradients(
     # under gradient accumulation the gradients are already beside the activations in backward
     acc = estimate_memory(tiny, Layout("fsdp", 1, 2, micro_batch=1, ac="full"), WORK2)
     fixed = acc.overhead + acc.params + acc.optimizer + acc.comm_buffers + acc.compute_copies
-    assert acc.device_total == fixed + acc.activations + max(acc.logits_loss, acc.recompute) + acc.grads
+    assert acc.device_total == fixed + acc.activations + max(
+        acc.logits_loss, acc.recompute + acc.prefetched + acc.reduce_buffer + acc.head_grad) + acc.grads
 
 
 def test_activations_order(tiny):
@@ -336,3 +346,36 @@ def test_profile_refuses_a_forward_that_reads_its_inputs_clearly(monkeypatch):
     monkeypatch.setattr(type(facts.model.model.layers[0]), "forward", reads_a_value)
     with pytest.raises(HfScalePlanError, match="reads a value of its inputs.*strategy: fsdp"):
         measure_activations(facts, 32, torch.float32, "sdpa")
+
+
+@pytest.mark.parametrize("layout, work", [
+    (Layout("ddp", 2, 1, precision="bf16"), WORK),  # DDP's buckets: gradients all along
+    (Layout("zero2", 1, 2, precision="bf16"), Workload(seq=256, batch=1)),  # every block gathered; the loss's peak
+    (Layout("fsdp", 1, 2, ac="full", loss_chunk_tokens=8), WORK),
+    (Layout("fsdp", 1, 2, ac="selective", tp=2), WORK),
+    (Layout("fsdp", 1, 2), WORK2),  # no_sync's unsharded accumulators: gradients
+    (Layout("fsdp", 1, 2, pp=2, micro_batch=2), WORK2),  # a stage's unsharded gradients: gradients
+    (Layout("fsdp", 1, 2, pp=2, micro_batch=2, pp_grad_sync="each"), WORK2),
+])
+def test_categories_split_the_peak_as_the_simulation_does(tiny, layout, work):
+    """The estimate's peak in the simulation's five categories (docs/planner.md, "Categories"):
+    they add up to the device total less the overhead; the parameters and optimizer state are
+    the held ones; gathered copies and communication buffers are buffers, gradient storage held
+    in the buffers (DDP's buckets, no_sync's and a pipeline stage's unsharded gradients) gradients."""
+    mem = estimate_memory(tiny, layout, work)
+    cats = mem.categories()
+    assert set(cats) == {"params", "grads", "optimizer", "activations", "buffers"}
+    assert sum(cats.values()) == mem.device_total - mem.overhead, (cats, mem)
+    assert (cats["params"], cats["optimizer"]) == (mem.params, mem.optimizer)
+    assert cats["grads"] >= mem.held_grads and cats["buffers"] >= mem.comm_buffers - mem.held_grads
+    if layout.strategy == "ddp":
+        assert mem.held_grads == mem.comm_buffers == mem.bucket_grads > 0
+    elif work.batch > layout.micro_batch or (layout.pp > 1 and layout.pp_grad_sync == "last"):
+        assert 0 < mem.held_grads < mem.comm_buffers  # the unsharded gradients beside the gathered parameters
+    else:
+        assert mem.held_grads == 0
+    if layout.strategy == "zero2":  # the peak at the loss's backward: its fp32 gradient a temporary
+        assert cats["grads"] == 0
+        assert cats["activations"] == mem.activations + mem.logits_loss - mem.logits_temp
+        assert cats["buffers"] == mem.comm_buffers + mem.logits_temp > mem.comm_buffers
+
