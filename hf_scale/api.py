@@ -30,7 +30,7 @@ def parallelize(
     parallel over the ``tp`` mesh dimension; activation checkpointing on the blocks; then FSDP2
     (fsdp / zero2 / hsdp) or DDP (ddp / zero1) over the data-parallel mesh, with mixed precision
     and CPU offload as configured; the pipeline schedule. Without torchrun (world size 1) only
-    activation checkpointing, mixed precision and chunked loss apply. ``config="auto"`` (or
+    activation checkpointing, mixed precision, chunked loss and packed attention apply. ``config="auto"`` (or
     ``{"strategy": "auto", ...}`` with fields to keep) asks :mod:`hf_scale.layout_search` for the
     fastest layout that fits this world size and device memory, and logs it.
 

@@ -431,7 +431,7 @@ def log_layout(config: ParallelConfig, topology: Topology, env: DistEnv, units: 
     """One line (rank 0) saying what was applied."""
     if topology.dims is None:
         log_rank0("running in one process (no torchrun environment): only activation checkpointing, "
-                  "mixed precision and chunked loss apply", once=True)
+                  "mixed precision, chunked loss and packed attention apply", once=True)
         return
     per_unit = config.blocks_per_unit or 1
     log_rank0(
