@@ -94,14 +94,24 @@ def world4():
                      timeout=900)
 
 
+@pytest.fixture(scope="module")
+def parity2(world2):
+    return merge_ranks([r["parity"] for r in world2], same=SAME)  # every rank's errors, rank 0's figures
+
+
+@pytest.fixture(scope="module")
+def parity4(world4):
+    return merge_ranks([r["parity"] for r in world4], same=SAME)
+
+
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[c["id"] for c in WORLD2])
-def test_tp2_parity(index, world2):
-    check_parity(WORLD2[index], merge_ranks([r["parity"] for r in world2], same=SAME)[index])  # every rank's errors
+def test_tp2_parity(index, parity2):
+    check_parity(WORLD2[index], parity2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[c["id"] for c in WORLD4])
-def test_tp2_fsdp2_parity(index, world4):
-    check_parity(WORLD4[index], merge_ranks([r["parity"] for r in world4], same=SAME)[index])  # every rank's errors
+def test_tp2_fsdp2_parity(index, parity4):
+    check_parity(WORLD4[index], parity4[index])
 
 
 _GREEDY: dict = {}
