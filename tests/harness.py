@@ -218,7 +218,13 @@ def merge_ranks(per_rank: list[list[dict]], same: tuple[str, ...] = ()) -> list[
     (global ones, e.g. all-reduced losses) differ from rank 0's by more than 1e-6 relative.
     ``per_rank``: ``run_ranks``' answer, a list of per-case results per rank. For checks whose
     rank 0 stands for all (global figures, parameters gathered whole); where the ranks hold
-    different parts (pipeline stages, shards) the test must compare each rank's."""
+    different parts (pipeline stages, shards) the test must compare each rank's.
+
+    What no result can show: a case that raises on one rank while another waits in a collective
+    leaves the ranks out of step; the next case's collectives pair with the pending ones, and gloo
+    aborts the process (SIGABRT, "Received data size doesn't match expected size") or the call
+    times out: ``run_ranks`` then reports a dead or hung rank, not the case (measured with a
+    rank-1-only raise at the start of a test_reward case: "ranks [1] died with exit codes [-6]")."""
     import numpy as np
 
     merged = []
