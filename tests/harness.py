@@ -211,6 +211,34 @@ def run_ranks(
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def merge_ranks(per_rank: list[list[dict]], same: tuple[str, ...] = ()) -> list[dict]:
+    """Each case's results of every rank as one: rank 0's, or ``{"error": ...}`` naming each rank
+    that reported an error (the *_checks runners catch a case's exception into its result so the
+    group goes on: a test reading rank 0's alone never sees rank 1's) or whose ``same`` figures
+    (global ones, e.g. all-reduced losses) differ from rank 0's by more than 1e-6 relative.
+    ``per_rank``: ``run_ranks``' answer, a list of per-case results per rank. For checks whose
+    rank 0 stands for all (global figures, parameters gathered whole); where the ranks hold
+    different parts (pipeline stages, shards) the test must compare each rank's.
+
+    What no result can show: a case that raises on one rank while another waits in a collective
+    leaves the ranks out of step; the next case's collectives pair with the pending ones, and gloo
+    aborts the process (SIGABRT, "Received data size doesn't match expected size") or the call
+    times out: ``run_ranks`` then reports a dead or hung rank, not the case (measured with a
+    rank-1-only raise at the start of a test_reward case: "ranks [1] died with exit codes [-6]")."""
+    import numpy as np
+
+    merged = []
+    for results in zip(*per_rank, strict=True):
+        problems = [f"rank {rank}: {r['error']}" for rank, r in enumerate(results) if "error" in r]
+        if not problems:
+            for rank, r in enumerate(results[1:], 1):
+                for key in same:
+                    if not np.allclose(r[key], results[0][key], rtol=1e-6, atol=0):
+                        problems.append(f"rank {rank}: {key} {r[key]} but rank 0 {results[0][key]}")
+        merged.append({"error": "\n".join(problems)} if problems else results[0])
+    return merged
+
+
 def cli_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a command under test: offline, one thread, no inherited launcher
     variables (torchrun's or mpirun's), then ``extra``."""

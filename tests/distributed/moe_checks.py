@@ -390,7 +390,8 @@ def pipeline_run(arch: str, config: dict, layers: int, root: str | None = None) 
 
 def world_checks(cases: list[dict]) -> dict:
     """Every case on this rank: {"parity": [...], "errors": [...]} (rank-local values; the test
-    compares rank 0's, and the errors of every rank)."""
+    compares rank 0's whole gradients and parameters, every rank's errors, losses, collectives and
+    experts held)."""
     rank = int(os.environ["RANK"])
     out = {"parity": [], "errors": [], "checkpoints": [], "pipeline": []}
     for case in cases:
@@ -405,7 +406,7 @@ def world_checks(cases: list[dict]) -> dict:
                 out["pipeline"].append(pipeline_run(case["arch"], case["config"], case["layers"], case.get("root")))
                 continue
             result = parallel_run(case["arch"], case.get("aux", False), case["config"], case.get("impl"))
-            out["parity"].append(result if rank == 0 else {"losses": result["losses"]})
+            out["parity"].append(result if rank == 0 else {k: result[k] for k in ("losses", "calls", "experts_held")})
         except Exception:  # keep the other cases' results: the test names the failing one
             kind = ("checkpoints" if "checkpoint" in case else "errors" if "error" in case
                     else "pipeline" if "layers" in case else "parity")

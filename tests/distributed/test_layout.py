@@ -40,7 +40,7 @@ def test_get_state_reports_what_was_asked(world2, strategy, dp):
         assert facts["dims"] == (*dp, 2)
         assert facts["mesh"] == (("pp", "dp_replicate", "dp_shard", "cp", "tp"), (1, *dp, 1, 1))
         assert facts["dp_mesh_size"] == 2
-    assert world2[0]["offload"]["state"]["config"]["cpu_offload"] is True
+    assert all(r["offload"]["state"]["config"]["cpu_offload"] is True for r in world2)
 
 
 def test_get_state_of_hsdp_at_world4(world4):
@@ -54,11 +54,12 @@ def test_get_state_of_hsdp_at_world4(world4):
 def test_weight_decay_groups_hold_sharded_parameters(world2):
     """AdamW groups are chosen by parameter name, which FSDP2 keeps: decay on matrices and
     embeddings, none on the norm weights, each group made of per-parameter DTensors."""
-    (decay, decay_names, decay_dt), (no_decay, no_decay_names, no_decay_dt) = world2[0]["fsdp"]["groups"]
-    assert (decay, no_decay) == (0.1, 0.0)
-    assert decay_dt and no_decay_dt
-    assert all("norm" in n for n in no_decay_names) and len(no_decay_names) == 5  # 2 x 2 layers + final
-    assert not any("norm" in n for n in decay_names) and "model.embed_tokens.weight" in decay_names
+    for r in world2:
+        (decay, decay_names, decay_dt), (no_decay, no_decay_names, no_decay_dt) = r["fsdp"]["groups"]
+        assert (decay, no_decay) == (0.1, 0.0)
+        assert decay_dt and no_decay_dt
+        assert all("norm" in n for n in no_decay_names) and len(no_decay_names) == 5  # 2 x 2 layers + final
+        assert not any("norm" in n for n in decay_names) and "model.embed_tokens.weight" in decay_names
 
 
 def test_clip_grad_norm_over_sharded_and_plain_gradients(world2):
@@ -69,9 +70,9 @@ def test_clip_grad_norm_over_sharded_and_plain_gradients(world2):
 
 
 def test_zero2_keeps_parameters_gathered_until_backward(world2):
-    facts = world2[0]["zero2"]
-    assert facts["placements"] == ["(Shard(dim=0),)"]
-    assert facts["block_param_after_forward"] == "Parameter"
+    for facts in (r["zero2"] for r in world2):
+        assert facts["placements"] == ["(Shard(dim=0),)"]
+        assert facts["block_param_after_forward"] == "Parameter"
 
 
 def test_zero1_shards_only_optimizer_state(world2):
@@ -82,26 +83,27 @@ def test_zero1_shards_only_optimizer_state(world2):
 
 
 def test_ddp_replicates_and_keeps_the_model_class(world2):
-    facts = world2[0]["ddp"]
-    assert facts["placements"] == ["plain"] and facts["local_fraction"] == 1.0
-    assert facts["is_llama"] and facts["tied"] and facts["optimizer"] == "AdamW"
+    for facts in (r["ddp"] for r in world2):
+        assert facts["placements"] == ["plain"] and facts["local_fraction"] == 1.0
+        assert facts["is_llama"] and facts["tied"] and facts["optimizer"] == "AdamW"
 
 
 def test_cpu_offload_policy_applied(world2):
-    assert world2[0]["offload"]["offload_policy"] == "CPUOffloadPolicy"
-    assert world2[0]["fsdp"]["offload_policy"] == "OffloadPolicy"
+    for r in world2:
+        assert r["offload"]["offload_policy"] == "CPUOffloadPolicy"
+        assert r["fsdp"]["offload_policy"] == "OffloadPolicy"
 
 
 def test_bf16_computes_low_keeps_fp32_params_grads_and_fp32_modules(world2):
-    facts = world2[0]["precision"]
-    assert facts["wi"] == "torch.bfloat16"
-    assert (facts["wo_in"], facts["wo_out"]) == ("torch.float32", "torch.float32")  # T5 keeps wo in fp32
-    assert facts["param_dtypes"] == ["torch.float32"] and facts["grad_dtypes"] == ["torch.float32"]
+    for facts in (r["precision"] for r in world2):
+        assert facts["wi"] == "torch.bfloat16"
+        assert (facts["wo_in"], facts["wo_out"]) == ("torch.float32", "torch.float32")  # T5 keeps wo in fp32
+        assert facts["param_dtypes"] == ["torch.float32"] and facts["grad_dtypes"] == ["torch.float32"]
 
 
 def test_no_sync_skips_gradient_communication(world2):
-    fsdp = world2[0]["no_sync_fsdp"]
-    assert fsdp["no_sync_reduce_scatter"] == 0 and fsdp["sync_reduce_scatter"] > 0
+    for fsdp in (r["no_sync_fsdp"] for r in world2):
+        assert fsdp["no_sync_reduce_scatter"] == 0 and fsdp["sync_reduce_scatter"] > 0
     for facts in (r["no_sync_ddp"] for r in world2):
         assert facts["no_sync_grads_equal_across_ranks"] is False  # rank-local gradients
         assert facts["sync_grads_equal_across_ranks"] is True
@@ -165,8 +167,8 @@ def test_generate_works_after_fsdp_and_checkpointing(world2):
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_fp16_trains_with_torch_grad_scaler(world2, strategy):
-    facts = world2[0][f"fp16_{strategy}"]
-    assert facts["scale"] > 0 and facts["losses"][-1] < facts["losses"][0]
+    for facts in (r[f"fp16_{strategy}"] for r in world2):
+        assert facts["scale"] > 0 and facts["losses"][-1] < facts["losses"][0]
 
 
 def test_hsdp_replicates_across_groups_and_shards_within(world4):

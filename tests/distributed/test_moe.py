@@ -130,10 +130,12 @@ def result(ranks: list[dict], cases: list[dict], case: dict) -> dict:
     index = [c["id"] for c in cases if "error" not in c].index(case["id"])
     got = ranks[0]["parity"][index]
     assert "traceback" not in got, got.get("traceback")
-    for rank, other in enumerate(ranks[1:], 1):  # every rank saw the same global losses (moe_checks sends
-        # the other ranks' losses only)
-        assert "traceback" not in other["parity"][index], other["parity"][index].get("traceback")
-        np.testing.assert_allclose(other["parity"][index]["losses"], got["losses"], rtol=1e-6, err_msg=f"rank {rank}")
+    for rank, other in enumerate(ranks[1:], 1):  # every rank saw the same global losses, made the same
+        # collectives and holds as many expert weights (moe_checks sends the other ranks' these only)
+        other = other["parity"][index]
+        assert "traceback" not in other, f"rank {rank}: {other.get('traceback')}"
+        np.testing.assert_allclose(other["losses"], got["losses"], rtol=1e-6, err_msg=f"rank {rank}")
+        assert (other["calls"], other["experts_held"]) == (got["calls"], got["experts_held"]), f"rank {rank}"
     return got
 
 

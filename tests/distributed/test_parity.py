@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 
 from tests.distributed.training import LR, STEPS, reference_run, run_cases
-from tests.harness import run_ranks
+from tests.harness import merge_ranks, run_ranks
 from tests.tiny_models import all_cases
 
 FP32_RTOL = 1e-5
@@ -122,16 +122,19 @@ WORLD2 = _world2_cases()
 WORLD4 = _world4_cases()
 
 
+SAME = ("losses", "norms", "fsdp_units")  # global (all-reduced) or per-rank figures every rank must share
+
+
 @pytest.fixture(scope="module")
 def world2_results():
-    results = run_ranks(run_cases, 2, WORLD2, timeout=900)
-    return dict(zip((c["id"] for c in WORLD2), results[0]))
+    results = run_ranks(run_cases, 2, WORLD2, timeout=900)  # every rank's errors (rank 0 holds the parameters)
+    return dict(zip((c["id"] for c in WORLD2), merge_ranks(results, same=SAME)))
 
 
 @pytest.fixture(scope="module")
 def world4_results():
-    results = run_ranks(run_cases, 4, WORLD4, timeout=900)
-    return dict(zip((c["id"] for c in WORLD4), results[0]))
+    results = run_ranks(run_cases, 4, WORLD4, timeout=900)  # every rank's errors (rank 0 holds the parameters)
+    return dict(zip((c["id"] for c in WORLD4), merge_ranks(results, same=SAME)))
 
 
 _REFERENCES: dict = {}

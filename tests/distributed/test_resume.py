@@ -16,7 +16,7 @@ from tests.harness import run_ranks, to_plain
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("resume"))
-    saved4 = run_ranks(resume_checks.world4_saves, 4, root, timeout=600)[0]
+    saved4 = run_ranks(resume_checks.world4_saves, 4, root, timeout=600)[0]  # whole state, gathered on every rank
     world2 = run_ranks(resume_checks.world2_runs, 2, root, timeout=600)
     return root, saved4, world2
 
@@ -24,10 +24,11 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["fsdp", "zero1"])
 def test_stop_save_load_continue_gives_the_same_losses(runs, strategy):
     _, _, world2 = runs
-    straight = world2[0][f"{strategy}_straight"]
-    first, second = world2[0][f"{strategy}_first"], world2[0][f"{strategy}_second"]
-    assert second["step"] == 3 and second["position"] == 6
-    assert first + second["losses"] == straight  # bit for bit
+    for rank, result in enumerate(world2):  # each rank resumed its own loader and step
+        straight = result[f"{strategy}_straight"]
+        first, second = result[f"{strategy}_first"], result[f"{strategy}_second"]
+        assert second["step"] == 3 and second["position"] == 6, rank
+        assert first + second["losses"] == straight, rank  # bit for bit
 
 
 def _assert_same_state(got, want):
@@ -49,8 +50,9 @@ def test_state_reshards_across_layouts(runs, loaded, saved):
     _, saved4, world2 = runs
     want = saved4[saved[1]] if saved[0] == "world4" else world2[0][saved[1]]
     got = world2[0][loaded]
-    _assert_same_state(got, want)
-    assert got["step"] == 2 and got["lr"] == pytest.approx(1e-3 / 3)  # the schedule resumed
+    _assert_same_state(got, want)  # whole, gathered: the same on every rank
+    for rank, result in enumerate(world2):  # each rank's schedule resumed
+        assert result[loaded]["step"] == 2 and result[loaded]["lr"] == pytest.approx(1e-3 / 3), rank
     if loaded.startswith(("hsdp4", "fsdp4")):
         assert any("saved by 4 ranks" in w for w in got["warned"])
 

@@ -122,28 +122,34 @@ def _assert_same_state(got: dict, want: dict) -> None:
             assert np.array_equal(np.asarray(got["optim"][name][key]), np.asarray(value)), f"{name}.{key}"
 
 
+# Every rank's snapshot: the sharded tensors are assembled whole on each, but a replicated one (a
+# norm under tp) is that rank's own copy: a load that restored rank 0's alone must fail.
+
 def test_tp2_fsdp2_resumes_exactly(world4):
-    resume = world4[0]["resume"]
-    assert resume["same"]["step"] == 2
-    _assert_same_state(resume["same"]["state"], resume["first"]["state"])
-    assert resume["first"]["losses"] + resume["same"]["losses"] == resume["straight_tp2_fsdp2"]  # bit for bit
+    for rank, result in enumerate(world4):
+        resume = result["resume"]
+        assert resume["same"]["step"] == 2, rank
+        _assert_same_state(resume["same"]["state"], resume["first"]["state"])
+        assert resume["first"]["losses"] + resume["same"]["losses"] == resume["straight_tp2_fsdp2"], rank  # bit for bit
 
 
 def test_tp2_fsdp2_reshards_into_fsdp4(world4):
-    resume = world4[0]["resume"]
-    _assert_same_state(resume["fsdp4"]["state"], resume["first"]["state"])
-    np.testing.assert_allclose(resume["fsdp4"]["losses"], resume["straight_tp2_fsdp2"][2:], rtol=1e-5)
-    np.testing.assert_allclose(resume["straight_fsdp4"], resume["straight_tp2_fsdp2"], rtol=1e-5)
+    for rank, result in enumerate(world4):
+        resume = result["resume"]
+        _assert_same_state(resume["fsdp4"]["state"], resume["first"]["state"])
+        np.testing.assert_allclose(resume["fsdp4"]["losses"], resume["straight_tp2_fsdp2"][2:], rtol=1e-5)
+        np.testing.assert_allclose(resume["straight_fsdp4"], resume["straight_tp2_fsdp2"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("loaded, saved, straight", [
     ("tp2_from_fsdp2", "first_fsdp2", "straight_fsdp2"), ("fsdp2_from_tp2", "first_tp2", "straight_tp2")])
 def test_state_reshards_between_fsdp2_and_tp2(world2, loaded, saved, straight):
-    got, want = world2[0][loaded], world2[0][saved]
-    assert got["step"] == 2
-    _assert_same_state(got["state"], want["state"])
-    np.testing.assert_allclose(got["losses"], world2[0][straight][2:], rtol=1e-5)
-    np.testing.assert_allclose(world2[0]["straight_tp2"], world2[0]["straight_fsdp2"], rtol=1e-5)
+    for rank, result in enumerate(world2):
+        got, want = result[loaded], result[saved]
+        assert got["step"] == 2, rank
+        _assert_same_state(got["state"], want["state"])
+        np.testing.assert_allclose(got["losses"], result[straight][2:], rtol=1e-5, err_msg=f"rank {rank}")
+        np.testing.assert_allclose(result["straight_tp2"], result["straight_fsdp2"], rtol=1e-5, err_msg=f"rank {rank}")
 
 
 def test_tp2_fsdp2_state_into_one_process(world4, monkeypatch):

@@ -13,8 +13,8 @@ import math
 import pytest
 
 from tests.distributed import tp_checks
-from tests.distributed.test_parity import check_parity
-from tests.harness import run_ranks
+from tests.distributed.test_parity import SAME, check_parity
+from tests.harness import merge_ranks, run_ranks
 from tests.tiny_models import tiny_model
 
 # (arch, head): every architecture with a tp plan, Phi-3 both ways (GQA: gathered qkv;
@@ -94,14 +94,24 @@ def world4():
                      timeout=900)
 
 
+@pytest.fixture(scope="module")
+def parity2(world2):
+    return merge_ranks([r["parity"] for r in world2], same=SAME)  # every rank's errors, rank 0's figures
+
+
+@pytest.fixture(scope="module")
+def parity4(world4):
+    return merge_ranks([r["parity"] for r in world4], same=SAME)
+
+
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[c["id"] for c in WORLD2])
-def test_tp2_parity(index, world2):
-    check_parity(WORLD2[index], world2[0]["parity"][index])
+def test_tp2_parity(index, parity2):
+    check_parity(WORLD2[index], parity2[index])
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[c["id"] for c in WORLD4])
-def test_tp2_fsdp2_parity(index, world4):
-    check_parity(WORLD4[index], world4[0]["parity"][index])
+def test_tp2_fsdp2_parity(index, parity4):
+    check_parity(WORLD4[index], parity4[index])
 
 
 _GREEDY: dict = {}
@@ -195,13 +205,28 @@ def test_collectives_per_forward(world2, arch):
     """Without sequence parallel: one all-reduce for the vocabulary-sharded embedding, two per
     block (attention output, MLP output). Evaluation gathers the logits once; training never
     does (the loss runs on vocabulary shards: a few scalar-sized all-reduces of its own)."""
-    facts = world2[0][f"{arch}_comm"]
+    for rank, result in enumerate(world2):
+        check_collectives(result[f"{arch}_comm"], rank)
+
+
+def check_collectives(facts: dict, rank: int) -> None:
     layers = 2
-    assert facts["eval"] == {"all_reduce": 1 + 2 * layers, "all_gather_into_tensor": 1}, facts["eval"]
-    assert facts["eval_logits"] == [2, 16, 128]
-    assert facts["train_logits"] is None
-    assert "all_gather_into_tensor" not in facts["train"], facts["train"]
-    assert facts["train"]["all_reduce"] >= 1 + 2 * layers
+    assert facts["eval"] == {"all_reduce": 1 + 2 * layers, "all_gather_into_tensor": 1}, (rank, facts["eval"])
+    assert facts["eval_logits"] == [2, 16, 128], rank
+    assert facts["train_logits"] is None, rank
+    assert "all_gather_into_tensor" not in facts["train"], (rank, facts["train"])
+    assert facts["train"]["all_reduce"] >= 1 + 2 * layers, rank
+
+
+def test_every_rank_has_the_layout_rank_0_has(world2, world4):
+    """The layout tests above read rank 0's facts: every other rank's placements and per-rank
+    attributes are the same (and its local shapes, under tp alone: these tp splits are even)."""
+    for world, results in (("world2", world2), ("world4", world4)):
+        for key in [k for k in results[0] if k.endswith("_layout")]:
+            for rank, result in enumerate(results[1:], 1):
+                for fact in ("placements", "tp_placements", "attrs", "model_config_heads") + (
+                        ("local_shapes",) if world == "world2" else ()):
+                    assert result[key][fact] == results[0][key][fact], f"{world} rank {rank}: {key} {fact}"
 
 
 def test_zero_grad_keeping_gradients_under_tp_alone(world2):
