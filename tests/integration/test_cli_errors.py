@@ -20,7 +20,7 @@ def test_bad_lr_and_unknown_flag_exit_2_in_one_line(tmp_path, capfd):
          "hf-scale finetune: error: train.lr=-1.0: the learning rate must be > 0, e.g. 2e-5."),
         (("plan", str(tmp_path), "--xyzzy", "3", "--world-size", "8"),
          "hf-scale plan: error: unknown flag --xyzzy: hf-scale plan takes --world-size, --nnodes, --task, --strategy, "
-         "--tp, --ep, --pp, --pp-schedule, --pp-microbatches, --pp-grad-sync, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, "
+         "--tp, --ep, --cp, --cp-exchange, --pp, --pp-schedule, --pp-microbatches, --pp-grad-sync, --gpus, --gpu-memory, --seq, --batch, --intra-gbps, "
          "--inter-gbps, --latency-us, --simulate, --simulate-ranks, --candidates."),
         (("plan", str(tmp_path), "--gpu", "8"), "hf-scale plan: error: unknown flag --gpu: did you mean --gpus?"),
     ]:
