@@ -7,7 +7,12 @@ gloo, every rank of the cp group fed the same batch. cp=1 is one process running
 transformers (SDPA); cp>1 is ``hf_scale.parallelize(model, {"strategy": "ddp", "cp": N})`` over
 N processes (``--attention masked`` for the masked attention instead of the blocks;
 ``--exchange allgather,alltoall`` for a leg per exchange: K / V all-gathered, or the all-to-all of
-heads for sequence). Per leg:
+heads for sequence). The anchor, ``--exchange deepspeed-ulysses`` (``cp_anchor_ulysses.py``):
+DeepSpeed's Ulysses ``DistributedAttention`` around SDPA in the same plain transformers model, each
+rank its contiguous part of the sequence, trained by torch DDP over the group (DeepSpeed is not a
+dependency: ``--deepspeed DIR`` names a folder it was installed into, ``pip install --target DIR
+--no-deps deepspeed hjson py-cpuinfo msgpack einops ninja``; its pure-Python parts run on the CPU).
+Per leg:
 
 * tokens/s: the sequence's tokens per measured AdamW step (forward, backward, step), the
   group's throughput (not per rank);
@@ -29,6 +34,7 @@ each cp > 1 and exchange.
     python scripts/bench_cp.py --lengths 2048 --cps 1,2 --attention masked
     python scripts/bench_cp.py --longest 300 --start 1024        # longest length under 300 MB/rank
     python scripts/bench_cp.py --longest 300 --exchange allgather,alltoall   # both exchanges, one table
+    python scripts/bench_cp.py --exchange allgather,alltoall,deepspeed-ulysses --deepspeed DIR --rounds 2
     python scripts/bench_cp.py --write docs/benchmarks.md        # into its section (bench:cp;
                                                                  # --longest: bench:cp-longest)
     python scripts/bench_cp.py --worker JSON OUT                 # one leg's rank (run by torchrun)
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -63,6 +70,7 @@ MODELS = {
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
 }
 LR = 1e-4
+ANCHOR = "deepspeed-ulysses"  # the --exchange of the anchor leg (cp_anchor_ulysses.py)
 
 
 def worker(spec: dict, out: Path) -> None:
@@ -85,7 +93,14 @@ def worker(spec: dict, out: Path) -> None:
         config = tf.LlamaConfig(**MODELS[spec["model"]], max_position_embeddings=max(spec["length"], 2048),
                                 use_cache=False)
         model = tf.LlamaForCausalLM(config).float()
-        if spec["cp"] > 1 or spec.get("long"):  # cp=1 long: one process, AC and chunked loss alone
+        train_part = None  # the anchor's: it trains on this rank's part of the sequence itself
+        if spec.get("exchange") == ANCHOR:
+            import cp_anchor_ulysses
+
+            dist.init_process_group("gloo")
+            model, train_part = cp_anchor_ulysses.build(model, spec["cp"])
+            optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, fused=True)
+        elif spec["cp"] > 1 or spec.get("long"):  # cp=1 long: one process, AC and chunked loss alone
             import hf_scale
 
             if spec["cp"] > 1:
@@ -109,15 +124,19 @@ def worker(spec: dict, out: Path) -> None:
             if world > 1:
                 dist.barrier()
             start = time.perf_counter()
-            loss = model(**batch).loss
-            loss.backward()
+            if train_part is not None:
+                loss = train_part(ids)
+            else:
+                loss = model(**batch).loss
+                loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
             losses.append(float(loss.detach()))
             times.append(time.perf_counter() - start)
         with SavedBytes(model) as saved:
-            loss = model(**batch).loss
-        loss.backward()
+            loss = train_part(ids) if train_part is not None else model(**batch).loss
+        if train_part is None:
+            loss.backward()
         optimizer.zero_grad(set_to_none=False)
         step_time = sum(times[1:]) / max(len(times) - 1, 1)
         peak = sampler.stop()
@@ -142,6 +161,9 @@ def run_leg(spec: dict, out: Path, timeout: float) -> tuple[dict | None, str | N
     cmd = (torchrun(__file__, spec["cp"], "--worker", json.dumps(spec), str(out)) if spec["cp"] > 1 else
            [sys.executable, __file__, "--worker", json.dumps(spec), str(out)])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if spec.get("exchange") == ANCHOR:  # DeepSpeed from its own folder; its CPU accelerator
+        env.update(PYTHONPATH=os.pathsep.join([str(ROOT), *([spec["deepspeed"]] if spec.get("deepspeed") else [])]),
+                   DS_ACCELERATOR="cpu")
     results, error = launch_ranks(cmd, out, spec["name"], spec["cp"], timeout, env)
     if error:
         return None, error
@@ -150,37 +172,63 @@ def run_leg(spec: dict, out: Path, timeout: float) -> tuple[dict | None, str | N
 
 
 def table(args, out: Path) -> str:
-    rows, base = [], {}
+    """One row per length and leg; with ``--rounds`` > 1 the legs of a length run in turn that many
+    times (A B C A B C) and the row shows the rounds' mean tokens/s."""
+    rows, speed = [], {}  # speed: (length, cp, exchange) -> each round's tokens/s
     for length in args.lengths:
-        for cp, exchange, attention in _legs(args):
-            spec = dict(model=args.model, length=length, cp=cp, attention=attention, steps=args.steps,
-                        exchange=exchange)
-            result, error = run_leg(spec, out, args.timeout)
+        results: dict[tuple, list] = {}
+        for _ in range(args.rounds):
+            for cp, exchange, attention in _legs(args):
+                spec = dict(model=args.model, length=length, cp=cp, attention=attention, steps=args.steps,
+                            exchange=exchange, deepspeed=args.deepspeed)
+                results.setdefault((cp, exchange, attention), []).append(run_leg(spec, out, args.timeout))
+                print(length, cp, exchange, attention, results[cp, exchange, attention][-1][1] or
+                      f"{results[cp, exchange, attention][-1][0]['tokens_per_s']:.0f} tokens/s", flush=True)
+        ref = next((r for r, e in results.get((1, "-", "-"), []) if not e), None)
+        for (cp, exchange, attention), runs in results.items():
             name = [str(length), str(cp), exchange, attention]
+            error = next((e for _, e in runs if e), None)
             if error:
                 rows.append(name + [f"failed: {error}"])
-                print(rows[-1], flush=True)
                 continue
-            if cp == 1:
-                base[length] = result
-            ref = base.get(length)
+            result = runs[-1][0]
+            speed[length, cp, exchange] = [r["tokens_per_s"] for r, _ in runs]
             ratio = f"{result['saved_bytes'] / ref['saved_bytes']:.3f}x" if ref else "-"
             rss_ratio = f"{result['step_rss'] / ref['step_rss']:.2f}x" if ref else "-"
-            loss = (f"{abs(result['losses'][0] - ref['losses'][0]) / ref['losses'][0]:.1e}" if ref else "-")
-            rows.append(name + [f"{result['tokens_per_s']:.0f}", f"{result['saved_bytes'] / 2**20:.1f}", ratio,
+            loss = (f"{max(abs(a - b) / b for a, b in zip(result['losses'], ref['losses'])):.1e}" if ref else "-")
+            rows.append(name + [f"{statistics.mean(speed[length, cp, exchange]):.0f}",
+                                f"{result['saved_bytes'] / 2**20:.1f}", ratio,
                                 f"{result['peak_rss'] / 2**20:.0f}", f"{result['step_rss'] / 2**20:.0f}",
                                 rss_ratio, loss])
-            print(rows[-1], flush=True)
     header = ["tokens", "cp", "exchange", "attention", "tokens/s (group)", "saved MB/rank", "saved vs cp=1",
-              "peak RSS MB/rank", "step RSS MB/rank", "step RSS vs cp=1", "first loss vs cp=1"]
-    return markdown_table(header, rows)
+              "peak RSS MB/rank", "step RSS MB/rank", "step RSS vs cp=1", "loss vs cp=1 (worst step)"]
+    return markdown_table(header, rows) + anchor_verdicts(speed)
+
+
+def anchor_verdicts(speed: dict) -> str:
+    """Issue 39's throughput target against the anchor: each hf_scale exchange's tokens/s >= 1.1x
+    DeepSpeed-Ulysses' at the same length and cp (the legs of one run; their rounds' means, each
+    round's ratio beside)."""
+    lines = []
+    for (length, cp, exchange), anchor in sorted(speed.items()):
+        if exchange != ANCHOR:
+            continue
+        for ours in ("alltoall", "allgather"):
+            mine = speed.get((length, cp, ours))
+            if mine is not None:
+                ratio = statistics.mean(mine) / statistics.mean(anchor)
+                each = ", ".join(f"{m / a:.2f}x" for m, a in zip(mine, anchor))
+                lines.append(f"{'PASS' if ratio >= 1.1 else 'FAIL'}: cp={cp}, {length} tokens: hf_scale {ours} "
+                             f"tokens/s {ratio:.2f}x DeepSpeed-Ulysses ({statistics.mean(mine):.0f} vs "
+                             f"{statistics.mean(anchor):.0f}; rounds {each}; need >= 1.1x)")
+    return "\n\n```\n" + "\n".join(lines) + "\n```" if lines else ""
 
 
 def _legs(args) -> list[tuple[int, str, str]]:
     """(cp, exchange, attention) of each leg: cp=1 once, every cp > 1 per exchange and attention."""
     return [(cp, exchange, attention) for cp in args.cps
             for exchange in (args.exchange if cp > 1 else ["-"])
-            for attention in (args.attention if cp > 1 else ["-"])]
+            for attention in (args.attention if cp > 1 and exchange != ANCHOR else ["-"])]
 
 
 def longest(args, out: Path) -> str:
@@ -219,8 +267,13 @@ def main() -> None:
     parser.add_argument("--attention", type=lambda s: s.split(","), default=["auto"],
                         help="cp_attention of the cp>1 legs, comma-separated: auto (blocks), masked")
     parser.add_argument("--exchange", type=lambda s: s.split(","), default=["allgather"],
-                        help="cp_exchange of the cp>1 legs, comma-separated: allgather, alltoall")
+                        help="cp_exchange of the cp>1 legs, comma-separated: allgather, alltoall; "
+                        f"{ANCHOR}: the anchor (DeepSpeed's DistributedAttention, cp_anchor_ulysses.py)")
+    parser.add_argument("--deepspeed", metavar="DIR", help=f"a folder holding deepspeed for the {ANCHOR} "
+                        "legs (pip install --target DIR --no-deps deepspeed hjson py-cpuinfo msgpack einops "
+                        "ninja), put on their PYTHONPATH only")
     parser.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up")
+    parser.add_argument("--rounds", type=int, default=1, help="run each length's legs this many times, in turn")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--longest", type=float, metavar="BUDGET_MB", help="find the longest length per cp instead")
     parser.add_argument("--start", type=int, default=1024)
@@ -230,6 +283,11 @@ def main() -> None:
     if args.worker:
         worker(json.loads(args.worker[0]), Path(args.worker[1]))
         return
+    if args.longest and ANCHOR in args.exchange:
+        parser.error(f"--longest runs hf_scale's exchanges only (with checkpointing and the chunked loss): "
+                     f"leave {ANCHOR} out of --exchange")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     if args.longest and args.section == "cp":
         args.section = "cp-longest"  # its own table
     check_doc(args)
