@@ -5,7 +5,8 @@ rejected one (``input_ids``, ``attention_mask``, ``labels`` with ``-100`` on the
 padding), and, for losses that compare with a reference, ``ref_logps`` ``[2P]`` in the same
 order. Both halves of every pair go through ONE forward. The per-position log-probabilities come
 from the model's own loss path (:mod:`hf_scale.parallel.token_logps`), so a chunked or
-vocabulary-parallel loss keeps the full logits from existing; under pipeline parallel the last
+vocabulary-parallel loss keeps the full logits from existing, and on the other layouts the head
+runs on the completions' positions only (``logits_to_keep``); under pipeline parallel the last
 stage returns them per microbatch and the loss is computed there (a microbatch must hold whole
 pairs: an even number of rows).
 
@@ -35,7 +36,7 @@ from torch import nn
 from ..errors import HfScaleConfigError
 from ..parallel_state import get_state
 from .preference_loss import PreferenceLoss, pair_losses
-from .token_logps import token_logps_mode
+from .token_logps import keeps_scored_logits, scored_positions, token_logps_mode
 
 IGNORE = -100
 
@@ -103,8 +104,9 @@ def sequence_logps(model: nn.Module, batch: dict) -> torch.Tensor:
     pipeline = _pipeline(model)
     with torch.no_grad():
         if pipeline is None:
+            inputs = _model_inputs(batch, batch["labels"])
             with token_logps_mode(_host(model)):
-                per_position = _local(model(**_model_inputs(batch, batch["labels"])).loss)
+                per_position = _local(model(**inputs, **_scored_only(model, inputs["labels"])).loss)
             return (per_position.float() * _completion_mask(batch).to(per_position.device)).sum(-1)
         found = torch.zeros(rows, dtype=torch.float32, device=pipeline.device)
 
@@ -131,7 +133,7 @@ def _run(model, batch, knobs, loss_scale, totals, train) -> PreferenceOutput:
     pipeline = _pipeline(model)
     if pipeline is None:
         with token_logps_mode(_host(model)):
-            per_position = _local(model(**inputs).loss)
+            per_position = _local(model(**inputs, **_scored_only(model, inputs["labels"])).loss)
         loss, sums = microbatch_loss(knobs, totals, per_position, target.to(per_position.device))
         if train:
             (loss * loss_scale).backward()
@@ -236,6 +238,21 @@ def _model_inputs(batch: dict, labels: torch.Tensor) -> dict:
     if batch.get("attention_mask") is not None:
         inputs["attention_mask"] = batch["attention_mask"]
     return inputs
+
+
+def _scored_only(model: nn.Module, labels: torch.Tensor) -> dict:
+    """``logits_to_keep``: the output head on the positions a label is scored at only (a
+    completion's few tokens of each row), not ``[rows, seq, vocabulary]`` logits and their
+    log-softmax, when the model takes it (:func:`~.token_logps.keeps_scored_logits`); not
+    under tensor parallel (its head's input is a DTensor; a vocabulary-sharded head has the
+    vocabulary-parallel loss instead) nor on fake tensors (the planner's simulation: the
+    positions are values it does not have)."""
+    from .loss import is_fake
+
+    state = get_state(model)
+    if (state is not None and state.tp_mesh is not None) or is_fake(labels):
+        return {}
+    return {"logits_to_keep": scored_positions(labels)} if keeps_scored_logits(_host(model)) else {}
 
 
 def _reference(model, batch, knobs) -> torch.Tensor | None:

@@ -12,7 +12,11 @@ with :func:`hf_scale.parallel.loss.apply_chunked_loss` (chunked head, labelled p
 or a tensor-parallel head's vocabulary-parallel cross-entropy) the per-position values are
 computed chunk by chunk and no rank holds the full-vocabulary logits; under pipeline parallel
 the last stage's forward returns them per microbatch. Without those (plain layouts, no
-chunking), logits -> log-softmax -> gather.
+chunking), logits -> log-softmax -> gather, and the head runs on the scored positions only when
+the caller passes ``logits_to_keep=scored_positions(labels)`` (:func:`keeps_scored_logits` says
+whether the model takes it): a preference batch's completions are a few tokens of each row, so
+the ``[rows, seq, vocabulary]`` logits (SmolLM2: 49k entries a position, fp32, plus their
+log-softmax) shrink to ``[scored, vocabulary]``; the values are the same.
 
 Usage::
 
@@ -33,13 +37,28 @@ from torch import nn
 _SWITCH = "hf_scale_token_logps"  # the attribute of a loss function that holds its switch
 
 
+def scored_positions(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``[rows, seq]`` bool: the positions whose logits a label is scored against (position t
+    predicts ``labels[:, t + 1]``). As ``logits_to_keep``, transformers runs the head on these
+    positions only and returns their logits flattened, ``[scored, vocabulary]``."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:] != ignore_index
+
+
 def token_logps(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """``[rows, seq]`` log-probabilities of the shifted ``labels`` under ``logits`` (fp32), 0
-    where ignored: the full-logits path, for layouts that do not chunk the loss."""
+    where ignored: the full-logits path, for layouts that do not chunk the loss. ``logits``
+    ``[rows, seq, vocabulary]``, or ``[scored, vocabulary]`` for the :func:`scored_positions`
+    of ``labels`` only (in that order: a forward given them as ``logits_to_keep``)."""
     full = getattr(logits, "full_tensor", None)  # a tensor-parallel model that gathers its logits
     logits = (full() if full else logits).float()
     shift = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(logits.device)
     valid = shift != ignore_index
+    if logits.dim() == 2:  # the head ran on the scored positions only
+        if logits.shape[0] != int(valid.sum()):
+            raise ValueError(f"logits for {logits.shape[0]} positions, but the labels score {int(valid.sum())}: "
+                             "pass logits_to_keep=scored_positions(labels) with these labels")
+        picked = torch.log_softmax(logits, dim=-1).gather(-1, shift[valid].unsqueeze(-1)).squeeze(-1)
+        return picked.new_zeros(valid.shape).masked_scatter(valid, picked)
     picked = torch.log_softmax(logits, dim=-1).gather(-1, shift.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return picked * valid
 
@@ -51,7 +70,7 @@ def enable_token_logps(module: nn.Module) -> dict:
     switch = getattr(current, _SWITCH, None)
     if switch is not None:
         return switch
-    switch = {"per_token": False}
+    switch = {"per_token": False, "scored_logits": True}  # takes logits of the scored positions only
 
     @functools.wraps(current)
     def loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
@@ -64,6 +83,27 @@ def enable_token_logps(module: nn.Module) -> dict:
     setattr(loss, _SWITCH, switch)
     module.loss_function = loss
     return switch
+
+
+def keeps_scored_logits(module: nn.Module) -> bool:
+    """Whether ``module(..., logits_to_keep=scored_positions(labels))`` under
+    :func:`token_logps_mode` runs its head on the scored positions only and still gives the
+    ``[rows, seq]`` log-probs: its forward slices with transformers' ``slice_logits_to_keep``
+    (a 2-D bool mask: the scored positions flattened) and its loss is transformers' (the chunked
+    loss selects its positions itself, ``loss_labeled_only``)."""
+    if not hasattr(module, "loss_function"):
+        return False
+    return bool(enable_token_logps(module).get("scored_logits")) and _slices_logits(type(module))
+
+
+@functools.cache
+def _slices_logits(cls: type) -> bool:
+    import inspect
+
+    try:
+        return "slice_logits_to_keep(" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):  # no source: keep the full logits
+        return False
 
 
 @contextlib.contextmanager

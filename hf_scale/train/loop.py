@@ -53,6 +53,7 @@ from .data import (
 from .dp import DataParallel, context_degree, pipeline_degree
 from .evaluate import evaluate
 from .finish import finish_run
+from .host_memory import release_freed_memory
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .preference import add_reference, evaluate_preference, load_reference_model, pair_datasets, preference_step_values
@@ -66,6 +67,8 @@ def run(job: JobConfig) -> dict:
     """Train as ``job`` says; call on every rank. Returns the summary rank 0 printed."""
     env = init_distributed(job.parallel.timeout_seconds)
     rank, world = env.rank, env.world_size
+    if env.device.type == "cpu":  # the model's tensors live in host memory: give freed ones back
+        release_freed_memory()
     if job.parallel.auto:  # the planner's layout for this world size and the recipe's batches
         job = _with_auto_layout(job)
     if rank != 0:

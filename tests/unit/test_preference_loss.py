@@ -112,6 +112,25 @@ def test_sequence_logps_in_loss_path(chunk, labeled_only):
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_head_runs_on_the_scored_positions_only():
+    """On a plain layout the output head (and the log-softmax after it) sees only the positions a
+    label is scored at (logits_to_keep), in the reference's forward and in a training step, and
+    the log-probs equal the full-logits ones (their gradients: test_sequence_logps_in_loss_path)."""
+    model = tiny_model("llama", "causal")
+    batch = pair_batch(pairs=4)
+    with torch.no_grad():
+        want = _manual_logps(model, batch)
+    seen = []
+    model.get_output_embeddings().register_forward_hook(lambda module, args, out: seen.append(tuple(out.shape)))
+    scored = int((batch["labels"][:, 1:] != -100).sum())
+    assert scored < batch["labels"].numel()  # prompts and padding are not scored
+    torch.testing.assert_close(sequence_logps(model, batch), want, rtol=1e-6, atol=1e-5)
+    batch["ref_logps"] = want
+    preference_step(model, batch, PreferenceLoss("sigmoid", beta=0.2))
+    vocab = model.config.vocab_size
+    assert seen == [(scored, vocab), (scored, vocab)]
+
+
 def test_totals_weight_shares():
     """Two halves with the whole batch's totals add up to the whole batch's loss."""
     model = tiny_model("llama", "causal")
