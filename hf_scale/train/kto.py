@@ -4,7 +4,7 @@ step's micro-batches and evaluation on held-out examples (:mod:`hf_scale.paralle
 A step's loss is, as one process on the whole global batch would compute it, the mean of the
 examples' losses over every example of the step (all data-parallel ranks, all accumulated
 micro-batches). Each micro-batch's KL reference point is the mean of ``policy - reference`` over
-its KL rows on every data-parallel rank (one all-reduce for all micro-batches of the step; TRL
+its KL rows on every data-parallel rank (an all-reduce of two numbers per micro-batch; TRL
 averages the ranks' means, the same for equal micro-batches), detached and clamped at 0.
 
 Usage (inside :func:`hf_scale.train.preference.preference_step_values` / ``evaluate_preference``)::
@@ -38,14 +38,11 @@ def kto_datasets(job, tokenizer, splits) -> tuple:
     return train, ev
 
 
-def _prepare(model, batches: list[dict], knobs, dp, reference) -> list[float]:
-    """Each batch's KL reference point over the data-parallel ranks (one all-reduce)."""
-    for batch in batches:
-        if reference is not None:
-            batch["ref_logps"] = frozen_reference_logps(reference, batch)
-    sums = torch.stack([kto_prepare(model, b, knobs) for b in batches])
-    dp.all_reduce(sums)
-    return [kl_point(s) for s in sums]
+def _prepare(model, batch: dict, knobs, dp, reference) -> float:
+    """The batch's KL reference point over the data-parallel ranks."""
+    if reference is not None:
+        batch["ref_logps"] = frozen_reference_logps(reference, batch)
+    return kl_point(dp.all_reduce(kto_prepare(model, batch, knobs)))
 
 
 def kto_step_values(job, model, micro: list[dict], dp, amp_scale: float, reference=None) -> dict:
@@ -53,13 +50,13 @@ def kto_step_values(job, model, micro: list[dict], dp, amp_scale: float, referen
     metrics (rewards/chosen, rewards/rejected, rewards/margins, logps/*, kl: means over the
     step's examples of each kind, every data-parallel rank's)."""
     knobs = job.preference.knobs()
-    kls = _prepare(model, micro, knobs, dp, reference)
     examples = torch.tensor([sum(kto_examples(b) for b in micro)], dtype=torch.float64)
     dp.all_reduce(examples)
     totals = float(examples[0])
     loss_sum = torch.zeros((), dtype=torch.float64)
     sums: dict[str, torch.Tensor] = {}
-    for i, (batch, kl) in enumerate(zip(micro, kls)):
+    for i, batch in enumerate(micro):  # TRL's order: each micro-batch's no-grad forwards, then its own
+        kl = _prepare(model, batch, knobs, dp, reference)
         with no_sync(model, enabled=i < len(micro) - 1):
             # gradients are averaged over dp ranks: each rank's share counts dp.degree times
             out = kto_step(model, batch, knobs, kl, loss_scale=dp.degree * amp_scale, totals=totals)
@@ -84,7 +81,7 @@ def evaluate_kto(job, model, eval_ds, collate, dp, device, reference=None) -> di
     for batch, weight in eval_batches(eval_ds, job.train.eval_batch_size, dp.rank, dp.degree, collate):
         batch = {k: v.to(device) for k, v in batch.items()}
         batch["pair_weight"] = weight
-        (kl,) = _prepare(model, [batch], knobs, dp, reference)
+        kl = _prepare(model, batch, knobs, dp, reference)
         out = kto_step(model, batch, knobs, kl, totals=1.0, train=False)
         for k, v in out.sums.items():
             sums[k] = sums.get(k, 0.0) + v.detach().double().cpu()

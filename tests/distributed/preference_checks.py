@@ -3,7 +3,7 @@
 A *case*: ``config`` (a ParallelConfig dict), ``loss`` (PreferenceLoss kwargs), ``lora``
 (train a LoRA adapter; the reference is the base with it disabled), ``held`` (the reference a
 frozen copy of the starting weights held beside the policy, loaded by the fine-tuning loop's
-``load_reference`` and scored per micro-batch), ``steps`` (AdamW steps) and ``arch``; kto cases (``loss: kto``, unpaired examples, ``ref_seed``:
+``load_reference`` and scored per micro-batch), ``steps`` (AdamW steps) and ``arch``; kto cases (``loss: kto``, unpaired examples, ``ref_scale``:
 the held reference's other weights) run in :mod:`tests.distributed.kto_checks`. The data are interleaved pairs (tests.tiny_models.pair_rows): prompts masked, chosen
 and rejected of different lengths, right padding. Data-parallel ranks take distinct pairs;
 the reference's log-probs (losses that need one, without LoRA) are precomputed under the
@@ -170,8 +170,8 @@ def held_reference(case: dict, device):
 
     folder = [tempfile.mkdtemp(prefix="held-reference-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(folder, src=0)
-    if dist.get_rank() == 0:  # the starting weights, or (ref_seed) another initialisation
-        source = kto_checks.reference_model(case) if "ref_seed" in case else make_model({**case, "lora": False})
+    if dist.get_rank() == 0:  # the starting weights, or (ref_scale) another initialisation
+        source = kto_checks.reference_model(case) if "ref_scale" in case else make_model({**case, "lora": False})
         source.save_pretrained(folder[0])
     dist.barrier()
     return load_reference(ModelConfig(name_or_path=folder[0]), ParallelConfig(**case["config"]), device)

@@ -48,7 +48,7 @@ CASES = {
     "held_tp2_ipo": {"config": {"strategy": "fsdp", "tp": 2}, "loss": {"loss": "ipo", "beta": 0.5}, "held": True,
                      "arch": "qwen2"},
     # kto: unpaired examples, each rank its own; the KL reference point all-reduced over the ranks
-    "kto_fsdp_held_3steps": {"config": {"strategy": "fsdp"}, "loss": KTO, "held": True, "ref_seed": 3, "steps": 3},
+    "kto_fsdp_held_3steps": {"config": {"strategy": "fsdp"}, "loss": KTO, "held": True, "ref_scale": 3.0, "steps": 3},
     "kto_lora_fsdp_accum2": {"config": {"strategy": "fsdp"}, "loss": KTO, "lora": True, "accum": 2, "steps": 2},
 }
 

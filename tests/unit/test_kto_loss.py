@@ -6,7 +6,7 @@ held reference of other weights and with LoRA (the base with the adapter disable
 TRL's side builds its batch with its own collator from the examples' prompt and completion ids
 and its own KL rotation (``KL_completion_ids``: the last completion first, then the others), so
 our collator's KL rows and masks are checked too. The inputs make every term count: both labels,
-a KL reference point above 0 (asserted), unequal desirable / undesirable weights.
+a KL reference point above 0 in every step (asserted), unequal desirable / undesirable weights.
 """
 
 from __future__ import annotations
@@ -107,11 +107,15 @@ def trl_trainer(policy, reference):
 
 
 def models(lora: bool):
-    """(policy, reference or None): the reference has other weights (a held model), or is the
-    base with the adapter disabled (LoRA, initialised non-zero so the two differ)."""
+    """(policy, reference or None): the reference a held model, the policy with its (tied)
+    embeddings scaled by 3 (sharper, so the policy's log-probs of the KL rows are the higher
+    and the KL point is above 0), or the base with the adapter disabled (LoRA, initialised
+    non-zero so the two differ)."""
     policy = tiny_model("llama", "causal")
     if not lora:
-        reference = tiny_model("llama", "causal", seed=3).eval()
+        reference = copy.deepcopy(policy).eval()
+        with torch.no_grad():
+            reference.get_output_embeddings().weight.mul_(3.0)
         for p in reference.parameters():
             p.requires_grad_(False)
         return policy, reference
@@ -143,7 +147,7 @@ def test_matches_trl_over_three_adamw_steps(lora):
     opt_theirs = torch.optim.AdamW(trainable(theirs), lr=LR, weight_decay=0.0)
     collate = UnpairedCollator(0)
     for step in range(STEPS):
-        rows = unpaired_rows(EXAMPLES, seed=10 + step)
+        rows = unpaired_rows(EXAMPLES, seed=1 + step)  # seeds where LoRA's KL point is above 0 too
         batch = collate(rows)
         if reference is not None:
             batch["ref_logps"] = frozen_reference_logps(reference, batch)
@@ -156,7 +160,8 @@ def test_matches_trl_over_three_adamw_steps(lora):
         metrics = {k: v[-1] for k, v in fake._metrics["train"].items()}
         mine = kto_means(out.sums, out.pairs)
         for key in ("kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"):
-            assert mine[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-6), f"step {step} {key}"
+            # kl and the rewards are differences of log-prob sums of about -40 (fp32): 1e-5 absolute
+            assert mine[key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-5), f"step {step} {key}"
         for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
             if p.requires_grad:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7, msg=f"step {step} grad {name}")
@@ -174,7 +179,7 @@ def test_reference_is_required():
 
 def test_eval_weights_leave_padding_copies_out():
     """A padding copy (weight 0) changes neither the KL point nor the loss sums."""
-    model, reference = tiny_model("llama", "causal"), tiny_model("llama", "causal", seed=3)
+    model, reference = models(lora=False)
     knobs = PreferenceLoss("kto", beta=BETA)
     rows = unpaired_rows(4)
     results = []
