@@ -238,3 +238,17 @@ def pair_batch(pairs: int = 3, seed: int = 0, max_len: int = 14) -> dict[str, to
     from hf_scale.data.preference import PairCollator
 
     return PairCollator(0)(pair_rows(pairs, seed, max_len))
+
+
+def unpaired_rows(examples: int, seed: int = 0, max_len: int = 14) -> list[dict]:
+    """Tokenised unpaired (KTO) examples as ``tokenize_unpaired`` gives them: a prompt of 3-5
+    tokens (labels -100), a completion of varying length, the label False for rows 1, 4, 7, ...
+    (undesirable) and True for the others."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(examples):
+        prompt = torch.randint(2, VOCAB, (3 + i % 3,), generator=g).tolist()
+        completion = torch.randint(2, VOCAB, (max(max_len - len(prompt) - i % 4, 2),), generator=g).tolist()
+        rows.append({"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion,
+                     "label": i % 3 != 1})
+    return rows

@@ -17,6 +17,8 @@ Each loss follows TRL 1.16's definition of the same name, term for term:
   ``(c - r) - (log(1 - e^c) - log(1 - e^r))``, loss ``NLL(chosen) - beta logsig(log odds)``, where
   ORPO's NLL is over the chosen sequence's every token, prompt included (TRL's labels there are
   the attended input ids).
+- ``kto``: ``KTOTrainer`` (``trl/trainer/kto_trainer.py``), unpaired: :func:`kto_losses` per
+  example against the KL reference point (:mod:`hf_scale.parallel.kto` runs the step).
 
 Rewards, as TRL logs them: ``beta x`` the log-ratio (DPO family) or ``beta x`` the token-mean
 log-prob (simpo, orpo); ``logps/*`` are the log-probs the loss uses (summed for the DPO family,
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 
 from ..errors import HfScaleConfigError
 
-LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo")
+LOSSES = ("sigmoid", "robust", "ipo", "hinge", "simpo", "orpo", "kto")
 REFERENCE_FREE = ("simpo", "orpo")
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
@@ -49,7 +51,9 @@ class PreferenceLoss:
     """Which preference loss, and its knobs (TRL's names and defaults).
 
     ``rpo_alpha``: weight of the NLL term on chosen (RPO for the DPO family, CPO's ``cpo_alpha``
-    for simpo; None = no term); orpo always has its NLL term, weight 1.
+    for simpo; None = no term); orpo always has its NLL term, weight 1. ``desirable_weight`` /
+    ``undesirable_weight``: kto's weights of the desirable (label true) and undesirable examples'
+    losses (TRL's ``KTOConfig``); kto is unpaired (:mod:`hf_scale.parallel.kto`), not a pair loss.
     """
 
     loss: str = "sigmoid"
@@ -57,6 +61,8 @@ class PreferenceLoss:
     label_smoothing: float = 0.0
     rpo_alpha: float | None = None
     simpo_gamma: float = 0.5
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:
@@ -68,15 +74,23 @@ class PreferenceLoss:
                 f"preference label_smoothing={self.label_smoothing!r} must lie in [0, 0.5) (the probability "
                 "that a preference label is flipped)."
             )
-        if self.label_smoothing and self.loss in ("ipo", "hinge", "orpo"):
+        for name in ("desirable_weight", "undesirable_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise HfScaleConfigError(f"preference {name}={value!r} must be a number > 0 (TRL's default: 1.0).")
+            if value != 1.0 and self.loss != "kto":
+                raise HfScaleConfigError(f"preference {name}={value} weighs kto's unpaired examples; loss "
+                                         f"{self.loss!r} has pairs. Use loss: kto, or leave {name} at 1.0.")
+        if self.label_smoothing and self.loss in ("ipo", "hinge", "orpo", "kto"):
             raise HfScaleConfigError(
                 f"preference label_smoothing={self.label_smoothing} has no meaning for loss {self.loss!r}: "
                 "use sigmoid (conservative DPO), robust or simpo, or set label_smoothing to 0."
             )
-        if self.rpo_alpha is not None and (self.rpo_alpha < 0 or self.loss == "orpo"):
+        if self.rpo_alpha is not None and (self.rpo_alpha < 0 or self.loss in ("orpo", "kto")):
             raise HfScaleConfigError(
                 f"preference rpo_alpha={self.rpo_alpha!r}: a weight >= 0 for the NLL term on chosen, and "
-                "not for orpo (whose NLL term is its own, weight 1). Set it to null or a number >= 0."
+                "not for orpo (whose NLL term is its own, weight 1) nor kto (unpaired: TRL's KTO has no NLL "
+                "term). Set it to null or a number >= 0."
             )
 
     @property
@@ -134,6 +148,9 @@ def pair_losses(knobs: PreferenceLoss, chosen: torch.Tensor, rejected: torch.Ten
     beta, ls = knobs.beta, knobs.label_smoothing
     chosen_tokens = chosen_tokens.to(chosen.dtype).clamp(min=1)
     rejected_tokens = rejected_tokens.to(rejected.dtype).clamp(min=1)
+    if knobs.loss == "kto":
+        raise HfScaleConfigError("kto is unpaired: its loss is hf_scale.parallel.preference_loss.kto_losses, on "
+                                 "examples with a desirable / undesirable label, not on pairs.")
     if knobs.token_mean:
         c, r = chosen / chosen_tokens, rejected / rejected_tokens
         if knobs.loss == "simpo":
@@ -160,3 +177,65 @@ def pair_losses(knobs: PreferenceLoss, chosen: torch.Tensor, rejected: torch.Ten
     else:  # ipo: token-mean log-ratios
         losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
     return PairTerms(losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach(), chosen, rejected)
+
+
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
+
+
+@dataclass
+class KtoTerms:
+    """Per example: KTO's loss (weighted), reward and summed completion log-prob, and its label."""
+
+    losses: torch.Tensor
+    rewards: torch.Tensor
+    logps: torch.Tensor
+    desirable: torch.Tensor
+
+    def metric_sums(self, weight: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """TRL's KTO metrics summed over the desirable (``*/chosen``) and undesirable
+        (``*/rejected``) examples, with their counts ``count/chosen`` / ``count/rejected``
+        (detached, fp64; ``weight`` per example, e.g. 0 for padding copies): divide each by its
+        count after summing over micro-batches and data-parallel ranks."""
+        w = torch.ones_like(self.logps, dtype=torch.float64) if weight is None else weight.detach().double()
+        w = w.to(self.logps.device)
+        good = self.desirable.to(w.device).double()
+        out = {}
+        for side, mask in (("chosen", good * w), ("rejected", (1 - good) * w)):
+            out[f"rewards/{side}"] = (self.rewards.detach().double() * mask).sum()
+            out[f"logps/{side}"] = (self.logps.detach().double() * mask).sum()
+            out[f"count/{side}"] = mask.sum()
+        return out
+
+
+def kto_losses(knobs: PreferenceLoss, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
+               kl: torch.Tensor | float) -> KtoTerms:
+    """KTO's per-example loss (TRL 1.16 ``KTOTrainer``, loss_type ``kto``; Eqn (7) of the KTO
+    paper) from the summed completion log-probs ``logps`` ``[N]``, the reference's, the labels
+    (True: desirable) and the KL reference point ``kl`` (detached, clamped at 0 by the caller):
+    ``desirable_weight x (1 - sigmoid(beta (ratio - kl)))`` for a desirable example,
+    ``undesirable_weight x (1 - sigmoid(beta (kl - ratio)))`` for an undesirable one, where
+    ``ratio = logps - ref_logps``. The reward is ``beta x ratio``."""
+    beta = knobs.beta
+    ratio = logps - ref_logps.to(logps.dtype)
+    kl = torch.as_tensor(kl, dtype=logps.dtype, device=logps.device).detach()
+    desirable = desirable.to(device=logps.device, dtype=torch.bool)
+    chosen = knobs.desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl)))
+    rejected = knobs.undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio)))
+    return KtoTerms(torch.where(desirable, chosen, rejected), beta * ratio.detach(), logps, desirable)
+
+
+def kto_means(sums: dict, examples: float) -> dict[str, float]:
+    """TRL's KTO metrics from summed :meth:`KtoTerms.metric_sums` (and ``kl``: the KL reference
+    point times each micro-batch's examples): ``rewards/*`` and ``logps/*`` per side when the
+    side has examples, ``rewards/margins`` when both have, ``kl`` the examples' mean."""
+    out = {}
+    for side in ("chosen", "rejected"):
+        count = float(sums.get(f"count/{side}", 0.0))
+        if count > 0:
+            out[f"rewards/{side}"] = float(sums[f"rewards/{side}"]) / count
+            out[f"logps/{side}"] = float(sums[f"logps/{side}"]) / count
+    if "rewards/chosen" in out and "rewards/rejected" in out:
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+    if "kl" in sums:
+        out["kl"] = float(sums["kl"]) / max(examples, 1.0)
+    return out

@@ -356,21 +356,25 @@ class PreferenceConfig:
     :mod:`hf_scale.parallel.preference_loss`); ``train.batch_size`` counts pairs.
 
     Attributes:
-        loss: null (SFT), ``sigmoid`` (DPO), ``robust``, ``ipo``, ``hinge``, or the
-            reference-free ``simpo`` and ``orpo``.
+        loss: null (SFT), ``sigmoid`` (DPO), ``robust``, ``ipo``, ``hinge``, the
+            reference-free ``simpo`` and ``orpo``, or ``kto`` (unpaired ``{prompt, completion,
+            label}`` examples, :mod:`hf_scale.data.unpaired`; ``train.batch_size`` counts examples).
         beta: the temperature of the loss (TRL's default 0.1; simpo's usual 2.0).
         label_smoothing: the probability a label is flipped (sigmoid: conservative DPO; robust;
             simpo), in [0, 0.5).
         rpo_alpha: weight of an NLL term on the chosen completions (RPO; CPO's ``cpo_alpha`` for
             simpo); null for none. orpo has its own NLL term.
         simpo_gamma: simpo's target reward margin.
+        desirable_weight / undesirable_weight: kto's weights of the desirable (label true) and
+            undesirable examples' losses (TRL's ``KTOConfig``; 1.0 each).
         reference: where the reference log-probs come from: ``adapter`` (LoRA: the base with the
             adapter disabled, one no-grad forward per step), ``precompute`` (one pass of the
             policy over the pairs before the first step, in the training layout), ``model`` (a
             frozen copy held beside the policy, one no-grad forward per micro-batch: TRL's
             ``ref_model``; sharded like the policy under fsdp / zero2 / hsdp, resharded after each
             forward, no gradients, no optimizer state), or ``auto`` (adapter under LoRA,
-            precompute otherwise). simpo and orpo need no reference.
+            precompute otherwise; kto: adapter under LoRA, model otherwise, as its KL rows are
+            built per batch and cannot be precomputed). simpo and orpo need no reference.
         reference_model: the reference's weights, when they are not the policy's starting point
             (e.g. the SFT model a DPO run started from another checkpoint): a model folder, Hub id
             or zoo name with the policy's vocabulary; null: the policy as loaded. Read by
@@ -382,6 +386,8 @@ class PreferenceConfig:
     label_smoothing: float = 0.0
     rpo_alpha: Optional[float] = None
     simpo_gamma: float = 0.5
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     reference: str = "auto"
     reference_model: Optional[str] = None
 
@@ -406,7 +412,8 @@ class PreferenceConfig:
 
         try:
             return PreferenceLoss(self.loss, beta=self.beta, label_smoothing=self.label_smoothing,
-                                  rpo_alpha=self.rpo_alpha, simpo_gamma=self.simpo_gamma)
+                                  rpo_alpha=self.rpo_alpha, simpo_gamma=self.simpo_gamma,
+                                  desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight)
         except HfScaleConfigError as e:
             raise HfScaleConfigError(str(e).replace("preference ", "preference.", 1)) from None
 
@@ -415,7 +422,7 @@ class PreferenceConfig:
         if not self.enabled or not self.knobs().needs_reference:
             return None
         if self.reference == "auto":
-            return "adapter" if lora else "precompute"
+            return "adapter" if lora else ("model" if self.loss == "kto" else "precompute")
         return self.reference
 
 
@@ -604,8 +611,29 @@ class JobConfig:
                 f"preference.reference_model={pref.reference_model!r}: preference.loss={pref.loss!r} needs no "
                 "reference. Remove preference.reference_model."
             )
+        if pref.loss == "kto":  # first: its advice differs from the pairs' (no precompute)
+            self._check_kto(source)
         if source == "model":
             self._check_reference_model()
+
+    def _check_kto(self, source) -> None:
+        """kto's KL rows pair each prompt with another example's completion in the same batch."""
+        if source == "precompute":
+            raise HfScaleConfigError(
+                "preference.reference: precompute with preference.loss: kto: kto's KL rows pair each prompt with "
+                "another example's completion of the same batch, so their reference log-probs cannot be computed "
+                "before training. Use preference.reference: model (a frozen copy held beside the policy) or, with "
+                "LoRA, adapter (auto picks them).")
+        if self.parallel.pp > 1 or self.parallel.cp > 1:
+            raise HfScaleConfigError(
+                f"preference.loss: kto with parallel.pp={self.parallel.pp}, parallel.cp={self.parallel.cp}: kto "
+                "runs under fsdp, zero2, hsdp, ddp and tp so far. Set parallel.pp: 1 and parallel.cp: 1.")
+        for name in ("batch_size", "eval_batch_size"):
+            if getattr(self.train, name) < 2:
+                raise HfScaleConfigError(
+                    f"train.{name}={getattr(self.train, name)} with preference.loss: kto: the KL rows pair each "
+                    "prompt with another example's completion in the batch, so a batch needs >= 2 examples (TRL "
+                    f"refuses 1 too: the KL term would be the reward itself). Set train.{name} >= 2.")
 
     def _check_reference_model(self) -> None:
         """``preference.reference: model`` holds a second model in the layout: where it cannot."""

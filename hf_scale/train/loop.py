@@ -137,7 +137,10 @@ def run(job: JobConfig) -> dict:
         if rank == 0:
             metrics.plot_loss(model_dir / LOSS_CURVE)
     if job.preference.enabled and eval_ds is not None:  # sample generations: the prompts, chosen expected
-        eval_ds = eval_ds.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
+        if job.preference.loss == "kto":  # unpaired: the desirable examples
+            eval_ds = eval_ds.filter(lambda row: row["label"]).remove_columns("label")
+        else:
+            eval_ds = eval_ds.rename_columns({"chosen_input_ids": "input_ids", "chosen_labels": "labels"})
     finish_run(job, model_dir, summary, eval_ds, tokenizer, world, dp_degree=dp.degree, model=model)
     return summary
 
@@ -167,6 +170,10 @@ def _collators(job: JobConfig, pad_id: int):
     preference training's (``PairCollator``)."""
     if job.model.task == "reward":
         return RewardCollator(pad_id), RewardCollator(pad_id)
+    if job.preference.loss == "kto":  # an example and its KL row, interleaved
+        from ..data.unpaired import UnpairedCollator
+
+        return UnpairedCollator(pad_id, job.data.max_seq_len), UnpairedCollator(pad_id, job.data.max_seq_len)
     if job.preference.enabled:
         from ..data.preference import PairCollator
 

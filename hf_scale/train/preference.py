@@ -29,7 +29,12 @@ from .loader import eval_batches
 
 
 def pair_datasets(job, tokenizer, splits) -> tuple:
-    """(train, eval) tokenised pair rows (eval None without a held-out split)."""
+    """(train, eval) tokenised pair rows (eval None without a held-out split); kto's unpaired
+    rows (:func:`hf_scale.train.kto.kto_datasets`)."""
+    if job.preference.loss == "kto":
+        from .kto import kto_datasets
+
+        return kto_datasets(job, tokenizer, splits)
     max_len = job.data.max_seq_len
     train = tokenize_preference(splits["train"], tokenizer, job.data, max_len)
     ev = splits["eval"] and tokenize_preference(splits["eval"], tokenizer, job.data, max_len)
@@ -111,8 +116,13 @@ def add_reference(job, model, train_ds, eval_ds, dp, pad_id: int) -> tuple:
 def preference_step_values(job, model, micro: list[dict], dp, amp_scale: float, reference=None) -> dict:
     """Forward and backward of one optimizer step's micro-batches; its loss and TRL's metrics
     (means over the step's pairs, every data-parallel rank's). ``reference``: the frozen model
-    whose log-probs each micro-batch compares with (``preference.reference: model``)."""
+    whose log-probs each micro-batch compares with (``preference.reference: model``). kto:
+    :func:`hf_scale.train.kto.kto_step_values`."""
     knobs = job.preference.knobs()
+    if knobs.loss == "kto":
+        from .kto import kto_step_values
+
+        return kto_step_values(job, model, micro, dp, amp_scale, reference)
     if reference is not None:
         for batch in micro:
             batch["ref_logps"] = frozen_reference_logps(reference, batch)
@@ -142,8 +152,12 @@ def preference_step_values(job, model, micro: list[dict], dp, amp_scale: float, 
 def evaluate_preference(job, model, eval_ds, collate, dp, device, reference=None) -> dict:
     """The preference loss and TRL's metrics on the held-out pairs (each pair counted once over
     the data-parallel ranks), as ``eval_loss``, ``eval_rewards/accuracies``, ...; ``reference``
-    as in :func:`preference_step_values`."""
+    as in :func:`preference_step_values`. kto: :func:`hf_scale.train.kto.evaluate_kto`."""
     knobs = job.preference.knobs()
+    if knobs.loss == "kto":
+        from .kto import evaluate_kto
+
+        return evaluate_kto(job, model, eval_ds, collate, dp, device, reference)
     was_training = model.training
     model.eval()
     sums: dict[str, torch.Tensor] = {}

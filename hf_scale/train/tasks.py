@@ -10,6 +10,7 @@ Usage::
     builtin_dataset("builtin:topics")["train"][0]     # {"text": "...", "label": "sports"}
     builtin_dataset("builtin:multiturn")["train"][0]  # {"messages": [{"role": "user", ...}, ...]}
     builtin_dataset("builtin:preference")["train"][0]  # {"prompt": ..., "chosen": "85", "rejected": "58"}
+    builtin_dataset("builtin:unpaired")["train"][0]    # {"prompt": ..., "completion": "85", "label": True}
 """
 
 from __future__ import annotations
@@ -133,10 +134,16 @@ def builtin_dataset(path: str, seed: int = 1234):
     from datasets import Dataset, DatasetDict
 
     name = path[len(PREFIX):]
+    if name == "unpaired":  # kto: the pairs unpaired (chosen True, rejected False), then shuffled so
+        from ..data.unpaired import unpair_preference  # that the first N rows hold both labels
+
+        pairs = builtin_dataset(PREFIX + "preference", seed)
+        return DatasetDict({split: unpair_preference(ds).shuffle(seed=seed).flatten_indices()
+                            for split, ds in pairs.items()})
     if name not in TASKS:
         raise HfScaleConfigError(
             f"data.path={path!r}: unknown generated task {name!r}; choose one of "
-            f"{', '.join(PREFIX + t for t in TASKS)}."
+            f"{', '.join(PREFIX + t for t in (*TASKS, 'unpaired'))}."
         )
     make, rng = TASKS[name], random.Random(seed)
     train_size, test_size = SIZES.get(name, (4000, 200))

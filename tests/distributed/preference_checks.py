@@ -3,7 +3,8 @@
 A *case*: ``config`` (a ParallelConfig dict), ``loss`` (PreferenceLoss kwargs), ``lora``
 (train a LoRA adapter; the reference is the base with it disabled), ``held`` (the reference a
 frozen copy of the starting weights held beside the policy, loaded by the fine-tuning loop's
-``load_reference`` and scored per micro-batch), ``steps`` (AdamW steps) and ``arch``. The data are interleaved pairs (tests.tiny_models.pair_rows): prompts masked, chosen
+``load_reference`` and scored per micro-batch), ``steps`` (AdamW steps) and ``arch``; kto cases (``loss: kto``, unpaired examples, ``ref_scale``:
+the held reference's other weights) run in :mod:`tests.distributed.kto_checks`. The data are interleaved pairs (tests.tiny_models.pair_rows): prompts masked, chosen
 and rejected of different lengths, right padding. Data-parallel ranks take distinct pairs;
 the reference's log-probs (losses that need one, without LoRA) are precomputed under the
 case's own layout with ``reference_logps`` before the first step, as the fine-tuning loop does.
@@ -25,6 +26,7 @@ from hf_scale.data.preference import PairCollator
 from hf_scale.parallel.preference import PairTotals, pair_totals, preference_step, sequence_logps
 from hf_scale.parallel.preference_loss import PreferenceLoss
 from hf_scale.parallel.preference_reference import frozen_reference_logps, reference_logps
+from tests.distributed import kto_checks
 from tests.tiny_models import pair_rows, tiny_model
 
 PAIRS = 4  # per step, global
@@ -57,6 +59,8 @@ def _trainable(model) -> list[torch.nn.Parameter]:
 
 def reference_run(case: dict) -> dict:
     """The ground truth: the unparallelized model, the whole batch, one process."""
+    if case["loss"]["loss"] == "kto":
+        return kto_checks.reference_run(case, make_model)
     model = make_model(case)
     knobs = PreferenceLoss(**case["loss"])
     collate = PairCollator(0)
@@ -91,6 +95,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def parallel_run(case: dict) -> dict:
+    if case["loss"]["loss"] == "kto":
+        return kto_checks.parallel_run(case, make_model)
     model = hf_scale.parallelize(make_model(case), case["config"])
     state = hf_scale.get_state(model)
     knobs = PreferenceLoss(**case["loss"])
@@ -164,8 +170,9 @@ def held_reference(case: dict, device):
 
     folder = [tempfile.mkdtemp(prefix="held-reference-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(folder, src=0)
-    if dist.get_rank() == 0:
-        make_model({**case, "lora": False}).save_pretrained(folder[0])
+    if dist.get_rank() == 0:  # the starting weights, or (ref_scale) another initialisation
+        source = kto_checks.reference_model(case) if "ref_scale" in case else make_model({**case, "lora": False})
+        source.save_pretrained(folder[0])
     dist.barrier()
     return load_reference(ModelConfig(name_or_path=folder[0]), ParallelConfig(**case["config"]), device)
 

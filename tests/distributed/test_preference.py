@@ -1,7 +1,8 @@
 """Preference training (DPO family) at world 2 against one process of the same model and pairs:
 fsdp (3 AdamW steps), zero2 with a chunked loss, ddp, tp=2 (vocabulary-parallel loss), pp=2
 (two microbatches of two pairs) and LoRA (the reference: the base with the adapter disabled)
-under fsdp and pp. fp32: the loss, the gradient norm, TRL's metrics and every gradient after
+under fsdp and pp, and kto (unpaired; a held reference, and LoRA with 2 accumulated micro-batches)
+under fsdp. fp32: the loss, the gradient norm, TRL's metrics and every gradient after
 the first step within 1e-5 (relative; gradients: 1e-5 of the tensor's largest element), the
 precomputed reference log-probs too, and after 3 steps the parameter updates within 2e-4 of the
 reference update's norm (test_parity.py's bound: Adam turns 1e-7 gradient noise into that).
@@ -22,6 +23,7 @@ from tests.harness import run_ranks
 
 RTOL = 1e-5
 UPDATE_RTOL = 2e-4
+KTO = {"loss": "kto", "beta": 0.5, "desirable_weight": 1.5, "undesirable_weight": 0.75}
 
 CASES = {
     "fsdp_sigmoid_rpo_3steps": {"config": {"strategy": "fsdp"}, "loss": {"loss": "sigmoid", "beta": 0.5, "rpo_alpha": 0.5},
@@ -45,6 +47,9 @@ CASES = {
                                   "held": True, "steps": 2},
     "held_tp2_ipo": {"config": {"strategy": "fsdp", "tp": 2}, "loss": {"loss": "ipo", "beta": 0.5}, "held": True,
                      "arch": "qwen2"},
+    # kto: unpaired examples, each rank its own; the KL reference point all-reduced over the ranks
+    "kto_fsdp_held_3steps": {"config": {"strategy": "fsdp"}, "loss": KTO, "held": True, "ref_scale": 3.0, "steps": 3},
+    "kto_lora_fsdp_accum2": {"config": {"strategy": "fsdp"}, "loss": KTO, "lora": True, "accum": 2, "steps": 2},
 }
 
 
@@ -101,6 +106,12 @@ def test_a_held_reference_is_sharded_frozen_and_resharded_between_forwards():
         zero2, tp2 = got["held_zero2_sigmoid_2steps"]["held"], got["held_tp2_ipo"]["held"]
         assert zero2["frozen"] and zero2["sharded"] and abs(zero2["local_share"] - 0.5) < 0.05, zero2
         assert tp2["frozen"] and 0.45 < tp2["local_share"] < 0.6, tp2  # tp slices (norms whole)
+
+
+def test_kto_cases_have_a_kl_term():
+    """The KL reference point counts in every step of the kto cases (above 0, so not clamped)."""
+    for name in (n for n, c in CASES.items() if c["loss"]["loss"] == "kto"):
+        assert all(m["kl"] > 0.05 for m in _reference(name)["metrics"]), (name, _reference(name)["metrics"])
 
 
 def test_pipeline_refuses_a_split_pair():

@@ -64,7 +64,7 @@ def test_simpo_and_orpo_by_hand():
     assert not simpo.needs_reference and not orpo.needs_reference and orpo.nll_weight == 1.0
 
 
-@pytest.mark.parametrize("bad", [{"loss": "kto"}, {"beta": 0}, {"loss": "robust", "label_smoothing": 0.5},
+@pytest.mark.parametrize("bad", [{"loss": "cpo"}, {"beta": 0}, {"loss": "robust", "label_smoothing": 0.5},
                                  {"loss": "ipo", "label_smoothing": 0.1}, {"loss": "orpo", "rpo_alpha": 1.0}])
 def test_bad_knobs_refused(bad):
     with pytest.raises(HfScaleConfigError):
