@@ -13,7 +13,13 @@ What :mod:`hf_scale.parallel.cp` does to one rank, read from its code:
     layers): it keeps this rank's ``S/cp`` queries, keys, values, output and log-sum-exp (what
     one process keeps for ``S/cp`` tokens: nothing more); while it runs, the gathered K / V of
     the whole sequence and, in backward, their fp32 gradient and the reduce-scatter's input;
-  * ``allgather`` under a mask (other devices, sliding windows, soft-capping): it keeps the
+  * ``allgather`` on other devices, plain causal layers (:mod:`hf_scale.parallel.cp_prefix`):
+    each query chunk against the prefix of keys it may see, lower-right causal, no mask: it keeps
+    each chunk's prefix of K / V repeated for grouped-query heads (the fused kernel's; ``(2 cp +
+    1) / (2 cp)`` of the sequence on every ``head_tail`` rank, ``S`` on the last ``contiguous``
+    one) where one process keeps ``S/cp`` of the key-value heads; while it runs, the gathered K /
+    V in gather and in global order (in backward their gradient and the reduce-scatter's input);
+  * ``allgather`` under a mask (sliding windows shorter than the sequence, soft-capping): it keeps the
     gathered K / V repeated for grouped-query heads (``S`` tokens, every head) and the fused
     kernel's additive mask (``S/cp x S`` in the compute dtype), where one process keeps ``S/cp``
     of the key-value heads; the boolean mask (``S/cp x S`` bytes per window kind) lives through
@@ -38,8 +44,7 @@ the critical path, every layer.
 
 Checked by tests/unit/test_planner_cp.py (each term, and a simulated cp layout: its peak and the
 collectives it issues) and, at Llama-3-8B scale, ``scripts/simulate_published.py --parts cp``
-(the estimate 0.99x of the simulation at 16k tokens per rank; 0.85x at 110k, where a block's
-backward holds more than the planner counts, with or without cp).
+(docs/benchmarks.md, section simulate-cp).
 
 Usage::
 
@@ -108,12 +113,27 @@ def attention_shape(facts) -> Shape:
     return Shape(heads, kv, dim, window, kinds, softcap)
 
 
-def masked(facts, layout: Layout, work: Workload) -> bool:
-    """Whether the allgather exchange attends under a mask (:func:`hf_scale.parallel.cp.cp_attention`):
-    off the CPU, or a window shorter than the sequence, or soft-capping."""
+def allgather_path(facts, layout: Layout, work: Workload) -> str:
+    """The path the allgather exchange's layers take (:func:`hf_scale.parallel.cp.cp_attention`; the
+    planner's rows are unpacked): ``masked`` for a window shorter than the sequence or soft-capping,
+    else ``blocks`` on the CPU and ``prefix`` (each query chunk against its keys' prefix,
+    lower-right causal, :mod:`hf_scale.parallel.cp_prefix`) elsewhere."""
     shape = attention_shape(facts)
     seq = padded(work.seq, layout)
-    return work.device != "cpu" or shape.softcap or (shape.window is not None and shape.window < seq)
+    if shape.softcap or (shape.window is not None and shape.window < seq):
+        return "masked"
+    return "blocks" if work.device == "cpu" else "prefix"
+
+
+def prefix_keys(layout: Layout, seq: int) -> int:
+    """The keys the busiest rank's query chunks attend to on the prefix path, summed over its
+    chunks (chunk ``a`` sees ``(a + 1) chunk`` keys): ``(2 cp + 1) / (2 cp)`` of the sequence on
+    every rank under ``head_tail``, the whole sequence on the last rank under ``contiguous``."""
+    from ..parallel.cp import chunks_held
+
+    held = chunks_held(layout.cp, layout.cp_layout)
+    chunk = seq // (layout.cp * len(held[0]))
+    return max(sum(a + 1 for a in chunks) for chunks in held) * chunk
 
 
 class AttentionBytes(NamedTuple):
@@ -141,7 +161,10 @@ def attention_bytes(facts, layout: Layout, work: Workload) -> AttentionBytes:
         buffers = b * (2 * h + 2 * kv_sent) * local * dh * d  # q, k / v, the output
         return AttentionBytes(kept, 2 * buffers, 0)
     gathered = b * seq * kv * 2 * dh * d  # the whole sequence's K and V
-    if not masked(facts, layout, work):
+    path = allgather_path(facts, layout, work)
+    if path == "prefix":
+        return _prefix_bytes(h, kv, dh, d, b, seq, local, prefix_keys(layout, seq))
+    if path == "blocks":
         # blocks: the gathered K / V while a layer runs; in backward their fp32 gradient and the
         # reduce-scatter's input in the compute dtype beside them
         return AttentionBytes(0, gathered + b * seq * kv * 2 * dh * 4 + gathered, 0)
@@ -151,6 +174,20 @@ def attention_bytes(facts, layout: Layout, work: Workload) -> AttentionBytes:
     # forward: the boolean mask inverted while the additive one is made from it (SDPA's conversion);
     # backward: the gradients of the repeated K / V and of the gathered ones
     return AttentionBytes(kept, max(local * seq, repeated + gathered), kinds * local * seq)
+
+
+def _prefix_bytes(h: int, kv: int, dh: int, d: int, b: int, seq: int, local: int, keys: int) -> AttentionBytes:
+    """The prefix path's terms (:func:`attention_bytes`): each chunk's SDPA keeps the keys and
+    values of its prefix (``keys`` over the rank's chunks), repeated to the query heads for the
+    fused kernel (the simulation's; without grouped heads the gathered K / V themselves), where one
+    process keeps ``S/cp`` of the key-value heads. While it runs: the gathered K / V twice (in
+    gather order and in global order; in backward their gradient and the reduce-scatter's input).
+    The repeated prefixes' gradients exist in attention's backward only, after the MLP's gradients
+    (the block's backward workspace, :func:`.estimate.activation_bytes`) are freed."""
+    gathered = b * seq * kv * 2 * dh * d
+    kept_kv = b * keys * h * 2 * dh * d if h != kv else gathered
+    kept = kept_kv - b * 2 * local * kv * dh * d
+    return AttentionBytes(kept, 2 * gathered, 0)
 
 
 def exchange_bytes(facts, layout: Layout, work: Workload) -> dict[str, float]:
@@ -170,7 +207,7 @@ def exchange_bytes(facts, layout: Layout, work: Workload) -> dict[str, float]:
     kv_bytes = b * seq * kv * 2 * dh * d * off
     # backward: the gradients' reduce-scatter, and one more gather: the recomputed forward's, or the
     # block path's own (it keeps no gathered K / V)
-    again = 1 if recompute or not masked(facts, layout, work) else 0
+    again = 1 if recompute or allgather_path(facts, layout, work) == "blocks" else 0
     return {"forward": kv_bytes, "backward": kv_bytes * (1 + again), "collectives": 2 + again}
 
 

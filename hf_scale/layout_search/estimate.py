@@ -35,7 +35,10 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
   checkpointing none / selective (every matmul and attention output kept, whether backward
   needs it or not; the rest recomputed one block at a time) / full
-  (block inputs kept, one block recomputed); a pipeline's in-flight microbatches (1F1B: p on
+  (block inputs kept, one block recomputed); beside a block's backward, with or without
+  checkpointing, the gradients of its widest activation (two of the block's largest saved
+  tensor: the MLP's product's gradient and one factor's; ``activation_bytes``' workspace, the
+  simulation's peak at Llama-3-8B with 105k tokens a rank); a pipeline's in-flight microbatches (1F1B: p on
   stage 0, p - r on rank r; gpipe: all m; interleaved: torch's warm-up forwards plus one, stage
   by stage).
 - logits and loss: the saved log-softmax (fp32), the logits the forward returns, and one fp32
@@ -673,15 +676,19 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
         return residual + (total - residual) / t
 
     full_block = tp_split(prof.block_bytes, prof.block_residual)
+    # a block's backward makes, beside what it saved, the gradients of its widest activation: the
+    # MLP's output gradient and one of its factors' (two tensors of the block's largest saved one)
+    largest = prof.block_largest / (1 if prof.block_largest_residual else t)
+    workspace = 2 * largest
     if layout.ac is None:
         kept = full_block
-        recompute = 0.0
+        recompute = workspace
     elif layout.ac == "selective":  # every matmul / attention output kept, saved for backward or not
         kept = prof.block_input + tp_split(prof.block_kept, prof.block_kept_residual)
-        recompute = full_block - prof.block_input - prof.block_saved_kept / t
+        recompute = full_block - prof.block_input - prof.block_saved_kept / t + workspace
     else:
         kept = prof.block_input
-        recompute = full_block
+        recompute = full_block + workspace
     blocks, inflight, _ = pipeline_shape(facts, layout)
     per_rank = [blk * kept * f * seqs for blk, f in zip(blocks, inflight)]
     vocab_tokens = work.seq * seqs * facts.vocab / t

@@ -16,7 +16,9 @@ torch's own answers on exit:
 - C++ (a torch without CUDA only): torch's own ``FakeGuardImpl`` registered as the CUDA device
   guard, and CUDA hooks that say CUDA is built, from a small library compiled once with the
   system's C++ compiler into ``~/.cache/hf_scale`` (about a second); autograd runs on the calling
-  thread (``set_multithreading_enabled(False)``: no per-device worker threads). torch's fake guard
+  thread (``set_multithreading_enabled(False)``: no per-device worker threads); SiLU's and Mish's
+  backward get a CUDA kernel (:data:`_FUSED_ON_GPU`), without which they are decomposed into
+  temporaries no GPU makes. torch's fake guard
   knows 8 devices: ``count`` (the GPUs per node) is at most 8.
 
 Usage::
@@ -197,6 +199,7 @@ def fake_cuda(count: int) -> Iterator[None]:
     # 0: installed here; 1: already in place (an enclosing fake_cuda), which this one leaves there
     installed = library is not None and library.hf_scale_simulated_cuda(1) == 0
     runtime.guarded = installed
+    fused = _fused_backwards() if installed else None
     try:
         for name, fn in replaced.items():
             setattr(torch.cuda, name, fn)
@@ -205,8 +208,29 @@ def fake_cuda(count: int) -> Iterator[None]:
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        if fused is not None:
+            fused._destroy()
         if installed:
             library.hf_scale_simulated_cuda(0)
+
+
+# Ops whose CUDA kernel a torch built without CUDA lacks, where the dispatcher then takes their
+# CompositeImplicitAutograd decomposition: SiLU's backward becomes sigmoid, 1 - sigmoid, three
+# products and a sum, each a temporary of the MLP's width (at 105k tokens of Llama-3-8B, 3-4 of
+# 2.8 GiB beside a block's backward) that a GPU's fused kernel never makes. Found by asking the
+# dispatcher which aten ops have a CPU kernel and that decomposition but no CUDA kernel (the third,
+# native_channel_shuffle, has no backward).
+_FUSED_ON_GPU = ("silu_backward", "mish_backward")
+
+
+def _fused_backwards():
+    """A CUDA kernel for each of :data:`_FUSED_ON_GPU`, registered while fake CUDA is entered on a
+    torch without CUDA, so that the dispatcher reaches the fake tensor mode, whose meta kernel makes
+    the one output the GPU's kernel makes (the kernel itself never runs on fake tensors)."""
+    library = torch.library.Library("aten", "IMPL")
+    for name in _FUSED_ON_GPU:
+        library.impl(name, lambda grad, x: torch.empty_like(grad), "CUDA")
+    return library
 
 
 @contextlib.contextmanager
@@ -235,7 +259,8 @@ def fake_tensors() -> Iterator[None]:
       fused kernels' own ops instead, as a GPU picks them (flash attention for fp16 / bf16
       without a mask, memory-efficient attention otherwise), so what they save for backward is
       what the GPU's kernels save (grouped key/value heads are repeated first, as the efficient
-      kernel needs);
+      kernel needs); a ``torch.nn.attention.bias.CausalBias`` (context parallel's lower-right
+      causal blocks) takes the kernels' own causal modes, as torch's dispatch of it does;
     - the mode's dispatch cache (one for the process) keeps each output's device: ``"cuda"``
       without an index resolves to the current device, another one in the next simulation; it
       is emptied on entry and exit;
@@ -370,9 +395,21 @@ def _reduced_in_place(state, bucket):
 
 def _fused_attention(q, k, v, mask, dropout_p: float, is_causal: bool, scale):
     """SDPA through the fused kernel a GPU picks (see :func:`fake_tensors`)."""
+    from torch.nn.attention.bias import CausalBias, CausalVariant
+
     if k.shape[-3] != q.shape[-3]:  # grouped key/value heads
         repeat = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    if isinstance(mask, CausalBias):  # no mask tensor: the kernels' own causal modes, as torch dispatches it
+        lower_right = mask.variant == CausalVariant.LOWER_RIGHT and mask.seq_len_q != mask.seq_len_kv
+        if not lower_right:
+            mask, is_causal = None, True
+        elif q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:  # flash: causal is lower right
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
+        else:  # the memory-efficient kernel's lower-right mask type
+            return torch.ops.aten._efficient_attention_forward(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None, dropout_p,
+                int(mask.variant), q.requires_grad, scale=scale)[0].transpose(1, 2)
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, scale=scale)[0]
     if mask is not None and mask.dtype == torch.bool:  # the efficient kernel adds a float bias

@@ -58,6 +58,10 @@ class ActivationProfile:
     block_input: int  # one block's input (what full checkpointing keeps)
     logits: int
     outside: int
+    # the block's largest saved tensor (bytes; residual-width or not): the size of the activation
+    # gradients its backward makes beside what it saved (the MLP's width in a transformer block)
+    block_largest: int = 0
+    block_largest_residual: bool = False
 
 
 @dataclass
@@ -478,4 +482,6 @@ def measure_activations(facts: ModelFacts, seq: int, dtype: torch.dtype, attn: s
         block_input=inputs[biggest],
         logits=logits,
         outside=outside,
+        block_largest=max(n for _, n, _ in rows),
+        block_largest_residual=max(rows, key=lambda r: r[1])[2],
     )

@@ -19,8 +19,11 @@ every model whose attention goes through transformers' attention registry (no mo
   rank's query chunks against them in blocks by chunk and packed document (earlier chunks with
   no mask, the diagonal ``is_causal``), merged by their log-sum-exp; only this rank's part is
   saved and K / V are gathered again in the backward, so every tensor a layer keeps is S/cp.
-  The other layers (sliding windows, soft-capping, other devices, ``cp_attention="masked"``)
-  all-gather K and V with autograd (the backward a reduce-scatter of their gradients) and attend
+  Off the CPU the same layers of unpacked rows attend without a mask too
+  (:mod:`hf_scale.parallel.cp_prefix`): K and V all-gathered with autograd and put in global
+  order, each query chunk against the prefix of keys it may see, lower-right causal (flash /
+  memory-efficient kernels, no ``S/cp x S`` tensor). The other layers (sliding windows,
+  soft-capping, packed documents off the CPU, ``cp_attention="masked"``) all-gather K and V with autograd (the backward a reduce-scatter of their gradients) and attend
   under a mask built from GLOBAL indices: causal, the layer's sliding window, packed documents
   (from the whole batch's ``position_ids``, restarting per document, as transformers finds
   them), logit soft-capping where the model passes it.
@@ -35,7 +38,8 @@ Layout contract: parameters replicated (or FSDP-sharded) over cp; activations an
 Memory: in the block path a layer saves its S/cp queries, keys, values, output and log-sum-exp
 and nothing of size S (activation bytes saved per rank: 0.50x of one process at cp=2, 0.25x at
 cp=4, tests/distributed/test_cp_memory.py); the gathered K / V (S) and the blocks' scores exist
-only while a layer runs. The masked path keeps the gathered K / V (repeated for grouped-query
+only while a layer runs. The prefix path keeps the gathered K / V (S, linear) for backward and
+makes no mask. The masked path keeps the gathered K / V (repeated for grouped-query
 heads) for backward and builds a dense boolean ``batch x S/cp x S`` mask per window and forward.
 ``cp_exchange="alltoall"`` (Ulysses, :mod:`hf_scale.parallel.cp_alltoall`) exchanges heads for
 sequence instead of gathering K / V: each rank attends over the whole sequence with heads/cp of
@@ -60,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import HfScaleConfigError
-from . import cp_alltoall, cp_blocks
+from . import cp_alltoall, cp_blocks, cp_prefix
 
 ATTENTION = "hf_scale_cp"  # the attention function's name in transformers' registry
 PROBE = "hf_scale_cp_probe"  # the attention function of the tiny model that checks an architecture
@@ -140,7 +144,8 @@ class Forward:
     def __init__(self, group, q_index: torch.Tensor, kv_index: torch.Tensor, docs: torch.Tensor | None,
                  shift_labels: torch.Tensor | None = None, num_items: torch.Tensor | None = None, *,
                  chunks: list | None = None, chunk: int = 0, pieces: list | None = None, exchange: str = "allgather",
-                 starts: list | None = None, order: torch.Tensor | None = None, placed: torch.Tensor | None = None):
+                 starts: list | None = None, order: torch.Tensor | None = None, placed: torch.Tensor | None = None,
+                 held: list[int] | None = None):
         self.group, self.q_index, self.kv_index = group, q_index, kv_index
         self.docs = docs  # [batch, S] global document ids, or None (one document per row)
         self.shift_labels, self.num_items = shift_labels, num_items
@@ -148,7 +153,8 @@ class Forward:
         self.stash: dict = {}
         self.masks: dict = {}
         self.exchange, self.starts, self.order, self.placed = exchange, starts, order, placed
-        self.block_calls = self.alltoall_calls = self.attention_calls = self.loss_calls = 0
+        self.held = held  # this rank's global chunks, in local order
+        self.block_calls = self.prefix_calls = self.alltoall_calls = self.attention_calls = self.loss_calls = 0
 
     def mask(self, window: int | None, whole: bool = False) -> torch.Tensor:
         """Boolean ``[batch or 1, 1, S_local, S]``: key j visible to query i (global indices);
@@ -192,8 +198,9 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
                  **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (``[batch, heads, seq, dim]`` in,
     ``[batch, seq, heads, dim]`` out) over the cp group: K and V all-gathered along the
-    sequence (one collective), this rank's queries against every key they may see: in blocks
-    without a mask where the layer allows (:mod:`cp_blocks`), else under the global mask."""
+    sequence (one collective), this rank's queries against every key they may see: without a
+    mask where the layer allows (:mod:`cp_blocks` on the CPU, :mod:`cp_prefix` elsewhere for
+    unpacked rows), else under the global mask."""
     fwd = kwargs.get(FORWARD_KWARG)
     if not isinstance(fwd, Forward):
         raise HfScaleConfigError(
@@ -223,6 +230,16 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
         return out.transpose(1, 2).contiguous(), None
     kv = torch.cat([key, value], dim=-1).contiguous()
     kv = funcol.all_gather_single(kv, 2, fwd.group)  # [batch, kv_heads, S, dk + dv], autograd
+    # plain causal layers of unpacked rows (the padding at the end is seen by no real token):
+    # each query chunk against its keys' prefix, no mask (cp_prefix)
+    if fwd.pieces is not None and fwd.starts is None and softcap is None and (sliding_window is None or
+                                                                              sliding_window >= length):
+        fwd.prefix_calls += 1
+        if fwd.order is not None:
+            kv = kv.index_select(2, fwd.order)  # global order
+        key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
+        out = cp_prefix.prefix_attention(query, key, value, fwd.held, fwd.chunk, scaling, dropout)
+        return out.transpose(1, 2).contiguous(), None
     key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
@@ -272,7 +289,7 @@ class ContextParallel:
         self.pad_id = getattr(model.config, "pad_token_id", None) or 0
         self.current: Forward | None = None
         self.checked: set[bool] = set()  # training modes whose first batch was compared over the group
-        self.calls = {"blocks": 0, "masked": 0, "alltoall": 0}  # attention calls by kind, over every forward so far
+        self.calls = {"blocks": 0, "prefix": 0, "masked": 0, "alltoall": 0}  # attention calls by kind, over every forward so far
 
     @staticmethod
     def of(model: nn.Module) -> ContextParallel | None:
@@ -347,9 +364,10 @@ class ContextParallel:
         gathered = torch.cat(every)
         fwd = Forward(self.group, index, gathered.to(device), docs,
                       None if shift is None else shift.index_select(1, index), num_items,
-                      chunks=chunks, chunk=chunk, pieces=pieces, exchange=self.exchange, starts=starts)
+                      chunks=chunks, chunk=chunk, pieces=pieces, exchange=self.exchange, starts=starts,
+                      held=chunks[self.rank])
         in_order = [c for held in chunks for c in held] == list(range(sum(map(len, chunks))))
-        if self.exchange == "alltoall" and not in_order:
+        if not in_order:  # (the all-gather's prefix path puts its gathered keys in global order too)
             fwd.order, fwd.placed = torch.argsort(gathered).to(device), gathered.to(device)
         kwargs["use_cache"] = False
         kwargs[FORWARD_KWARG] = self.current = fwd
@@ -400,8 +418,9 @@ class ContextParallel:
         fwd, self.current = self.current, None
         if fwd is not None:
             self.calls["blocks"] += fwd.block_calls
+            self.calls["prefix"] += fwd.prefix_calls
             self.calls["alltoall"] += fwd.alltoall_calls
-            self.calls["masked"] += fwd.attention_calls - fwd.block_calls - fwd.alltoall_calls
+            self.calls["masked"] += fwd.attention_calls - fwd.block_calls - fwd.prefix_calls - fwd.alltoall_calls
         if output is None or fwd is None:
             return output
         if fwd.attention_calls == 0:

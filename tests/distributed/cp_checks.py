@@ -3,6 +3,7 @@ the one-process reference the parent computes."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import traceback
@@ -142,6 +143,7 @@ def comm_counts(arch: str = "llama", config: dict | None = None, packed: bool = 
     out["kv_bytes"] = BATCH * c.num_key_value_heads * SEQ * 2 * head_dim * element  # K and V, whole sequence
     out["q_bytes"] = BATCH * c.num_attention_heads * SEQ * head_dim * 4  # the queries (and the output)
     out["blocks"] = cp.calls["blocks"] - before["blocks"]
+    out["prefix"] = cp.calls["prefix"] - before["prefix"]
     out["alltoall"] = cp.calls["alltoall"] - before["alltoall"]
     return out
 
@@ -199,16 +201,22 @@ def refusals() -> dict:
 
 
 def run_cp_cases(cases: list[dict]) -> list[dict]:
-    """Every case in one process group; a case's error is its result."""
+    """Every case in one process group; a case's error is its result. ``no_blocks``: the CPU's
+    block kernels refused (``cp_blocks.supported`` False), so that plain causal layers take the
+    path a GPU takes (``cp_prefix``: each query chunk against its keys' prefix)."""
     import time
+    from unittest import mock
 
     out = []
     for case in cases:
         started = time.perf_counter()
+        blocks = mock.patch("hf_scale.parallel.cp_blocks.supported", lambda *a: False) if case.get(
+            "no_blocks") else contextlib.nullcontext()
         try:
             kind = case.get("kind", "parity")
-            out.append(cp_run(case) if kind == "parity" else comm_counts(**case.get("args", {})) if kind == "comm"
-                       else refusals())
+            with blocks:
+                out.append(cp_run(case) if kind == "parity" else comm_counts(**case.get("args", {}))
+                           if kind == "comm" else refusals())
         except Exception:  # noqa: BLE001 - reported per case, the group goes on
             out.append({"error": traceback.format_exc()})
         out[-1]["seconds"] = time.perf_counter() - started

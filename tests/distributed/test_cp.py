@@ -11,6 +11,9 @@ fsdp dp_shard=2, cp=2 x ddp over 2 replicas (each data-parallel rank its rows, w
 tokens as the loop weighs them). The all-to-all exchange (cp_exchange="alltoall") at world 2 on
 Llama rows, Qwen3 and Mistral packed (head_tail), Gemma2 rows (soft-capping), Gemma3-text packed
 contiguous under full AC; at world 4 cp=2 x fsdp2 and cp=4 (2 key-value heads repeated to 4).
+The all-gather's mask-free path off the CPU (cp_prefix: each query chunk against its keys'
+prefix), taken here by refusing the CPU's blocks: Llama head_tail rows (plain, full AC, 14 tokens
+padded; packed rows keep the mask), Qwen3 contiguous rows, and at world 4 Llama at cp=4.
 Also: one K/V all-gather per attention layer in forward (one reduce-scatter in backward), three
 all-to-alls each way and no K/V all-gather under alltoall, and the refusals (heads cp does not
 divide under alltoall among them). See tests/distributed/cp_checks.py.
@@ -47,6 +50,13 @@ WORLD2 += [
     _case("gemma3_text", "contiguous", True, DDP, "ddp"),
     _case("llama", "head_tail", True, {**FSDP, "loss_chunk_tokens": 8}, "chunked_loss"),
     _case("phi3", "head_tail", True, {**FSDP, "loss_labeled_only": True}, "labeled_only"),
+    # the GPU's path on the CPU (the blocks refused): plain causal rows attend to their keys' prefix,
+    # lower-right causal (cp_prefix); packed rows and sliding windows keep the mask
+    _case("llama", "head_tail", False, name="prefix", no_blocks=True),
+    _case("qwen3", "contiguous", False, name="prefix", no_blocks=True),
+    _case("llama", "head_tail", False, {**FSDP, "activation_checkpointing": "full"}, "prefix_full_ac", no_blocks=True),
+    _case("llama", "head_tail", False, name="prefix_len14_padded", seq=14, no_blocks=True),
+    _case("llama", "head_tail", True, name="prefix", no_blocks=True),
     _case("llama", "head_tail", True, {**FSDP, "cp_attention": "masked"}, "masked"),
     _case("qwen3", "contiguous", False, {**FSDP, "cp_attention": "masked"}, "masked"),
     # the all-to-all exchange (heads for sequence): plain causal, packed, sliding window, soft-capping
@@ -65,6 +75,7 @@ WORLD4 = [
     _case("qwen3", "contiguous", False, CP4, "cp4"),
     _case("gemma3_text", "head_tail", True, {**CP4, "activation_checkpointing": "full"}, "cp4_full_ac"),
     _case("llama", "head_tail", False, {**CP4, "strategy": "ddp"}, "cp4_len13_padded", seq=13),
+    _case("llama", "head_tail", False, CP4, "cp4_prefix", no_blocks=True),
     _case("qwen3", "head_tail", True, A2A, "alltoall_fsdp2"),
     _case("llama", "head_tail", True, {**CP4, "cp_exchange": "alltoall"}, "alltoall_cp4"),  # 2 kv heads repeated to 4
 ]
@@ -74,6 +85,7 @@ OTHER = [dict(kind="comm", id="comm"), dict(kind="refusals", id="refusals"),
               id="comm_full_ac"),
          dict(kind="comm", args={"config": {**FSDP, "cp_attention": "masked"}, "packed": False}, id="comm_masked"),
          dict(kind="comm", args={"arch": "mistral"}, id="comm_mistral"),
+         dict(kind="comm", args={"packed": False}, no_blocks=True, id="comm_prefix"),
          # FSDP2's bf16 cast of each unit's inputs rebuilds dataclasses: the layers must still count
          # their attention calls on the forward's one context (it was a dataclass: every call raised)
          dict(kind="comm", args={"config": {**FSDP, "mixed_precision": "bf16"}}, id="comm_bf16"),
@@ -129,9 +141,14 @@ def check_cp_parity(case: dict, ranks: list[dict]) -> None:
     for group in range(dp_degree):
         members = [r for r in ranks if r["dp"][0] == group]
         assert len(members) == cp and all(m["returned"] == members[0]["returned"] for m in members)
-    # the attention the layers took: blocks where they apply, unless the config asks for the mask
+    # the attention the layers took: blocks where they apply, unless the config asks for the mask;
+    # the prefix path only where the blocks are refused (no_blocks), for plain causal unpacked rows
     never = {"blocks"} if case["config"].get("cp_attention") == "masked" else KINDS[case["arch"]]
     never = {"blocks", "masked"} if case["config"].get("cp_exchange") == "alltoall" else never | {"alltoall"}
+    if case.get("no_blocks"):
+        never = {"blocks", "alltoall", "prefix" if case["packed"] else "masked"}
+    else:
+        never = never | {"prefix"}
     for r in ranks:
         assert all(r["calls"][kind] == 0 for kind in never) and sum(r["calls"].values()) > 0, r["calls"]
 
@@ -154,13 +171,14 @@ def test_data_parallel_coordinate_leaves_cp_out(world2, world4):
     assert [r["dp"] for r in world4["qwen3-head_tail-packed-ddp2"]] == [(0, 2, 2), (0, 2, 2), (1, 2, 2), (1, 2, 2)]
 
 
-@pytest.mark.parametrize("case", ["comm", "comm_full_ac", "comm_masked", "comm_mistral", "comm_cp4", "comm_bf16"])
+@pytest.mark.parametrize("case", ["comm", "comm_full_ac", "comm_masked", "comm_mistral", "comm_prefix", "comm_cp4",
+                                  "comm_bf16"])
 def test_one_kv_all_gather_per_attention_layer(case, world2, world4):
     """Forward: one all-gather (K and V together, the whole sequence's bytes) per attention layer
     and one all-reduce (the loss); backward: one reduce-scatter per layer (the K / V gradients,
     the whole sequence's bytes) and one all-reduce. Layers attending in blocks gather K and V
-    again in the backward (they saved only their own part); masked layers saved the gathered
-    K / V and do not. Under full activation checkpointing every layer gathers once in the
+    again in the backward (they saved only their own part); masked layers and the prefix path
+    (the GPU's, here with the blocks refused) saved the gathered K / V and do not. Under full activation checkpointing every layer gathers once in the
     backward, as it recomputes (the blocks' backward takes what the recomputation gathered)."""
     results = (world4 if case.endswith("cp4") else world2)[case]
     for counts in results:
@@ -172,8 +190,9 @@ def test_one_kv_all_gather_per_attention_layer(case, world2, world4):
         assert forward.get("c10d.allreduce_") == 1, forward
         assert backward.get(scatter) == layers, backward
         assert backward.get("c10d.allreduce_") == 1, backward
-        blocks = {"comm_full_ac": 1, "comm_masked": 0, "comm_mistral": 0}.get(case, layers)
+        blocks = {"comm_full_ac": 1, "comm_masked": 0, "comm_mistral": 0, "comm_prefix": 0}.get(case, layers)
         assert counts["blocks"] == blocks, counts
+        assert counts["prefix"] == (layers if case == "comm_prefix" else 0), counts  # like the mask: no regather
         regathered = layers if case == "comm_full_ac" else blocks
         assert backward.get(gather) == (regathered or None), backward
         assert counts["forward_bytes"][gather] == layers * counts["kv_bytes"], counts

@@ -68,10 +68,33 @@ def test_activations_fall_as_one_over_cp(facts, ac):
         assert acts[cp] * cp <= acts[1] * (1.2 if ac is None else 1.0)
 
 
-def test_the_masked_allgather_keeps_the_whole_sequence_s_keys_and_its_mask(facts, config):
-    """On a GPU the all-gather attends under an ``S/cp x S`` mask: per layer it keeps the gathered
+@pytest.mark.parametrize("cp_layout_name", ["head_tail", "contiguous"])
+def test_the_allgather_on_a_gpu_keeps_its_keys_prefixes_and_no_mask(facts, config, cp_layout_name):
+    """On a GPU the all-gather's plain causal layers attend chunk by chunk to the prefix of keys
+    they may see (lower-right causal, no mask): per layer they keep each chunk's prefix of K / V
+    repeated for every query head (the fused kernel's), where one process keeps S/cp of the
+    key-value heads; the busiest rank's prefixes add up to (2cp+1)/(2cp) of the sequence under
+    head_tail, the whole of it on the last rank under contiguous. No S/cp x S term, no mask held."""
+    work = Workload(seq=SEQ, batch=1, device="cuda")
+    heads, kv, d = config.num_attention_heads, config.num_key_value_heads, DTYPE_BYTES["bf16"]
+    dim = config.hidden_size // heads
+    for cp in (2, 4):
+        local = SEQ // cp
+        keys = (2 * cp + 1) * SEQ // (2 * cp) if cp_layout_name == "head_tail" else SEQ
+        gather = estimate_memory(facts, cp_layout(cp, "allgather", cp_layout=cp_layout_name), work).activations
+        a2a = estimate_memory(facts, cp_layout(cp, "alltoall", cp_layout=cp_layout_name), work).activations
+        per_layer = 2 * keys * heads * dim * d - 2 * local * kv * dim * d  # what the prefixes keep
+        per_layer -= 2 * (heads - kv) * local * dim * d  # what the all-to-all keeps beyond one process
+        assert gather - a2a == config.num_hidden_layers * per_layer, cp
+
+
+def test_the_masked_allgather_keeps_the_whole_sequence_s_keys_and_its_mask():
+    """A sliding window shorter than the sequence keeps the mask on a GPU: per layer the gathered
     K / V repeated for every query head and the kernel's additive mask, and the boolean mask lives
     through the step: the estimate grows by exactly those bytes over the all-to-all's."""
+    config = tiny_config("mistral")
+    config.sliding_window, config._attn_implementation = SEQ // 4, "sdpa"
+    facts = model_facts(config)
     work = Workload(seq=SEQ, batch=1, device="cuda")
     cp, d = 2, DTYPE_BYTES["bf16"]
     local, heads, kv = SEQ // cp, config.num_attention_heads, config.num_key_value_heads

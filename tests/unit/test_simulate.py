@@ -345,6 +345,35 @@ def test_a_nested_fake_cuda_leaves_the_enclosing_one_in_place():
             assert x.grad.device == torch.device("cuda", 1)
 
 
+@pytest.mark.skipif(torch.cuda._is_compiled(), reason="a CUDA build has the GPU's kernels")
+def test_silu_backward_on_fake_cuda_is_the_gpu_s_one_kernel():
+    """A torch without CUDA has no CUDA kernel for SiLU's backward, and the dispatcher then takes
+    its decomposition (sigmoid, 1 - sigmoid, three products and a sum: temporaries of the MLP's
+    width that a GPU's fused kernel never makes, 3-4 of 2.8 GiB beside Llama-3-8B's block backward
+    at 105k tokens): under fake CUDA it is the one op, and the kernel is gone after."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hf_scale.layout_search.fake_cuda import fake_cuda
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with fake_cuda(1), FakeTensorMode():
+        x = torch.empty(4, 8, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = torch.nn.functional.silu(x)
+        with Ops() as ops:
+            y.sum().backward()
+    assert "silu_backward" in ops.names and "sigmoid" not in ops.names, ops.names
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::silu_backward", "CUDA")
+
+
 def test_gathered_parameters_are_buffers_and_categories_agree_with_the_estimate():
     """FSDP's gathered parameters count as buffers / temporaries in the simulation, as in the
     planner's estimate (docs/planner.md, "Categories"): zero2 keeps every block gathered between
