@@ -58,13 +58,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import NamedTuple
 
+from .profile import DTYPE_BYTES
 
-# Layout and Workload (``.estimate``) appear in annotations only, and the compute dtype's bytes are
-# estimate.DTYPE_BYTES' (4 in fp32, 2 under bf16 / fp16): estimate imports this module, not back.
-
-
-def _dtype_bytes(precision: str | None) -> int:
-    return 4 if precision is None else 2
+# Layout and Workload (``.estimate``) appear in annotations only: estimate imports this module, not back.
 
 
 def granule(layout: Layout) -> int:
@@ -151,7 +147,7 @@ def attention_bytes(facts, layout: Layout, work: Workload) -> AttentionBytes:
     if layout.cp == 1:
         return AttentionBytes(0, 0, 0)
     h, kv, dh, _, kinds, _ = attention_shape(facts)
-    d = _dtype_bytes(layout.precision)
+    d = DTYPE_BYTES[layout.precision]
     b = layout.micro_batch
     seq = padded(work.seq, layout)
     local = seq // layout.cp
@@ -196,7 +192,7 @@ def exchange_bytes(facts, layout: Layout, work: Workload) -> dict[str, float]:
     if layout.cp == 1:
         return {"forward": 0.0, "backward": 0.0, "collectives": 0}
     h, kv, dh = attention_shape(facts)[:3]
-    d = _dtype_bytes(layout.precision)
+    d = DTYPE_BYTES[layout.precision]
     b, cp = layout.micro_batch, layout.cp
     seq = padded(work.seq, layout)
     off = (cp - 1) / cp

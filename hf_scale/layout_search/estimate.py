@@ -81,7 +81,7 @@ import torch
 
 from ..config import ParallelConfig
 from .experts import check_layout_ep, dispatch_buffer_bytes, moe_facts
-from .profile import ModelFacts
+from .profile import DTYPE_BYTES, ModelFacts
 from .quantized import check_layout_quantize, dequant_workspace, nf4_share
 
 GiB = 2**30
@@ -89,7 +89,6 @@ GiB = 2**30
 # gloo process group of 1, measured on this machine (torch 2.13 CPU, transformers 5.23): 338-339 MiB
 # in three runs. CUDA: the context and cuBLAS workspace, a usual ~0.5 GiB (not measured here).
 OVERHEAD = {"cpu": 339 * 2**20, "cuda": 512 * 2**20}
-DTYPE_BYTES = {None: 4, "bf16": 2, "fp16": 2}
 TORCH_DTYPES = {None: torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

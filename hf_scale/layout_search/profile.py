@@ -33,6 +33,8 @@ from ..layout_preview import meta_model
 from ..model_plans import resolve_plan, wrap_units
 from .frozen import Frozen, adapter_target, block_counts, count_frozen, has_frozen, meta_copy
 
+# bytes per element of a layout's compute dtype (``Layout.precision``; None: fp32)
+DTYPE_BYTES = {None: 4, "bf16": 2, "fp16": 2}
 _aten = torch.ops.aten
 # The outputs selective checkpointing keeps (hf_scale.parallel.activation._SAVE_OPS).
 _KEPT_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention_for_cpu",
