@@ -47,6 +47,7 @@ def test_plain_examples_label_exactly_the_completion(smol):  # noqa: F811
 def test_pairs_are_unpaired_as_trl_does(smol):  # noqa: F811
     """Pairs give their chosen sequences (label True), then their rejected ones (False): the
     same tokens as the pair's sides, in any of the forms, with named columns too."""
+    pytest.importorskip("trl")  # the anchor: installed beside the benchmarks, not a test dependency
     from trl.data_utils import unpair_preference_dataset
 
     ours = unpair_preference(dataset(PAIRS)).to_list()
