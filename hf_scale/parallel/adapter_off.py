@@ -11,15 +11,15 @@ it is gathered (``FSDPParam.to_unsharded`` -> ``set_requires_grad_if_needed`` in
 (fsdp: the last block, which is not resharded after forward; zero2: every block) gets ``True``
 back on its gathered weights only, and its sharded ones stay ``False``; the first gather after
 the next reshard (after a backward) copies ``False`` to the gathered weights, and that forward
-builds no gradient for the unit's adapter. Seen at world 2 with 2 accumulated micro-batches
-(tests/distributed/test_preference.py): under fsdp, with every micro-batch's no-grad forwards
-(the reference, the KL rows) before the first backward, the last block's adapter gradient held
-micro-batch 1's share only (its gradient norm 5% off); under zero2 the second micro-batch's loss
-had no gradient at all ("element 0 of tensors does not require grad"). Under DDP the first
-forward, the reference's, found no trainable parameter and ``replicate`` refused to start.
-(TRL's order, each micro-batch's no-grad forwards just before its own forward, hid it under
-fsdp: the reference's forward after a reshard sets the gathered copy back to ``True``.) Not a
-torch bug: two owners of one flag.
+builds no gradient for the unit's adapter. Seen at world 2 with 2 accumulated KTO micro-batches
+whose no-grad forwards (the reference, the KL rows) all ran before the first backward
+(tests/distributed/test_preference.py, ``*_no_grad_first``): under fsdp the last block's adapter
+gradient held micro-batch 1's share only (the gradient norm 5% off), under zero2 micro-batch 2's
+loss had no gradient at all ("element 0 of tensors does not require grad"). TRL's order (each
+micro-batch's no-grad forwards just before its own forward, what the loop does) hid it: the
+reference's forward after a reshard gathers again and sets the gathered copy back to ``True``.
+Under DDP (any order) the first forward, the reference's, found no trainable parameter and
+``replicate`` refused to start. Not a torch bug: two owners of one flag.
 
 :func:`adapter_disabled` only sets the adapter layers' own "disabled" flag (what their forward
 reads), so every order of no-grad and training forwards is safe under every layout.
