@@ -63,6 +63,16 @@ def preference_columns(column_names, cfg) -> dict[str, str | None]:
     return columns
 
 
+def check_completion_only(cfg, max_len: int, kind: str) -> None:
+    """Refuse what the preference losses (pairs and kto, ``kind``) cannot train on: sequences
+    under 2 tokens and ``data.loss_on_prompt`` (they score the completions only)."""
+    if max_len < 2:
+        raise HfScaleConfigError(f"max_len={max_len}: a {kind} sequence needs >= 2 tokens (data.max_seq_len).")
+    if cfg.loss_on_prompt:
+        raise HfScaleConfigError(f"data.loss_on_prompt: {kind} training scores the completions, so the loss is on "
+                                 "the completions only; set data.loss_on_prompt: false.")
+
+
 def tokenize_preference(ds, tokenizer, cfg, max_len: int):
     """``datasets.Dataset`` of ``chosen_input_ids``, ``chosen_labels``, ``rejected_input_ids``,
     ``rejected_labels`` (lists of ints), one row per pair, in the order of ``ds``; precomputed
@@ -80,11 +90,7 @@ def tokenize_preference(ds, tokenizer, cfg, max_len: int):
     from ..log import log_rank0  # here: hf_scale.log loads torch.distributed
     from ..ranks import rank0_first
 
-    if max_len < 2:
-        raise HfScaleConfigError(f"max_len={max_len}: a preference sequence needs >= 2 tokens (data.max_seq_len).")
-    if cfg.loss_on_prompt:
-        raise HfScaleConfigError("data.loss_on_prompt: preference pairs compare the completions, so the loss is on "
-                                 "the completions only; set data.loss_on_prompt: false.")
+    check_completion_only(cfg, max_len, "preference")
     columns = preference_columns(ds.column_names, cfg)
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     keep = [c for c in REF_COLUMNS if c in ds.column_names]

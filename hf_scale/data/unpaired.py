@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from ..errors import HfScaleConfigError
 from .chat import IGNORE, resolve_chat_template, tokenize_conversation
-from .preference import _prompt_len, _require_answer, truncate_pair
+from .preference import _prompt_len, _require_answer, check_completion_only, truncate_pair
 
 COLUMNS = ("input_ids", "labels", "label")
 
@@ -95,11 +95,7 @@ def tokenize_unpaired(ds, tokenizer, cfg, max_len: int):
     from ..log import log_rank0  # here: hf_scale.log loads torch.distributed
     from ..ranks import rank0_first
 
-    if max_len < 2:
-        raise HfScaleConfigError(f"max_len={max_len}: a kto sequence needs >= 2 tokens (data.max_seq_len).")
-    if cfg.loss_on_prompt:
-        raise HfScaleConfigError("data.loss_on_prompt: kto scores the completions, so the loss is on the completions "
-                                 "only; set data.loss_on_prompt: false.")
+    check_completion_only(cfg, max_len, "kto")
     ds, columns = unpaired_columns(ds, cfg)
     template = resolve_chat_template(tokenizer, cfg.chat_template)
     kwargs = dict(tokenizer=tokenizer, cfg=cfg, columns=columns, template=template, max_len=max_len)

@@ -37,13 +37,11 @@ from torch import nn
 from ..errors import HfScaleConfigError
 from ..parallel_state import get_state
 from .preference import (
-    IGNORE,
     PreferenceOutput,
     _host,
     _local,
     _pair_weight,
     _reference,
-    _shifted,
     sequence_logps,
 )
 from .preference_loss import PreferenceLoss, kto_losses
@@ -110,8 +108,7 @@ def kto_step(model: nn.Module, batch: dict, knobs: PreferenceLoss, kl: float, lo
     rows = example_rows(batch)
     with torch.set_grad_enabled(train), token_logps_mode(_host(model)):
         per_position = _local(model(**rows).loss)
-    mask = _shifted((rows["labels"] != IGNORE).float()).to(per_position.device)
-    logps = (per_position.float() * mask).sum(-1)
+    logps = per_position.float().sum(-1)  # token_logps_mode: 0 where the label is -100
     weight = _pair_weight(batch).to(logps.device)
     terms = kto_losses(knobs, logps, batch["ref_logps"][0::2].to(logps.device), batch["label"], kl)
     example_loss = (terms.losses * weight).sum()

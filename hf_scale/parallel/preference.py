@@ -35,6 +35,7 @@ from torch import nn
 
 from ..errors import HfScaleConfigError
 from ..parallel_state import get_state
+from .adapter_off import adapter_disabled
 from .preference_loss import PreferenceLoss, pair_losses
 from .token_logps import keeps_scored_logits, scored_positions, token_logps_mode
 
@@ -261,7 +262,7 @@ def _reference(model, batch, knobs) -> torch.Tensor | None:
     if batch.get("ref_logps") is not None:
         return batch["ref_logps"]
     if hasattr(model, "disable_adapter") and hasattr(model, "peft_config"):  # the base, adapter off
-        with model.disable_adapter():
+        with adapter_disabled(model):  # not peft's disable_adapter: it flips requires_grad (see adapter_off)
             return sequence_logps(model, batch)
     raise HfScaleConfigError(
         f"preference loss {knobs.loss!r} needs the reference's log-probs: give the batch 'ref_logps' "

@@ -88,22 +88,51 @@ def enable_token_logps(module: nn.Module) -> dict:
 def keeps_scored_logits(module: nn.Module) -> bool:
     """Whether ``module(..., logits_to_keep=scored_positions(labels))`` under
     :func:`token_logps_mode` runs its head on the scored positions only and still gives the
-    ``[rows, seq]`` log-probs: its forward slices with transformers' ``slice_logits_to_keep``
-    (a 2-D bool mask: the scored positions flattened) and its loss is transformers' (the chunked
-    loss selects its positions itself, ``loss_labeled_only``)."""
+    ``[rows, seq]`` log-probs: its forward honours a 2-D ``logits_to_keep`` (transformers'
+    ``slice_logits_to_keep``, whose 2-D bool mask keeps the scored positions flattened:
+    :func:`_honours_2d_logits_to_keep` tries it) and its loss is transformers' (the chunked loss
+    selects its positions itself, ``loss_labeled_only``)."""
     if not hasattr(module, "loss_function"):
         return False
-    return bool(enable_token_logps(module).get("scored_logits")) and _slices_logits(type(module))
+    return bool(enable_token_logps(module).get("scored_logits")) and _honours_2d_logits_to_keep(module)
 
 
-@functools.cache
-def _slices_logits(cls: type) -> bool:
-    import inspect
+_PROBED: dict[type, bool] = {}
 
-    try:
-        return "slice_logits_to_keep(" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source: keep the full logits
+
+def _honours_2d_logits_to_keep(module: nn.Module) -> bool:
+    """A one-layer copy of ``module``'s class and config built on the meta device (no memory, no
+    collectives: every rank decides alone, once per class) runs 4 positions with 2-D
+    ``logits_to_keep`` positions ``[[0, 0]]``: True when its logits are ``[1, 2, vocabulary]``
+    (transformers' 2-D branch, where the bool mask is too). A forward that ignores it ([1, 4,
+    ...]), reads it as one axis' index or fails on the meta device keeps the full logits (the
+    same values, more memory)."""
+    # the class that defines forward: fully_shard's FSDP<Class> subclass adds hooks, not a forward
+    cls = next(c for c in type(module).__mro__ if "forward" in vars(c))
+    if cls not in _PROBED:
+        _PROBED[cls] = _probe(cls, getattr(module, "config", None))
+    return _PROBED[cls]
+
+
+def _probe(cls: type, config) -> bool:
+    import copy
+
+    if config is None:
         return False
+    config = copy.deepcopy(config)
+    try:
+        config.num_hidden_layers = 1
+        if isinstance(getattr(config, "layer_types", None), list):
+            config.layer_types = config.layer_types[:1]
+        config._attn_implementation = "sdpa"
+        if hasattr(config, "_experts_implementation"):  # grouped_mm refuses fp32 meta tensors
+            config._experts_implementation = "batched_mm"
+        with torch.device("meta"), torch.no_grad():
+            logits = cls(config)(input_ids=torch.zeros(1, 4, dtype=torch.long),
+                                 logits_to_keep=torch.zeros(1, 2, dtype=torch.long)).logits
+    except Exception:  # noqa: BLE001 - any failure: keep the full logits
+        return False
+    return tuple(logits.shape[:2]) == (1, 2) and logits.dim() == 3
 
 
 @contextlib.contextmanager

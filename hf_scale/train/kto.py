@@ -24,6 +24,7 @@ from ..parallel.optim import no_sync
 from ..parallel.preference_loss import kto_means
 from ..parallel.preference_reference import frozen_reference_logps
 from .loader import eval_batches
+from .step_sums import StepSums
 
 
 def kto_datasets(job, tokenizer, splits) -> tuple:
@@ -53,20 +54,14 @@ def kto_step_values(job, model, micro: list[dict], dp, amp_scale: float, referen
     examples = torch.tensor([sum(kto_examples(b) for b in micro)], dtype=torch.float64)
     dp.all_reduce(examples)
     totals = float(examples[0])
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    sums: dict[str, torch.Tensor] = {}
+    step = StepSums()
     for i, batch in enumerate(micro):  # TRL's order: each micro-batch's no-grad forwards, then its own
         kl = _prepare(model, batch, knobs, dp, reference)
         with no_sync(model, enabled=i < len(micro) - 1):
             # gradients are averaged over dp ranks: each rank's share counts dp.degree times
-            out = kto_step(model, batch, knobs, kl, loss_scale=dp.degree * amp_scale, totals=totals)
-        loss_sum += float(out.loss)
-        for k, v in out.sums.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().double().cpu()
-    names = sorted(sums)
-    reduced = torch.stack([loss_sum] + [sums[n] for n in names])
-    dp.all_reduce(reduced)
-    return {"loss": float(reduced[0]), **kto_means(dict(zip(names, reduced[1:])), totals)}
+            step.add(kto_step(model, batch, knobs, kl, loss_scale=dp.degree * amp_scale, totals=totals))
+    loss, sums = step.reduced(dp)
+    return {"loss": loss, **kto_means(sums, totals)}
 
 
 @torch.no_grad()

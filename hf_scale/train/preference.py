@@ -26,6 +26,7 @@ from ..parallel.preference import PairTotals, pair_totals, preference_eval_step,
 from ..parallel.preference_loss import METRICS
 from ..parallel.preference_reference import frozen_reference_logps, reference_logps
 from .loader import eval_batches
+from .step_sums import StepSums
 
 
 def pair_datasets(job, tokenizer, splits) -> tuple:
@@ -130,22 +131,14 @@ def preference_step_values(job, model, micro: list[dict], dp, amp_scale: float, 
     counts = torch.tensor([sum(t.pairs for t in local), sum(t.nll_tokens for t in local)], dtype=torch.float64)
     dp.all_reduce(counts)
     totals = PairTotals(float(counts[0]), float(counts[1]))
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    sums: dict[str, torch.Tensor] = {}
+    step = StepSums()
     for i, batch in enumerate(micro):
         with no_sync(model, enabled=i < len(micro) - 1):
             # gradients are averaged over dp ranks: each rank's share counts dp.degree times
-            out = preference_step(model, batch, knobs, loss_scale=dp.degree * amp_scale, totals=totals)
-        loss_sum += float(out.loss)
-        for k, v in out.sums.items():
-            sums[k] = sums.get(k, 0.0) + v.detach().double().cpu()
-    names = sorted(sums)
-    reduced = torch.stack([loss_sum] + [sums[n] for n in names])
-    dp.all_reduce(reduced)
+            step.add(preference_step(model, batch, knobs, loss_scale=dp.degree * amp_scale, totals=totals))
+    loss, sums = step.reduced(dp)
     pairs = max(totals.pairs, 1.0)
-    values = {"loss": float(reduced[0])}
-    values.update({n: float(v) / pairs for n, v in zip(names, reduced[1:]) if n in METRICS})
-    return values
+    return {"loss": loss, **{n: v / pairs for n, v in sums.items() if n in METRICS}}
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ over every example of the step.
 
 The reference is a frozen model of other weights (``ref_scale``) held beside the policy and
 loaded by the loop's ``load_reference`` (``held``), or the base with the adapter disabled
-(``lora``); either way the KL term is not 0 (the test checks).
+(``lora``); either way the KL term is not 0 (the test checks). ``order: no_grad_first`` runs
+every micro-batch's no-grad forwards before the first backward (:func:`no_grad_first_values`).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 
 import hf_scale
 from hf_scale.data.unpaired import UnpairedCollator
-from hf_scale.parallel.kto import kl_point, kto_prepare, kto_step
+from hf_scale.parallel.kto import kl_point, kto_examples, kto_prepare, kto_step
 from hf_scale.parallel.preference_loss import PreferenceLoss, kto_means
 from hf_scale.parallel.preference_reference import frozen_reference_logps
 from hf_scale.train.dp import DataParallel
 from hf_scale.train.kto import kto_step_values
+from hf_scale.train.step_sums import StepSums
 from tests.tiny_models import tiny_model, unpaired_rows
 
 EXAMPLES = 8  # per step, global
@@ -93,6 +95,24 @@ def reference_run(case: dict, make_model, world: int = 2) -> dict:
     return out
 
 
+def no_grad_first_values(job, model, micro: list[dict], dp) -> dict:
+    """kto_step_values' step in the other order: every micro-batch's no-grad forwards (the base
+    with the adapter off, the KL rows) before the first forward with gradients. With peft's
+    ``disable_adapter`` as the reference's switch this gave the last block's adapter the first
+    micro-batch's gradient only under fsdp (and no start at all under zero2 / ddp):
+    :mod:`hf_scale.parallel.adapter_off` says why."""
+    knobs = job.preference.knobs()
+    examples = torch.tensor([sum(kto_examples(b) for b in micro)], dtype=torch.float64)
+    totals = float(dp.all_reduce(examples)[0])
+    points = [kl_point(dp.all_reduce(kto_prepare(model, batch, knobs))) for batch in micro]
+    step = StepSums()
+    for i, (batch, kl) in enumerate(zip(micro, points)):
+        with hf_scale.no_sync(model, enabled=i < len(micro) - 1):
+            step.add(kto_step(model, batch, knobs, kl, loss_scale=dp.degree, totals=totals))
+    loss, sums = step.reduced(dp)
+    return {"loss": loss, **kto_means(sums, totals)}
+
+
 def parallel_run(case: dict, make_model) -> dict:
     """The ranks' run through the fine-tuning loop's KTO step."""
     from tests.distributed.preference_checks import BIG_NORM, LR, _full, _trainable, held_reference
@@ -107,7 +127,10 @@ def parallel_run(case: dict, make_model) -> dict:
     out = {"losses": [], "norms": [], "metrics": [], "refs": None}
     for step in range(case.get("steps", 1)):
         micro = [collate(rows) for rows in micro_rows(step_rows(step), dp.rank, dp.degree, accum)]
-        values = kto_step_values(job, model, micro, dp, 1.0, held)
+        if case.get("order") == "no_grad_first":
+            values = no_grad_first_values(job, model, micro, dp)
+        else:
+            values = kto_step_values(job, model, micro, dp, 1.0, held)
         if step == 0:
             out["grads"] = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         out["norms"].append(float(hf_scale.clip_grad_norm_(model, BIG_NORM)))

@@ -1,8 +1,9 @@
 """Preference training (DPO family) at world 2 against one process of the same model and pairs:
 fsdp (3 AdamW steps), zero2 with a chunked loss, ddp, tp=2 (vocabulary-parallel loss), pp=2
 (two microbatches of two pairs) and LoRA (the reference: the base with the adapter disabled)
-under fsdp and pp, and kto (unpaired; a held reference, and LoRA with 2 accumulated micro-batches)
-under fsdp. fp32: the loss, the gradient norm, TRL's metrics and every gradient after
+under fsdp, ddp and pp, and kto (unpaired; a held reference, and LoRA with 2 accumulated
+micro-batches) under fsdp, and under fsdp and zero2 with every micro-batch's no-grad forwards
+before the first backward. fp32: the loss, the gradient norm, TRL's metrics and every gradient after
 the first step within 1e-5 (relative; gradients: 1e-5 of the tensor's largest element), the
 precomputed reference log-probs too, and after 3 steps the parameter updates within 2e-4 of the
 reference update's norm (test_parity.py's bound: Adam turns 1e-7 gradient noise into that).
@@ -50,6 +51,15 @@ CASES = {
     # kto: unpaired examples, each rank its own; the KL reference point all-reduced over the ranks
     "kto_fsdp_held_3steps": {"config": {"strategy": "fsdp"}, "loss": KTO, "held": True, "ref_scale": 3.0, "steps": 3},
     "kto_lora_fsdp_accum2": {"config": {"strategy": "fsdp"}, "loss": KTO, "lora": True, "accum": 2, "steps": 2},
+    # the reference's switch (hf_scale.parallel.adapter_off): with peft's disable_adapter (it flips requires_grad),
+    # when every micro-batch's no-grad forwards (the base with the adapter off, the KL rows) ran before the first
+    # backward, fsdp's last block lost micro-batch 2's adapter gradient and zero2's micro-batch 2 had no gradient
+    # at all; ddp did not start (its first forward, the reference's, found nothing to train)
+    "kto_lora_fsdp_accum2_no_grad_first": {"config": {"strategy": "fsdp"}, "loss": KTO, "lora": True, "accum": 2,
+                                           "order": "no_grad_first"},
+    "kto_lora_zero2_accum2_no_grad_first": {"config": {"strategy": "zero2"}, "loss": KTO, "lora": True, "accum": 2,
+                                            "order": "no_grad_first"},
+    "lora_ddp_sigmoid": {"config": {"strategy": "ddp"}, "loss": {"loss": "sigmoid", "beta": 0.5}, "lora": True},
 }
 
 

@@ -49,3 +49,32 @@ def test_freed_blocks_are_unmapped():
 def test_the_users_threshold_stands():
     mapped, done = _probe({"PATH": "/usr/bin:/bin", "MALLOC_MMAP_THRESHOLD_": str(32 << 20)})
     assert done == "False" and mapped < 1 << 20  # the heap serves them, as the user asked
+
+
+class _Stop(Exception):
+    """Ends loop.run right after its first lines (no model, no data)."""
+
+
+@pytest.mark.parametrize("device,calls", [("cpu", 1), ("meta", 0)])
+def test_the_training_loop_fixes_the_threshold_on_cpu_only(monkeypatch, device, calls):
+    """hf_scale.train.loop.run calls release_freed_memory first thing when the model lives in host
+    memory (the CPU), and not on an accelerator (whose tensors glibc does not hold)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from hf_scale.train import loop
+
+    seen = []
+    env = SimpleNamespace(rank=0, world_size=1, device=torch.device(device))
+    monkeypatch.setattr(loop, "init_distributed", lambda timeout: env)
+    monkeypatch.setattr(loop, "release_freed_memory", lambda: seen.append("called") or True)
+
+    def stop(job):
+        raise _Stop
+
+    monkeypatch.setattr(loop, "_with_auto_layout", stop)
+    job = SimpleNamespace(parallel=SimpleNamespace(timeout_seconds=60, auto=True))
+    with pytest.raises(_Stop):
+        loop.run(job)
+    assert len(seen) == calls

@@ -188,3 +188,48 @@ def test_lora_reference_is_the_base_model():
     torch.testing.assert_close(out.sums["rewards/rejected"].float(), 0.5 * (policy - ref)[1::2].sum(), rtol=1e-5,
                                atol=1e-5)
     torch.testing.assert_close(sequence_logps(model, batch), policy)
+
+
+def test_adapter_disabled_leaves_requires_grad_alone():
+    """The reference's switch (hf_scale.parallel.adapter_off): inside, the model computes as its base
+    and every parameter keeps its requires_grad (peft's disable_adapter sets False on the adapter
+    weights registered at that moment: under FSDP2 the gathered copies only, which the next gather
+    overwrites from the sharded ones, tests/distributed/test_preference.py *_no_grad_first); after,
+    the adapter computes again, even when the block raised."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_scale.parallel.adapter_off import adapter_disabled
+
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_model("llama", "causal"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                                     init_lora_weights=False))
+    base = tiny_model("llama", "causal")
+    batch = pair_batch(pairs=2)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    policy = sequence_logps(model, batch)
+    with adapter_disabled(model):
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
+        torch.testing.assert_close(sequence_logps(model, batch), sequence_logps(base, batch))
+    with pytest.raises(RuntimeError, match="inside"), adapter_disabled(model):
+        raise RuntimeError("inside")
+    torch.testing.assert_close(sequence_logps(model, batch), policy)
+    with pytest.raises(HfScaleConfigError, match="peft model"), adapter_disabled(base):
+        pass
+
+
+def test_scored_logits_decided_by_the_forward_not_its_source():
+    """keeps_scored_logits runs the class's forward (one layer, on the meta device) with 2-D
+    logits_to_keep: a forward that names slice_logits_to_keep( but keeps every position is a no."""
+    from transformers import LlamaForCausalLM
+
+    from hf_scale.parallel.token_logps import keeps_scored_logits
+
+    class KeepsAll(LlamaForCausalLM):
+        def forward(self, *args, logits_to_keep=0, **kwargs):  # slice_logits_to_keep( is not called
+            return super().forward(*args, **kwargs)
+
+    model = tiny_model("llama", "causal")
+    keeps_all = KeepsAll(model.config)
+    assert keeps_scored_logits(model) and not keeps_scored_logits(keeps_all)
+    assert not keeps_scored_logits(torch.nn.Linear(2, 2))  # no loss_function
