@@ -127,11 +127,15 @@ def test_every_strategy_trains_like_plain_transformers(reference, runs, strategy
     _check_outputs(out, log)
 
 
-def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference):
+def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference, capfd, monkeypatch):
     """``--parallel.strategy auto``: rank 0's planner picks the layout for 2 processes and the
     recipe's batches, every rank applies it (with the field given beside it: the head on the
-    answer tokens only), and training is the one-process reference's (full logits)."""
+    answer tokens only), and training is the one-process reference's (full logits). ``hf-scale
+    plan`` on the same recipe, run in this process (``hf_scale.cli.main``, a process start
+    saved), recommends that layout."""
     import re
+
+    from hf_scale.cli import main
 
     out = recipe.parent / "runs" / "auto"
     env = stand_in_calibration(recipe.parent / "cache")
@@ -143,9 +147,13 @@ def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recip
     strategy, rep, shard, tp, pp = chosen.groups()
     assert f"{strategy} over pp={pp} x dp_replicate={rep} x dp_shard={shard} x tp={tp}" in log
     # hf-scale plan, asked about the same recipe on the same machine, recommends what the run chose
-    plan = [sys.executable, "-m", "hf_scale.cli", "plan", str(recipe), "--parallel.strategy", "auto",
-            "--parallel.loss_labeled_only", "true"]
-    recommended = re.search(r"recommended: (.+?) -> parallel:", finish_command(start_command(plan, env), 120).stdout)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    status = main(["plan", str(recipe), "--parallel.strategy", "auto", "--parallel.loss_labeled_only", "true"])
+    said = "".join(capfd.readouterr())
+    assert status == 0, said[-3000:]
+    recommended = re.search(r"recommended: (.+?) -> parallel:", said)
     assert recommended and f"chose {recommended.group(1)}: " in log, (recommended, log[-3000:])
     check_against_reference(out, reference)
     from huggingface_hub import ModelCard
