@@ -232,14 +232,22 @@ def test_classification_script(tmp_path):
     assert AutoModelForSequenceClassification.from_pretrained(out / "model").config.num_labels == 3
 
 
-def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
-    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--nproc-per-node", "1"]
-    wrong, empty, column = run_commands([  # two at a time: each is mostly a process start
-        [sys.executable, "scripts/finetune_classification.py", str(recipe)],
-        [*cli, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")],
-        [*cli, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")],
-    ])
-    assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stdout
-    assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout
+def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path, capfd):
+    """Each found before training, in this process (``hf_scale.cli.main``, whose status is the
+    command's, as test_bad_input_sweep runs its one-process cases): a process start each saved.
+    The classification script is ``main(["finetune", ...], task="sequence_classification")``
+    (test_classification_script runs it as a process)."""
+    from hf_scale.cli import main
+
+    one = ["--nproc-per-node", "1"]
+    for args, task, words in [
+        ([], "sequence_classification", "this script is for 'sequence_classification'"),
+        ([*one, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")], None, "no complete checkpoint in"),
+        ([*one, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")], None,
+         "its columns are prompt, response"),
+    ]:
+        capfd.readouterr()
+        status = main(["finetune", str(recipe), *args], task=task)
+        said = "".join(capfd.readouterr())
+        assert status == 2 and words in said, (args, status, said[-3000:])
     # too many processes (--nproc-per-node 64): test_bad_input_sweep's case, exit 2 in one line
-    assert column.returncode == 2 and "its columns are prompt, response" in column.stdout
