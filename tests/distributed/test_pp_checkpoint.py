@@ -22,7 +22,7 @@ from hf_scale.distributed import LAUNCHER_VARS
 from hf_scale.model_plans import find_tied_parameters
 from tests.distributed import pp_checkpoint_checks as checks
 from tests.distributed.write_observer import check_written_once
-from tests.harness import run_cli, run_ranks, to_plain
+from tests.harness import run_ranks, to_plain
 from tests.tiny_models import AUTO, slice_batch, tiny_batch
 
 CAUSAL = AUTO["causal"]
@@ -243,8 +243,12 @@ def test_the_free_space_check_counts_every_stages_optimizer_state(world, request
 
 
 def test_hf_scale_export_of_a_pp2_fsdp2_checkpoint(world4, tmp_path):
+    from hf_scale.cli import main
+
     out = tmp_path / "exported"
-    run_cli("export", os.path.join(world4[0]["root"], "latest"), str(out), timeout=300)
+    # in this process (hf_scale.cli.main, whose status is the command's): a process start saved; the
+    # command as a process, at 1 and 2 ranks: tests/distributed/test_fault_tolerance.py
+    assert main(["export", os.path.join(world4[0]["root"], "latest"), str(out)]) == 0
     saved = _state([r["first"]["state"] for r in world4])["params"]
     loaded = CAUSAL.from_pretrained(out)
     for name, p in loaded.named_parameters(remove_duplicate=False):

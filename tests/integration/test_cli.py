@@ -21,7 +21,6 @@ import pytest
 from tests.harness import (
     ROOT,
     finish_command,
-    run_cli,
     run_commands,
     stand_in_calibration,
     start_command,
@@ -111,12 +110,45 @@ def finished(run: tuple[Path, subprocess.CompletedProcess]) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def runs(recipe) -> dict:
-    """The recipe on 2 processes under each strategy, and in one process with the whole batch
-    (``--train.report_to tensorboard``): name -> (folder, command)."""
-    outs = {s: recipe.parent / "runs" / s for s in ("one", *STRATEGIES)}
+    """The recipe on 2 processes under each strategy, in one process with the whole batch
+    (``--train.report_to tensorboard``), and "resumed": the fsdp run resumed from its step-2
+    checkpoint (:func:`prepare_resume`), started as soon as the fsdp run is done: name -> (folder,
+    command). Two at a time: the resumed run shares the last round with the one-process run."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    outs = {s: recipe.parent / "runs" / s for s in ("one", *STRATEGIES, "resumed")}
     overrides = {s: ["--parallel.strategy", s, *(CHECKPOINTING if s == "fsdp" else ())] for s in STRATEGIES}
     overrides["one"] = ["--nproc-per-node", "1", "--train.batch_size", "8", "--train.report_to", "tensorboard"]
-    return runs_of(recipe, {s: [*args, "--train.output_dir", str(outs[s])] for s, args in overrides.items()}, outs)
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        return finish_command(start_command([sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), *args]),
+                              300, check=False)
+
+    def resume(full) -> subprocess.CompletedProcess:
+        done = full.result()
+        if done.returncode != 0:
+            return subprocess.CompletedProcess(done.args, 1, "the fsdp run to resume from failed", "")
+        return run(prepare_resume(outs["fsdp"], outs["resumed"]))
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {s: pool.submit(run, [*args, "--train.output_dir", str(outs[s])]) for s, args in overrides.items()}
+        started["resumed"] = pool.submit(resume, started["fsdp"])
+        return {name: (outs[name], future.result()) for name, future in started.items()}
+
+
+def prepare_resume(full: Path, resumed: Path) -> list[str]:
+    """The fsdp run as if stopped after step 3 with its last checkpoint at step 2 (mid-epoch: 48
+    examples / global batch 8 = 6 steps per epoch), in ``resumed``: that checkpoint and the
+    records of the steps before, plus a step 3 it did not checkpoint (replayed after the resume,
+    so its record must go). Returns the arguments that resume it."""
+    ckpt = resumed / "checkpoints"
+    shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
+    (ckpt / "latest").write_text("step_00000002\n")
+    # The interrupted run's records: eval at step 0, steps 1 and 2, and step 3
+    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()[:4]]
+    records[3]["loss"] = 99.0
+    (resumed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return ["--parallel.strategy", "fsdp", *CHECKPOINTING, "--train.output_dir", str(resumed), "--checkpoint.resume", "auto"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -127,11 +159,15 @@ def test_every_strategy_trains_like_plain_transformers(reference, runs, strategy
     _check_outputs(out, log)
 
 
-def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference):
+def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recipe, reference, capfd, monkeypatch):
     """``--parallel.strategy auto``: rank 0's planner picks the layout for 2 processes and the
     recipe's batches, every rank applies it (with the field given beside it: the head on the
-    answer tokens only), and training is the one-process reference's (full logits)."""
+    answer tokens only), and training is the one-process reference's (full logits). ``hf-scale
+    plan`` on the same recipe, run in this process (``hf_scale.cli.main``, a process start
+    saved), recommends that layout."""
     import re
+
+    from hf_scale.cli import main
 
     out = recipe.parent / "runs" / "auto"
     env = stand_in_calibration(recipe.parent / "cache")
@@ -143,9 +179,13 @@ def test_strategy_auto_chooses_a_layout_and_trains_like_plain_transformers(recip
     strategy, rep, shard, tp, pp = chosen.groups()
     assert f"{strategy} over pp={pp} x dp_replicate={rep} x dp_shard={shard} x tp={tp}" in log
     # hf-scale plan, asked about the same recipe on the same machine, recommends what the run chose
-    plan = [sys.executable, "-m", "hf_scale.cli", "plan", str(recipe), "--parallel.strategy", "auto",
-            "--parallel.loss_labeled_only", "true"]
-    recommended = re.search(r"recommended: (.+?) -> parallel:", finish_command(start_command(plan, env), 120).stdout)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    capfd.readouterr()
+    status = main(["plan", str(recipe), "--parallel.strategy", "auto", "--parallel.loss_labeled_only", "true"])
+    said = "".join(capfd.readouterr())
+    assert status == 0, said[-3000:]
+    recommended = re.search(r"recommended: (.+?) -> parallel:", said)
     assert recommended and f"chose {recommended.group(1)}: " in log, (recommended, log[-3000:])
     check_against_reference(out, reference)
     from huggingface_hub import ModelCard
@@ -176,21 +216,11 @@ def _check_outputs(out: Path, log: str) -> None:
     assert "reloaded" in log and "greedy answers" in log and "(expected '" in log
 
 
-def test_resume_mid_epoch_continues_at_the_right_sample(recipe, runs, tmp_path):
-    # 48 examples / global batch 8 = 6 steps per epoch: step 2 is mid-epoch.
+def test_resume_mid_epoch_continues_at_the_right_sample(runs):
     full, _ = finished(runs["fsdp"])
-    args = ["finetune", str(recipe), "--parallel.strategy", "fsdp", *CHECKPOINTING]
-    ckpt = tmp_path / "resumed" / "checkpoints"
-    shutil.copytree(full / "checkpoints" / "step_00000002", ckpt / "step_00000002")
-    (ckpt / "latest").write_text("step_00000002\n")
-    # The interrupted run's records: eval at step 0, steps 1 and 2, and a step 3 it did not
-    # checkpoint (replayed after the resume, so its record must go).
-    records = [json.loads(line) for line in (full / "metrics.jsonl").read_text().splitlines()[:4]]
-    records[3]["loss"] = 99.0
-    (tmp_path / "resumed" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    log = run_cli(*args, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.resume", "auto").stdout
+    resumed, log = finished(runs["resumed"])  # from the step-2 checkpoint (prepare_resume)
     assert "resumed from" in log and "at step 2 (epoch 0, batch 2)" in log
-    before, after = losses(full), losses(tmp_path / "resumed")
+    before, after = losses(full), losses(resumed)
     assert sorted(after) == [1, 2, 3, 4]  # the metrics file covers the whole run
     np.testing.assert_allclose([after[3], after[4]], [before[3], before[4]], rtol=1e-6)
 
@@ -224,14 +254,22 @@ def test_classification_script(tmp_path):
     assert AutoModelForSequenceClassification.from_pretrained(out / "model").config.num_labels == 3
 
 
-def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path):
-    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--nproc-per-node", "1"]
-    wrong, empty, column = run_commands([  # two at a time: each is mostly a process start
-        [sys.executable, "scripts/finetune_classification.py", str(recipe)],
-        [*cli, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")],
-        [*cli, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")],
-    ])
-    assert wrong.returncode == 2 and "this script is for 'sequence_classification'" in wrong.stdout
-    assert empty.returncode == 2 and "no complete checkpoint in" in empty.stdout
+def test_wrong_script_for_the_task_and_bad_input(recipe, tmp_path, capfd):
+    """Each found before training, in this process (``hf_scale.cli.main``, whose status is the
+    command's, as test_bad_input_sweep runs its one-process cases): a process start each saved.
+    The classification script is ``main(["finetune", ...], task="sequence_classification")``
+    (test_classification_script runs it as a process)."""
+    from hf_scale.cli import main
+
+    one = ["--nproc-per-node", "1"]
+    for args, task, words in [
+        ([], "sequence_classification", "this script is for 'sequence_classification'"),
+        ([*one, "--resume", "latest", "--train.output_dir", str(tmp_path / "none")], None, "no complete checkpoint in"),
+        ([*one, "--data.prompt_column", "question", "--train.output_dir", str(tmp_path / "col")], None,
+         "its columns are prompt, response"),
+    ]:
+        capfd.readouterr()
+        status = main(["finetune", str(recipe), *args], task=task)
+        said = "".join(capfd.readouterr())
+        assert status == 2 and words in said, (args, status, said[-3000:])
     # too many processes (--nproc-per-node 64): test_bad_input_sweep's case, exit 2 in one line
-    assert column.returncode == 2 and "its columns are prompt, response" in column.stdout

@@ -12,12 +12,13 @@ the preference loss and reward accuracy on the held-out pairs, before and after.
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from tests.harness import run_cli
+from tests.harness import finish_command, start_command
 from tests.integration.cli_reference import LOSS_RTOL, UPDATE_RTOL, logged_steps
 from tests.tiny_models import tiny_recipe
 
@@ -68,8 +69,9 @@ def dpo_run(tmp_path_factory):
                          preference=PREFERENCE, train={"batch_size": 2, "grad_accum": 2, "scheduler": "constant",
                                                        "max_grad_norm": None, "weight_decay": 0.0})
     out = recipe.parent / "runs" / "fsdp"
-    log = run_cli("finetune", str(recipe), "--train.output_dir", str(out), timeout=900).stdout
-    return out, log, one_process(recipe, pairs_per_step=8)
+    run = start_command([sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--train.output_dir", str(out)])
+    reference = one_process(recipe, pairs_per_step=8)  # while the run starts its processes
+    return out, finish_command(run, timeout=900).stdout, reference
 
 
 def test_steps_match_one_process(dpo_run):
@@ -89,23 +91,25 @@ def test_a_held_reference_model_is_the_reference(dpo_run, tmp_path):
     out, _, precomputed = dpo_run
     recipe = out.parent.parent / "tiny.yaml"
     other = save_tiny_checkpoint(tmp_path / "sft", seed=1, initializer_range=0.2)  # far from the policy
-    run = tmp_path / "held"
-    log = run_cli("finetune", str(recipe), "--parallel.strategy", "zero2", "--preference.reference", "model",
-                  "--preference.reference_model", other, "--train.output_dir", str(run), timeout=900).stdout
+    held, one = tmp_path / "held", tmp_path / "precomputed-other"
+    cli = [sys.executable, "-m", "hf_scale.cli", "finetune", str(recipe), "--preference.reference_model", other]
+    # both runs at once, and the one-process reference computed here meanwhile (most of a run is
+    # process starts and imports)
+    runs = [start_command([*cli, "--parallel.strategy", "zero2", "--preference.reference", "model",
+                           "--train.output_dir", str(held)]),
+            # the same reference precomputed in one pass (one process, the same 8 pairs per step)
+            start_command([*cli, "--nproc-per-node", "1", "--train.batch_size", "4", "--preference.reference",
+                           "precompute", "--train.output_dir", str(one)])]
+    ref = one_process(recipe, pairs_per_step=8, reference_model=other)
+    log, one_log = (finish_command(run, timeout=900).stdout for run in runs)
     assert f"reference: {other} held frozen beside the policy (one no-grad forward per micro-batch, sharded" in log
     assert "precomputed" not in log
-    ref = one_process(recipe, pairs_per_step=8, reference_model=other)
     assert abs(ref["losses"][0] - precomputed["losses"][0]) > 0.1  # the other reference shows
-    _check_steps(run, ref)
-    summary = json.loads((run / "summary.json").read_text())
+    _check_steps(held, ref)
+    summary = json.loads((held / "summary.json").read_text())
     assert summary["before"]["eval_rewards/margins"] != 0.0  # the policy is not its reference
-    # the same reference precomputed in one pass (one process, the same 8 pairs per step)
-    run = tmp_path / "precomputed-other"
-    log = run_cli("finetune", str(recipe), "--nproc-per-node", "1", "--train.batch_size", "4",
-                  "--preference.reference", "precompute", "--preference.reference_model", other,
-                  "--train.output_dir", str(run), timeout=900).stdout
-    assert f"reference log-probs of 48 training pairs precomputed with the reference model {other}" in log
-    _check_steps(run, ref)
+    assert f"reference log-probs of 48 training pairs precomputed with the reference model {other}" in one_log
+    _check_steps(one, ref)
 
 
 def _check_steps(out, ref) -> None:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.harness import run_commands
+from tests.harness import run_cli, run_commands
 from tests.tiny_models import save_tiny_checkpoint
 
 PROMPTS = ["What is 12 + 30?", "hello"]
@@ -57,35 +57,22 @@ def test_tp2_prints_the_text_of_one_process(folder):
     assert speed and int(speed.group(1)) == 20 and float(speed.group(2)) > 0, two.stdout
 
 
-MISSING = [
-    (("--tp", "2", "--prompt", "x"), "cannot find model '{missing}': it is not a local folder"),
-    (("--prompt", "x"), "cannot find model '{missing}'"),
-    (("--tp", "3", "--prompt", "x", "--model-folder"), "unknown flag --model-folder"),
-]
-
-
-@pytest.fixture(scope="module")
-def missing_runs(tmp_path_factory):
-    """(the folder that does not exist, each MISSING case's command run to its end, two at a time)."""
-    missing = str(tmp_path_factory.mktemp("generate-missing") / "nope")
-    argvs = [[sys.executable, "-m", "hf_scale.cli", "generate", missing, *flags] for flags, _ in MISSING]
-    return missing, dict(zip((flags for flags, _ in MISSING), run_commands(argvs, timeout=120)))
-
-
-@pytest.mark.parametrize("flags, message", MISSING)
-def test_a_model_that_does_not_exist_is_one_line_before_any_worker(missing_runs, flags, message):
-    missing, results = missing_runs
-    result = results[flags]
+def test_a_model_that_does_not_exist_is_one_line_before_any_worker(tmp_path):
+    """As a process (what a fresh interpreter prints counts too), at --tp 2: found before
+    torchrun starts. The same at --tp 1 and an unknown flag: in this process, below."""
+    missing = str(tmp_path / "nope")
+    result = run_cli("generate", missing, "--tp", "2", "--prompt", "x", check=False, timeout=120)
     assert result.returncode == 2, result.stdout
     assert result.stdout.count("\n") == 1, result.stdout
-    assert result.stdout.startswith("hf-scale generate: error: " + message.format(missing=missing)), result.stdout
+    assert result.stdout.startswith(f"hf-scale generate: error: cannot find model '{missing}': it is not a local folder"), \
+        result.stdout
     assert "Traceback" not in result.stdout and "launching" not in result.stdout
 
 
 def test_other_bad_input_is_one_line(folder, tmp_path, capfd):
     """In this process (``hf_scale.cli.main``, whose status is the command's; each is found
     before anything loads, so a process start would be most of its cost): the command as a
-    process is held to one line above."""
+    process is held to one line above (a missing model at --tp 2)."""
     from hf_scale.cli import main
 
     (tmp_path / "empty").mkdir()
@@ -96,6 +83,8 @@ def test_other_bad_input_is_one_line(folder, tmp_path, capfd):
         ((folder, "--prompts-file", str(tmp_path / "no.txt")), "no such file"),
         ((folder, "--prompt", "x", "--temperature", "0.5"), "add --do-sample"),
         (("zoo:minilm", "--prompt", "x"), "zoo:minilm serves sequence_classification, not task 'causal_lm'"),
+        ((tmp_path / "nope", "--prompt", "x"), f"cannot find model '{tmp_path / 'nope'}'"),  # at --tp 1
+        ((tmp_path / "nope", "--tp", "3", "--prompt", "x", "--model-folder"), "unknown flag --model-folder"),
     ]:
         capfd.readouterr()
         status = main(["generate", *map(str, args)])
