@@ -11,8 +11,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   block unit's backward (beside a recomputation, after the logits' peak) FSDP2 has already
   all-gathered the next unit (its default backward prefetch; an explicit ``prefetch`` of k units:
   k of them; ``prefetched``), still holds the first unit's reduce-scatter input in fp32
-  (``reduce_buffer``) and the head's unsharded gradient (``head_grad``): the simulation's peak of
-  Llama-3-70B at fsdp 32 x tp 2 with selective checkpointing holds all three.
+  (``reduce_buffer``) and its sharded gradient, the head's unsharded gradient (``head_grad``) and
+  the gradients this unit's backward has made so far (the compute dtype's, unsharded:
+  ``unit_grads`` counts the whole unit's), while the first unit's kept activations are freed
+  (``unit_freed``): the simulation's peak of Llama-3-70B at fsdp 32 x tp 2 with selective
+  checkpointing lies there, in block 78 of 80 after its MLP's weight gradients. With two units on
+  the rank that moment is the step's last block backward (``first_block``).
 - ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, the
   gradients views into DDP's all-reduce buckets (``gradient_as_bucket_view``: no second copy);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
