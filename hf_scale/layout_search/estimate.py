@@ -11,8 +11,12 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   block unit's backward (beside a recomputation, after the logits' peak) FSDP2 has already
   all-gathered the next unit (its default backward prefetch; an explicit ``prefetch`` of k units:
   k of them; ``prefetched``), still holds the first unit's reduce-scatter input in fp32
-  (``reduce_buffer``) and the head's unsharded gradient (``head_grad``): the simulation's peak of
-  Llama-3-70B at fsdp 32 x tp 2 with selective checkpointing holds all three.
+  (``reduce_buffer``) and its sharded gradient, the head's unsharded gradient (``head_grad``) and
+  the gradients this unit's backward has made so far (the compute dtype's, unsharded:
+  ``unit_grads`` counts the whole unit's), while the first unit's kept activations are freed
+  (``unit_freed``): the simulation's peak of Llama-3-70B at fsdp 32 x tp 2 with selective
+  checkpointing lies there, in block 78 of 80 after its MLP's weight gradients. With two units on
+  the rank that moment is the step's last block backward (``first_block``).
 - ddp / zero1 (composable ``replicate``): fp32 parameters and gradients on every rank, the
   gradients views into DDP's all-reduce buckets (``gradient_as_bucket_view``: no second copy);
   zero1's ``ZeroRedundancyOptimizer`` keeps 1/n of AdamW's state. Mixed precision is autocast:
@@ -209,6 +213,13 @@ class MemoryEstimate:
     # dtype's, autograd's: the root reduces it at the step's end), made before any block's backward
     reduce_buffer: int = 0
     head_grad: int = 0
+    # in that second unit's backward too: the gradients autograd makes for its own parameters (the
+    # compute dtype's, unsharded, until its reduce-scatter copies them) and the first unit's
+    # sharded gradient (its reduce-scatter's output); and the first unit's kept activations, freed
+    # by its backward (the simulation's peak of Llama-3-70B at fsdp 32 x tp 2 lies there: after
+    # the MLP's weight gradients of block 78 of 80 are made)
+    unit_grads: int = 0
+    unit_freed: int = 0
     # the first block's backward, the step's last: its kept and recomputed activations beside every
     # later block's gradient, less its own gradients, not made yet (not under accumulation: there
     # ``backward`` holds both)
@@ -245,7 +256,7 @@ class MemoryEstimate:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         grads = self.grads - self.bucket_grads
         backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant
-                                           + self.reduce_buffer + self.head_grad)
+                                           + self.reduce_buffer + self.head_grad + self.unit_grads - self.unit_freed)
                     + (grads if self.accumulating else 0))
         late = 0 if self.accumulating and not self.sync_each else (
             grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
@@ -266,10 +277,11 @@ class MemoryEstimate:
         held = {"params": self.params + self.reference, "optimizer": self.optimizer}
         gathered = self.comm_buffers - self.held_grads
         extra = self.recompute + self.prefetched + self.dequant + self.reduce_buffer
-        logits = self.logits_loss >= extra + self.head_grad
-        backward = {"grads": self.held_grads + (grads if self.accumulating else 0) + (0 if logits else self.head_grad),
+        logits = self.logits_loss >= extra + self.head_grad + self.unit_grads - self.unit_freed
+        backward = {"grads": self.held_grads + (grads if self.accumulating else 0)
+                    + (0 if logits else self.head_grad + self.unit_grads),
                     "activations": self.compute_copies + self.activations
-                    + (self.logits_loss - self.logits_temp if logits else 0),
+                    + (self.logits_loss - self.logits_temp if logits else -self.unit_freed),
                     "buffers": gathered + (self.logits_temp if logits else extra)}
         kept = min(self.first_block, self.first_block_kept)
         late = {"grads": self.held_grads + grads + self.grad_buffers,
@@ -461,7 +473,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     away, away_frozen, moe_layers = _experts_elsewhere(facts, layout, scale)
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
-    comm = compute = prefetched = bucket_grads = held = reduce_buffer = 0  # held: of comm, gradient storage
+    comm = compute = prefetched = bucket_grads = held = reduce_buffer = unit_grads = freed_units = 0  # held: of comm, gradient storage
     # under pp each rank holds its own stages' state: ``shares`` of the largest pp rank's parameters
     shares = _pp_rank_shares(facts, layout)
     staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
@@ -485,7 +497,12 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
         if layout.strategy != "zero2":
             prefetched = int(max(0, min(layout.prefetch or 1, units - 2)) * unit)
         if units > 1:
-            reduce_buffer = int(4 * unit_blocks(facts, layout) * (block - in_unit - block_frozen + in_unit_frozen))
+            unit_train = unit_blocks(facts, layout) * (block - in_unit - block_frozen + in_unit_frozen)
+            reduce_buffer = int(4 * unit_train)
+        if units > 2:  # with two, the second unit's backward is the step's last: ``first_block``'s moment
+            offloaded = layout.cpu_offload and work.device != "cpu"  # the sharded gradients on the host
+            unit_grads = int(d * unit_train + (0 if offloaded else 4 * unit_train / n))
+            freed_units = unit_blocks(facts, layout)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
             comm += int(unsharded)
             held = int(unsharded)
@@ -504,7 +521,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                       for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
             staged_grads = [int(4 * train * s - layers * 4 * (away - away_frozen))
                             for s, layers in zip(shares, moe_layers_per_pp_rank(facts, layout))]
-            prefetched = reduce_buffer = 0
+            prefetched = reduce_buffer = unit_grads = freed_units = 0
     elif replicated and layout.dp > 1:
         # DDP's gradient buckets (trainable, not ep's experts), held from the first backward on; the
         # gradients are views into them (``gradient_as_bucket_view``), no second copy
@@ -567,6 +584,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
                           accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
                           prefetched=prefetched, reduce_buffer=reduce_buffer, head_grad=head_grad,
+                          unit_grads=unit_grads, unit_freed=freed_units * acts.first_block_kept,
                           first_block=first_block, sync_each=each,
                           others_in_flight=others, dequant=dequant_workspace(nf4, d),
                           nf4_params=0 if host else nf4_held, reference=reference,

@@ -49,7 +49,13 @@ def test_state_bytes_per_strategy(tiny, strategy, shard, params, grads, optimize
     fixed = mem.overhead + mem.params + mem.optimizer + mem.comm_buffers + mem.compute_copies
     root = tiny.root_params if strategy in ("fsdp", "zero2") else 0
     assert mem.grad_buffers == 4 * tiny.tied_params + 4 * root and tiny.tied_params == 128 * 32
-    block = mem.recompute + mem.prefetched + mem.reduce_buffer + mem.head_grad  # a block's backward (FSDP's units)
+    # a block's backward (FSDP's second unit): the first unit's reduce-scatter input and sharded
+    # gradient, this unit's own unsharded gradients (fp32 here), the first unit's activations freed
+    block = (mem.recompute + mem.prefetched + mem.reduce_buffer + mem.head_grad
+             + mem.unit_grads - mem.unit_freed)
+    # (none with the tiny model's two blocks: its second unit's backward is the step's last block
+    # backward, the moment of ``first_block``; test_a_deeper_prefetch_keeps_more_units_gathered)
+    assert mem.unit_grads == mem.unit_freed == 0
     assert mem.device_total == fixed + max(mem.activations + max(mem.logits_loss, block),
                                            mem.grads - mem.bucket_grads + mem.grad_buffers + mem.first_block)
 
@@ -136,6 +142,11 @@ def test_a_deeper_prefetch_keeps_more_units_gathered(tiny):
     assert estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2), WORK).prefetched == 0
     # the previous unit's reduce-scatter input (fp32) and the head's unsharded gradient (bf16) beside it
     assert default.reduce_buffer == 2 * block and default.head_grad == 2 * deep.head_params
+    # and this unit's own gradients (bf16, unsharded: made before its reduce-scatter copies them)
+    # beside the first unit's sharded fp32 gradient (4 bytes over 2 ranks), its kept activations freed
+    assert default.unit_grads == block + block and default.unit_freed == default.first_block_kept > 0
+    cats = default.categories()
+    assert sum(cats.values()) == default.device_total - default.overhead
     # from the last block's backward on, after the logits are freed: beside the recomputation
     full = estimate_memory(tiny, Layout("fsdp", 1, 2, precision="bf16", prefetch=2, ac="full"), WORK)
     later = full.activations + full.recompute + full.prefetched + full.reduce_buffer + full.head_grad
