@@ -6,6 +6,8 @@ Run (one machine; the script launches every contender itself, 2 ranks each, gloo
     python scripts/bench_parallelize.py --steps 1 --legs hf_fsdp,torch_fsdp     # a quick check
     python scripts/bench_parallelize.py --steps 1 --legs hf_fsdp_ac_2k,hf_fsdp_ac_chunk_2k \
         --write docs/benchmarks.md --section parallelize-2k   # chunked loss at 1 x 2048 tokens
+    python scripts/bench_parallelize.py --steps 2 --legs hf_fsdp,torch_fsdp,hf_fsdp,torch_fsdp --bounds \
+        --write docs/benchmarks.md --section parallelize-gloo  # issue 42's rounds and what any FSDP reaches
 
 Every contender trains the real SmolLM2-135M (fp32) with AdamW (lr 1e-5, no weight decay) on the
 same fixed random token ids (labels = input_ids), 4 x 256 tokens per step (2 x 256 per rank;
@@ -24,6 +26,10 @@ the ``_2k`` legs 1 x 2048 per rank, where SmolLM2's 49,152-wide logits dominate 
   averaged over ranks, to show every contender trains the same thing;
 * other load: CPU cores used by other processes in the timed steps; above ~0.1 the machine was
   shared and tokens/s is not trustworthy.
+
+``--bounds`` adds two legs that are not ways to train (scripts/bench_fsdp_bounds.py): every rank
+computing the whole model on its tokens with no collective (the ceiling of any FSDP step here),
+and the fsdp step's collectives alone; line (g) reads the fsdp legs against them.
 
 Ratios are against the FSDP anchors (torch ``fully_shard``, transformers
 ``DistributedConfig(fsdp_size=2)``, accelerate's FSDP2 plugin) that really ran FSDP; for the
@@ -61,6 +67,7 @@ from bench_common import (
     torchrun,
     write_doc,
 )
+from bench_fsdp_bounds import BOUNDS, bound_collectives, bound_compute, bounds_line
 
 WORLD, LR = 2, 1e-5
 SHORT, LONG = (2, 256), (1, 2048)  # (sequences, tokens each) per rank
@@ -198,6 +205,11 @@ CONTENDERS = {  # name: (row label, builder returning (model, optimizer, note, l
     "hf_fsdp_ac_chunk_2k": ("10b hf_scale fsdp + full AC + chunked loss (256), 1x2048/rank",
                             _hf(**FULL_AC, loss_chunk_tokens=256), LONG),
     "hf_auto": ("11 hf_scale strategy auto", hf_scale_auto, SHORT),
+    # --bounds (scripts/bench_fsdp_bounds.py): what any FSDP reaches here, not ways to train
+    "bound_compute": ("B1 bound: compute alone (whole model, 1/2 of AdamW, no collective)",
+                      functools.partial(bound_compute, LR, WORLD), SHORT),
+    "bound_collectives": ("B2 bound: the fsdp step's collectives alone (tok/s: tokens / their time)",
+                          bound_collectives, SHORT),
 }
 
 
@@ -355,7 +367,9 @@ def rounds(runs: list[tuple[str, dict]], a: str = "hf_fsdp", b: str = "torch_fsd
 def checks(rows: dict, runs: list[tuple[str, dict]] = ()) -> list[str]:
     """The targets whose rows ran as PASS/FAIL lines (n/a, with why, when one of them failed)."""
     verdict = lambda passed: "PASS" if passed else "FAIL"
-    anchors, out = _anchors(rows, SHORT), rounds(list(runs))
+    labels = {name: CONTENDERS[name][0] for name in CONTENDERS}
+    tokens = WORLD * SHORT[0] * SHORT[1]
+    anchors, out = _anchors(rows, SHORT), rounds(list(runs)) + bounds_line(list(runs), labels, tokens)
     if _ok(rows, "hf_fsdp") and anchors:
         tok = rows["hf_fsdp"]["tok_s"] / max(a["tok_s"] for a in anchors)
         peak = rows["hf_fsdp"]["peak"] / min(a["peak"] for a in anchors)
@@ -395,10 +409,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps per contender (>= 1)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
-    short = [n for n, c in CONTENDERS.items() if c[2] == SHORT]
+    short = [n for n, c in CONTENDERS.items() if c[2] == SHORT and n not in BOUNDS]
     parser.add_argument("--legs", "--only", dest="legs", default=",".join(short),
                         help=f"comma-separated contenders among {', '.join(CONTENDERS)} "
                         "(default: the 2 x 256 ones)")
+    parser.add_argument("--bounds", action="store_true",
+                        help="also run the bounds (scripts/bench_fsdp_bounds.py) after the legs, unless "
+                        "--legs names them: what any FSDP implementation can reach here")
     parser.add_argument("--out", help="folder for per-rank results and logs (default: a temp dir)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per contender")
     parser.add_argument("--default-malloc", action="store_true",
@@ -409,6 +426,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
     names = [n.strip() for n in args.legs.split(",") if n.strip()]
+    names += [b for b in BOUNDS if args.bounds and b not in names]
     if set(names) - set(CONTENDERS) or args.steps < 1:
         parser.error(f"--steps must be >= 1 and --legs names among {', '.join(CONTENDERS)}")
     check_doc(args)

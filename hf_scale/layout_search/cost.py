@@ -47,6 +47,8 @@
   PyTorch gives for explicit prefetching (pytorch#78608: "when applications' CUDA queueing
   lags"). On a CPU the host is the device and prefetching changes nothing (measured here:
   FSDP2 with explicit prefetch 1-3, async or not, within the runs' +-10% noise of the default).
+  hf_scale's fsdp nevertheless issues them asynchronously one unit ahead on a CPU mesh
+  (:func:`hf_scale.parallel.fsdp.overlap_on_host`); the model keeps pricing no overlap there.
 - optimizer: AdamW reads parameter, gradient and two moments and writes three (28 bytes per
   local trainable parameter) at the memory bandwidth; with cpu_offload at host bandwidth, plus the
   parameter / gradient copies over PCIe on a GPU; and a fixed cost per parameter tensor, higher

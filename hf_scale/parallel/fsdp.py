@@ -61,7 +61,8 @@ def apply_fsdp(
             reverse forward order). An explicit prefetch issues the next all-gather as soon as
             the current one lands, which hides it when the host, not the device, is the
             bottleneck (small blocks, slow launches); each unit deeper than one keeps one more
-            gathered unit alive.
+            gathered unit alive. On a CPU mesh ``None`` means 1, with asynchronous all-gathers
+            (:func:`overlap_on_host`): without them nothing overlaps there.
         experts: expert-parallel experts modules (their weights ``DTensor`` s sharded over the ep
             mesh): each its own unit over ``experts_mesh``, the ranks holding the same experts.
             Their gradients arrive summed over the ep ranks' tokens (the all-to-all's backward),
@@ -107,8 +108,23 @@ def apply_fsdp(
     # The root's parameters (embeddings, head) are needed again as soon as backward starts.
     fully_shard(model, mp_policy=mp_policy, reshard_after_forward=False, **common)
     install_reduce_scatter(model, dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)))
-    if prefetch:
-        set_prefetch(model, [group[0] for group in groups], prefetch)
+    on_host = overlap_on_host(model, dp_mesh.device_type)
+    if prefetch or on_host:
+        set_prefetch(model, [group[0] for group in groups], prefetch or 1)
+
+
+def overlap_on_host(root: nn.Module, device_type: str) -> bool:
+    """On a CPU mesh, make every FSDP unit under ``root`` issue its all-gathers asynchronously
+    (FSDP2's ``_set_unshard_async_op``); returns whether it did (the caller then prefetches
+    explicitly). Why: FSDP2 overlaps communication with compute through device streams; on a
+    CPU there are none and its all-gathers default to ``async_op=False``, so every one, its
+    prefetches included, blocks the host that computes. Async all-gathers run in gloo's threads
+    while the host computes the current unit, and the explicit prefetch issues the next one
+    before that compute. GPU meshes keep FSDP2's defaults."""
+    if device_type != "cpu":
+        return False
+    root._set_unshard_async_op(True)
+    return True
 
 
 def shard_experts(experts: list[nn.Module], experts_mesh, data_ranks: int, *,

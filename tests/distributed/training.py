@@ -131,18 +131,20 @@ def _parallelize(model, config: dict):
 
 
 class _count_prefetches:
-    """Counts the all-gathers FSDP2 issued ahead of need, by pass ("forward" / "backward"), until
-    ``stop()``: its own prefetch entry point, wrapped."""
+    """Counts the all-gathers FSDP2 issued ahead of need, by pass ("forward" / "backward"), and
+    those of them issued asynchronously ("async": the unit's ``unshard_async_op``, without which a
+    prefetch blocks the host on a CPU), until ``stop()``: its own prefetch entry point, wrapped."""
 
     def __init__(self):
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        self.counts = {"forward": 0, "backward": 0}
+        self.counts = {"forward": 0, "backward": 0, "async": 0}
         self._owner, self._original = FSDPParamGroup, FSDPParamGroup.__dict__["_prefetch_unshard"]
         inner = self._original.__func__
 
         def counted(target, pass_type):
             self.counts[pass_type] += 1
+            self.counts["async"] += int(target.unshard_async_op)
             return inner(target, pass_type)
 
         FSDPParamGroup._prefetch_unshard = staticmethod(counted)
