@@ -121,9 +121,10 @@ def overlap_on_host(root: nn.Module, device_type: str) -> bool:
     prefetches included, blocks the host that computes. Async all-gathers run in gloo's threads
     while the host computes the current unit, and the explicit prefetch issues the next one
     before that compute. GPU meshes keep FSDP2's defaults."""
-    if device_type != "cpu":
+    switch = getattr(root, "_set_unshard_async_op", None)  # private in torch 2.13: absent, keep the defaults
+    if device_type != "cpu" or switch is None:
         return False
-    root._set_unshard_async_op(True)
+    switch(True)
     return True
 
 
