@@ -48,6 +48,11 @@ Legs:
   by its share of the global label tokens, ``hf_scale.clip_grad_norm_``, the optimizer, the
   schedule (``--recipes`` runs the CLI itself, ``configs/quickstart-lora.yaml``).
 * **hf_scale full fsdp**: the same without LoRA (every parameter trained), under fsdp.
+* **hf_scale lora fsdp ac** / **hf_scale full fsdp ac** (``--legs``, not run by default): the two
+  fsdp legs with full activation checkpointing (``activation_checkpointing: "full"``), both alike:
+  what LoRA saves when the activations both legs hold are not most of the step. Their line is the
+  0.6x target again; the ``bound`` line under the no-checkpointing pair says how small the
+  activations would have to be for that pair to meet it.
 * **hf_scale lora ddp base-loss** / **hf_scale lora fsdp base-loss** (not run by default): the
   labeled-only loss put by this script on the PeftModel's base model before ``parallelize``
   (``hf_scale.parallel.loss.apply_chunked_loss``), as the LoRA legs had to be measured before
@@ -228,7 +233,7 @@ def hf_scale_worker(args) -> None:
     if args.strategy in ("ddp", "zero1"):
         counter = AllReduceCounter()
         model.register_comm_hook(counter, counting_allreduce)
-    note = f"strategy {args.strategy}; {loss_note}; {torch.get_num_threads()} torch thread(s)"
+    note = f"strategy {args.strategy}; {loss_note}; {'activation checkpointing full; ' if args.ac else ''}{torch.get_num_threads()} torch thread(s)"
     record = {"rank": rank, "ran_as": ran_as(model, note)[0],
               "rss_setup": _rss_bytes(), "max_rss_setup": _max_rss_bytes(),
               "step_end": [], "cpu": [], "max_rss": [], "tokens": [], "digests": [], "loss": [],
@@ -269,7 +274,7 @@ def _parallelize(model, args):
     import hf_scale
     from hf_scale.errors import HfScaleConfigError
 
-    config = {"strategy": args.strategy}
+    config = {"strategy": args.strategy, **({"activation_checkpointing": "full"} if args.ac else {})}
     if args.loss == "base":
         from hf_scale.parallel.loss import apply_chunked_loss
 
@@ -390,12 +395,15 @@ LEGS = {  # name: worker arguments
     "hf_scale lora ddp": ["--worker", "hf_scale", "--strategy", "ddp"],
     "hf_scale lora fsdp": ["--worker", "hf_scale", "--strategy", "fsdp"],
     "hf_scale full fsdp": ["--worker", "hf_scale", "--strategy", "fsdp", "--full"],
+    "hf_scale lora fsdp ac": ["--worker", "hf_scale", "--strategy", "fsdp", "--ac"],
+    "hf_scale full fsdp ac": ["--worker", "hf_scale", "--strategy", "fsdp", "--full", "--ac"],
     # not run by default: what the LoRA legs would give with the head on the labeled positions
     "hf_scale lora ddp base-loss": ["--worker", "hf_scale", "--strategy", "ddp", "--loss", "base"],
     "hf_scale lora fsdp base-loss": ["--worker", "hf_scale", "--strategy", "fsdp", "--loss", "base"],
 }
 DEFAULT_LEGS = ["TRL lora", "hf_scale lora ddp", "hf_scale lora fsdp", "hf_scale full fsdp"]
 ANCHOR, LORA_VS_TRL, LORA_VS_FULL, FULL = "TRL lora", "hf_scale lora ddp", "hf_scale lora fsdp", "hf_scale full fsdp"
+LORA_AC, FULL_AC = "hf_scale lora fsdp ac", "hf_scale full fsdp ac"
 
 
 def make_adapter(folder: Path) -> None:
@@ -542,7 +550,28 @@ def _verdicts(legs: dict, none: dict) -> list[str]:
                      f"{_per_cpu(lora, full)})")
     else:
         lines.append(f"n/a: hf_scale LoRA vs full fine-tune ({LORA_VS_FULL} {lora['status']}, {FULL} {full['status']})")
+        return lines
+    lines.append(f"  bound: of the LoRA leg's {lora['peak']:.2f} GiB, {lora['peak'] - lora['setup']:.2f} are what "
+                 f"its steps add above the built model (activations, gathered units, logits), which the full "
+                 f"fine-tune adds too; the full leg's own extra (gradients, AdamW state) is "
+                 f"{full['peak'] - full['setup'] - (lora['peak'] - lora['setup']):.2f} GiB; 0.6x needs the "
+                 f"shared part <= {_shared_limit(lora, full):.2f} GiB (the ac legs: activation checkpointing)")
+    ac_lora, ac_full = legs.get(LORA_AC, none), legs.get(FULL_AC, none)
+    if ac_lora["status"] == "ok" and ac_full["status"] == "ok":
+        r = ac_lora["peak"] / ac_full["peak"]
+        lines.append(f"{'PASS' if r <= 0.6 else 'FAIL'}: hf_scale LoRA (fsdp) peak RSS <= 0.6x hf_scale full "
+                     f"fine-tune (fsdp), both with activation checkpointing ({ac_lora['peak']:.2f} vs "
+                     f"{ac_full['peak']:.2f} GiB = {r:.2f}x)")
     return lines
+
+
+def _shared_limit(lora: dict, full: dict) -> float:
+    """The step memory both legs hold alike (activations: ``a``) at which LoRA's peak would be 0.6x
+    the full leg's, everything else as measured: ``lora_setup + a = 0.6 (full_setup + extra + a)``,
+    ``extra`` the full leg's gradients and optimizer state (its step's addition less LoRA's)."""
+    shared = lora["peak"] - lora["setup"]
+    extra = full["peak"] - full["setup"] - shared
+    return max(0.0, (0.6 * (full["setup"] + extra) - lora["setup"]) / 0.4)
 
 
 def main() -> None:
@@ -566,6 +595,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
     parser.add_argument("--loss", default="labeled", help=argparse.SUPPRESS)
+    parser.add_argument("--ac", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--name", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
