@@ -304,6 +304,18 @@ def table(rows: dict, disk: float, disk_bytes: int) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
 
+def save_bound(written: int, disk: float, anchor_s: float) -> str:
+    """What the disk allows a save that writes ``written`` bytes: at (a)'s median bandwidth (MB/s,
+    one process) writing them takes at least ``written / disk`` seconds, so its time against the
+    anchor's ``anchor_s`` cannot fall below that over ``anchor_s``; and the bandwidth a disk needs
+    for the 0.5x target, the anchor's time staying as measured."""
+    floor = written / MB / disk
+    need = written / MB / (0.5 * anchor_s)
+    return (f"writing its {written / MB:.0f} MB at the disk's {disk:.0f} MB/s takes >= {floor:.2f} s, "
+            f"so time / (c) >= {floor / anchor_s:.2f}x on this disk; 0.5x needs >= {need:.0f} MB/s "
+            f"({need / disk:.1f}x this disk) with (c) unchanged")
+
+
 def save_targets(rows: dict, disk: float) -> list[str]:
     if rows["save_hf"]["status"] != "ok":
         return ["n/a  (b) did not run: no save target can be checked"]
@@ -316,6 +328,7 @@ def save_targets(rows: dict, disk: float) -> list[str]:
             c = rows["save_gather"]["seconds"]
             out.append(f"{VERDICT[row['seconds'] <= 0.5 * c]} {label} time <= 0.5x (c): "
                        f"{row['seconds']:.2f} s vs {c:.2f} s = {row['seconds'] / c:.2f}x")
+            out.append(f"  bound: {label} {save_bound(row['written'], disk, c)}")
         mb_s = row["written"] / MB / row["seconds"]
         out.append(f"{VERDICT[mb_s >= 0.5 * disk]} {label} throughput >= 50% of disk (a): "
                    f"{mb_s:.0f} vs {disk:.0f} MB/s = {mb_s / disk:.0%}")
