@@ -44,6 +44,12 @@ def test_ratios_and_verdicts_follow_the_figures():
     assert lines[2] == "n/a: fsdp: tokens/s and peak RSS vs TRL (TRL fsdp not run: FSDP dropped)"
     assert "hf_scale fsdp against TRL ddp: tokens/s 1.12x, peak RSS 0.62x" in lines[3]
     assert lines[4].startswith("FAIL: LoRA peak RSS 0.64x the full-parameter run's")  # target <= 0.6x
+    assert len(lines) == 5  # the checkpointed pair did not run: no line for it
+    legs |= {"hf_scale fsdp ac": _leg(30.0, 2.0), "hf_scale LoRA ac": _leg(35.0, 1.1)}
+    assert ratio_lines(legs)[5].startswith("PASS: LoRA peak RSS 0.55x the full-parameter run's with activation "
+                                           "checkpointing")
+    legs["hf_scale LoRA ac"] = _leg(35.0, 1.3)
+    assert ratio_lines(legs)[5].startswith("FAIL: LoRA peak RSS 0.65x")
     legs["hf_scale ddp"] = _leg(44.0, 3.8)  # 1.1x and 0.95x: both fail
     assert [ln.split(":")[0] for ln in ratio_lines(legs)[:2]] == ["FAIL", "FAIL"]
     table = leg_table(legs)
