@@ -122,6 +122,10 @@ def _probe(cls: type, config) -> bool:
     config = copy.deepcopy(config)
     try:
         config.num_hidden_layers = 1
+        # with a cache, transformers skips its search for packed documents in position_ids, whose
+        # `.all()` cannot run on the meta device: a parallelized model's config has use_cache off
+        # (hf_scale.orchestrate.disable_kv_cache), and the probe failed on every one of them
+        config.use_cache = True
         if isinstance(getattr(config, "layer_types", None), list):
             config.layer_types = config.layer_types[:1]
         config._attn_implementation = "sdpa"

@@ -233,3 +233,20 @@ def test_scored_logits_decided_by_the_forward_not_its_source():
     keeps_all = KeepsAll(model.config)
     assert keeps_scored_logits(model) and not keeps_scored_logits(keeps_all)
     assert not keeps_scored_logits(torch.nn.Linear(2, 2))  # no loss_function
+
+
+def test_scored_logits_kept_for_a_parallelized_config_without_a_cache(monkeypatch):
+    """parallelize turns the KV cache off (disable_kv_cache); without a cache transformers searches
+    position_ids for packed documents with a data-dependent `.all()`, which the meta-device probe
+    cannot run: the probe failed on every parallelized model, so every preference forward (policy
+    and reference, full parameters and LoRA) computed [rows, seq, vocabulary] logits and their
+    log-softmax (SmolLM2 DPO, LoRA on 2 ranks: +0.12 GiB peak RSS)."""
+    from hf_scale.orchestrate import disable_kv_cache
+    from hf_scale.parallel import token_logps
+
+    monkeypatch.setattr(token_logps, "_PROBED", {})  # decided once per class: decide again here
+    model = tiny_model("llama", "causal")
+    disable_kv_cache(model)
+    assert model.config.use_cache is False
+    assert token_logps.keeps_scored_logits(model)
+    assert model.config.use_cache is False  # the probe changed a copy only
