@@ -131,6 +131,9 @@ def test_a_stage_gathers_and_reduces_its_own_root(facts):
         assert e.grad_buffers == e.root_reduce == 4 * root
     # the top unit's backward holds the root's buffer; a middle stage's next unit the unit's own
     assert first.reduce_buffer == 0 and middle.reduce_buffer == 4 * max(facts.block_params)
+    # the last stage returns the loss, not the logits: the loss's forward holds them all as
+    # activations (no temporaries), beside a unit more gathered
+    assert last.logits_temp == 0 < last.logits_loss and last._loss == last.logits_loss + last.prefetched > 0
 
 
 def test_a_later_microbatch_runs_beside_the_sharded_gradients(facts):
