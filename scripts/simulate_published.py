@@ -7,6 +7,7 @@ Run (one process, no GPU; tens of seconds per 8B rank, about a minute per 70B ra
     python scripts/simulate_published.py --write docs/benchmarks.md
     python scripts/simulate_published.py --parts gpu        # or: pp, lora, moe, cpu
     python scripts/simulate_published.py --parts pp --write docs/benchmarks.md --section simulate-pp
+    python scripts/simulate_published.py --parts pp --pp-rows 4:last --pp-ranks 63   # one pp leg
     python scripts/simulate_published.py --parts cp --write docs/benchmarks.md --section simulate-cp
     python scripts/simulate_published.py --parts qlora --write docs/benchmarks.md --section simulate-qlora
 
@@ -173,27 +174,39 @@ def gpu_rows() -> list[list[str]]:
     return cells
 
 
-def pp_rows() -> list[list[str]]:
+def pp_rows(rows: list[tuple[int, str]] | None = None, ranks: list[int] | None = None) -> list[list[str]]:
     """Pipeline steps of m sequences per data-parallel rank, one per microbatch (1f1b), the first
-    and the last stage: torch's gradient reduction after the last microbatch, and after each."""
+    and the last stage: torch's gradient reduction after the last microbatch, and after each.
+    ``rows`` (default ``PP_ROWS``) and ``ranks`` (default the first and the last) select legs."""
     from hf_scale.errors import HfScaleConfigError
     from hf_scale.layout_search import Layout
     from hf_scale.layout_search.simulate import simulate_ranks
 
     cells = []
     config = llama(LLAMA3["Llama-3-70B"])
-    for m, sync in PP_ROWS:
+    for m, sync in rows or PP_ROWS:
         layout = Layout("fsdp", dp_shard=16, pp=4, precision="bf16", ac="full", micro_batch=m, pp_microbatches=m,
                         pp_grad_sync=sync)
         name = f"Llama-3-70B, 64 x 80 GB, pp=4 ({m} x {SEQ} per step, pp_grad_sync={sync})"
         try:
-            for result in simulate_ranks(config, layout, SEQ, m):
+            for result in simulate_ranks(config, layout, SEQ, m, ranks):
                 cells.append(pp_row(name, result, sync))
                 JUDGED.append((name, result))
                 print(result.format(), flush=True)
         except HfScaleConfigError as e:
             cells.append([name, layout.describe(), *["-"] * 8, f"not simulated: {str(e).split('. ')[0]}"])
     return cells
+
+
+def parse_pp_rows(text: str) -> list[tuple[int, str]]:
+    """``--pp-rows``: "4:last,8:each" -> [(4, "last"), (8, "each")]."""
+    rows = []
+    for item in text.split(","):
+        m, _, sync = item.partition(":")
+        if not m.isdigit() or sync not in ("last", "each"):
+            raise argparse.ArgumentTypeError(f"{item!r}: give MICROBATCHES:SYNC, SYNC last or each (e.g. 4:last)")
+        rows.append((int(m), sync))
+    return rows
 
 
 def pp_row(name: str, result, sync: str) -> list[str]:
@@ -554,6 +567,12 @@ def main() -> None:
     parser.add_argument("--parts", default="gpu,lora,moe,cpu",
                         help="comma-separated: gpu, pp, lora, moe, cpu, dpo, cp, qlora (pp, dpo, cp and qlora have "
                              "their own sections: --section simulate-pp / simulate-dpo / simulate-cp / simulate-qlora)")
+    parser.add_argument("--pp-rows", default=None, type=parse_pp_rows,
+                        help="the pp part's legs, comma-separated MICROBATCHES:SYNC (default: "
+                             + ",".join(f"{m}:{s}" for m, s in PP_ROWS) + "), e.g. 4:last")
+    parser.add_argument("--pp-ranks", default=None, type=lambda t: [int(r) for r in t.split(",")],
+                        help="the pp part's ranks of 64, comma-separated (default: 0,63: the first and "
+                             "last stage), e.g. 63")
     args = parser.parse_args()
     check_doc(args)
     parts = set(args.parts.split(","))
@@ -567,7 +586,7 @@ def main() -> None:
     if "cp" in parts:
         cp_cells, cp_text, cp_verdicts = cp_rows()
     if parts & {"gpu", "pp", "lora", "moe", "dpo", "cp", "qlora"}:
-        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows() if "pp" in parts else [])
+        gpu_cells = ((gpu_rows() if "gpu" in parts else []) + (pp_rows(args.pp_rows, args.pp_ranks) if "pp" in parts else [])
                      + (lora_rows() if "lora" in parts else [])
                      + (moe_rows() if "moe" in parts else []) + (dpo_rows() if "dpo" in parts else [])
                      + (cp_cells if "cp" in parts else []) + (qlora_rows() if "qlora" in parts else []))

@@ -34,6 +34,18 @@ What hf_scale really keeps (read from ``hf_scale/parallel``):
   activations, one MoE layer's at a time (of one pipeline microbatch under pp): the experts'
   inputs and outputs that backward keeps are the model's own, already measured by the meta
   forward (its experts gather the same ``tokens x top_k`` rows).
+- pp under FSDP (1F1B, GPipe): the peak is a later microbatch's, beside the gradients the earlier
+  ones made (``scripts/simulate_published.py``'s pp=4 rows, read at each schedule step): at most
+  ``m - 1`` microbatches in flight then (the first's freed; ``first_microbatch``: the one more at
+  the first backward, before any gradient), each with the stage output torch keeps for its
+  backward, and a receive buffer per microbatch throughout. A stage's root unit is its own part of
+  the root (embeddings first, norm and head last: ``stage_root_params``). ``pp_grad_sync="each"``:
+  every sharded gradient, the previous microbatch's root reduce-scatter input (``root_reduce``),
+  the top unit's own gradients unsharded (bf16); on the last stage the loss's forward (the logits,
+  their fp32 copy and log-softmax, all forward's) beside the root and two units gathered.
+  ``"last"``: the stage is gathered whole with every gradient unsharded only from a microbatch's
+  backward to the next forward (``regathered``): the peak is a backward's end beside the other
+  microbatches in flight (on the last stage none).
 - cpu_offload: parameters, gradients and optimizer state live in host memory (``host``); on a
   CPU device that is the device's own memory, where they stay counted.
 - activations: :mod:`.profile` (saved tensors counted on a meta forward), per micro-batch, with
@@ -229,6 +241,15 @@ class MemoryEstimate:
     # later forwards follow, and beside the other in-flight microbatches' activations
     sync_each: bool = False
     others_in_flight: int = 0
+    # under pp: of the rank's in-flight activations, those held only until its first backward (the
+    # earlier microbatches' backward frees them before a later one, beside the gradients, runs:
+    # ``activations`` are a later microbatch's); the stage root's fp32 reduce-scatter input of the
+    # previous microbatch (pp_grad_sync="each"), held beside a later microbatch's forward and its
+    # first unit's backward; and (pp_grad_sync="last") of ``comm_buffers``, the stage's parameters
+    # gathered by backward beyond its root and one unit, there only until the next forward
+    first_microbatch: int = 0
+    root_reduce: int = 0
+    regathered: int = 0
     # QLoRA: one NF4 weight dequantized to the compute dtype inside its matmul (forward, backward,
     # recomputation), beside a block's backward; and, of ``params``, the bytes held in NF4 (not
     # added to the total: already in ``params``)
@@ -255,14 +276,22 @@ class MemoryEstimate:
     def device_total(self) -> int:
         """What the accelerator (or, on CPU, the process) must hold at the peak."""
         grads = self.grads - self.bucket_grads
-        backward = (self.activations + max(self.logits_loss, self.recompute + self.prefetched + self.dequant
+        backward = (self.activations + max(self._loss, self.recompute + self.prefetched + self.dequant
                                            + self.reduce_buffer + self.head_grad + self.unit_grads - self.unit_freed)
-                    + (grads if self.accumulating else 0))
+                    + max((grads if self.accumulating else 0) + self.root_reduce, self.first_microbatch)
+                    - self.regathered)
         late = 0 if self.accumulating and not self.sync_each else (
             grads + self.grad_buffers + self.first_block + self.others_in_flight + self.dequant)
         policy = self.comm_buffers + self.compute_copies + max(backward, late)
         before = self.reference_forward + (grads if self.accumulating else 0) if self.reference_forward else 0
         return self.overhead + self.params + self.optimizer + self.reference + max(policy, before)
+
+    @property
+    def _loss(self) -> int:
+        """The loss's moment beyond the activations: the logits and loss, and under pp_grad_sync="each"
+        a unit more gathered (the simulation of Llama-3-70B at pp=4 gathers the root and two block
+        units while the last stage's loss runs)."""
+        return self.logits_loss + (self.prefetched if self.sync_each and self.logits_loss else 0)
 
     def categories(self) -> dict[str, int]:
         """The device total less the overhead at its peak, split as the simulation splits its tracked
@@ -277,12 +306,14 @@ class MemoryEstimate:
         held = {"params": self.params + self.reference, "optimizer": self.optimizer}
         gathered = self.comm_buffers - self.held_grads
         extra = self.recompute + self.prefetched + self.dequant + self.reduce_buffer
-        logits = self.logits_loss >= extra + self.head_grad + self.unit_grads - self.unit_freed
-        backward = {"grads": self.held_grads + (grads if self.accumulating else 0)
+        logits = self._loss >= extra + self.head_grad + self.unit_grads - self.unit_freed
+        later = (grads if self.accumulating else 0) + self.root_reduce >= self.first_microbatch
+        backward = {"grads": self.held_grads + (grads if self.accumulating and later else 0)
                     + (0 if logits else self.head_grad + self.unit_grads),
-                    "activations": self.compute_copies + self.activations
+                    "activations": self.compute_copies + self.activations + (0 if later else self.first_microbatch)
                     + (self.logits_loss - self.logits_temp if logits else -self.unit_freed),
-                    "buffers": gathered + (self.logits_temp if logits else extra)}
+                    "buffers": gathered - self.regathered + (self.root_reduce if later else 0)
+                    + (self.logits_temp + self._loss - self.logits_loss if logits else extra)}
         kept = min(self.first_block, self.first_block_kept)
         late = {"grads": self.held_grads + grads + self.grad_buffers,
                 "activations": self.compute_copies + self.others_in_flight + kept,
@@ -335,6 +366,15 @@ def pp_stages(facts: ModelFacts, layout: Layout) -> dict:
 def pp_rank_params(facts: ModelFacts, layout: Layout) -> list[int]:
     """Parameters on each pp rank, before tp and data-parallel sharding."""
     return pp_stages(facts, layout)["rank_params"]
+
+
+def stage_root_params(facts: ModelFacts, layout: Layout) -> list[int]:
+    """Of each pp rank's parameters (before tp and data-parallel sharding), those outside its
+    blocks: its stages' part of the model's root (embeddings on the first, final norm and head on
+    the last, a tied weight on both), the root unit FSDP gathers and reduces on that rank."""
+    stages = pp_stages(facts, layout)["stages"]
+    return [sum(st["params"] - sum(facts.block_params[b] for b in st["blocks"]) for st in stages if st["rank"] == r)
+            for r in range(layout.pp)]
 
 
 def moe_layers_per_pp_rank(facts: ModelFacts, layout: Layout) -> list[int]:
@@ -447,6 +487,9 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     nf4 = nf4_share(facts, n if layout.world_size > 1 else 1, layout.tp, pp_share(facts, layout))  # this rank's
     nf4_held = nf4.nf4_bytes // n if nf4 else 0
     replicated = layout.strategy in ("ddp", "zero1")
+    # cpu_offload: parameters, sharded gradients and optimizer state in host memory; on a CPU device
+    # the host memory is the device's, where they stay counted
+    offloaded = layout.cpu_offload and work.device != "cpu"
     # ddp + ep: the dense weights replicated, each rank its 1/ep of the experts (FSDP-sharded over the
     # replicas holding the same ones where ep is fewer), which DDP's buckets leave out
     ddp_ep = moe_facts(facts) if replicated and layout.ep > 1 else None
@@ -474,6 +517,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     in_unit = away if _largest_holds_experts(facts) else 0.0  # a dense largest block gathers no experts
     in_unit_frozen = away_frozen if in_unit else 0.0
     comm = compute = prefetched = bucket_grads = held = reduce_buffer = unit_grads = freed_units = 0  # held: of comm, gradient storage
+    unit_train = 0.0  # the largest unit's trainable parameters (FSDP)
     # under pp each rank holds its own stages' state: ``shares`` of the largest pp rank's parameters
     shares = _pp_rank_shares(facts, layout)
     staged = [0] * len(shares)  # a pipeline stage's gathered parameters and unsharded gradients, per pp rank
@@ -500,7 +544,7 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
             unit_train = unit_blocks(facts, layout) * (block - in_unit - block_frozen + in_unit_frozen)
             reduce_buffer = int(4 * unit_train)
         if units > 2:  # with two, the second unit's backward is the step's last: ``first_block``'s moment
-            offloaded = layout.cpu_offload and work.device != "cpu"  # the sharded gradients on the host
+            # (its sharded gradient on the host when offloaded)
             unit_grads = int(d * unit_train + (0 if offloaded else 4 * unit_train / n))
             freed_units = unit_blocks(facts, layout)
         if work.batch > layout.micro_batch:  # no_sync: unsharded fp32 gradients accumulate
@@ -543,7 +587,41 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     acts = activation_bytes(facts, layout, work, [(p_bytes + g_bytes + opt_bytes) * s + st
                                                   for s, st in zip(shares, staged)], pp_rank)
     p_bytes, g_bytes, opt_bytes = (int(x * shares[acts.rank]) for x in (p_bytes, g_bytes, opt_bytes))
-    comm, held = (staged[acts.rank], staged_grads[acts.rank]) if staged[acts.rank] else (comm, held)
+    staged_here = staged[acts.rank] > 0
+    _, inflight, microbatches = pipeline_shape(facts, layout)
+    # pp_grad_sync="each" with several microbatches: a later microbatch's forward and backward run
+    # beside the sharded gradients of the earlier ones and the stage root's fp32 reduce-scatter
+    # input of the previous one (FSDP holds it until the next unit's reduce-scatter: through the
+    # next forward, its loss and its first unit's backward; ``root_reduce``)
+    each = layout.pp > 1 and layout.pp_grad_sync == "each" and sharded and layout.dp > 1
+    later = each and microbatches > 1
+    root_reduce = 0
+    if layout.pp > 1:
+        # a stage's root unit holds its own stage's part of the model's root only: the embeddings on
+        # the first, the final norm and the head on the last, nothing on a middle one (the
+        # simulation of Llama-3-70B at pp=4 gathers, reduces and keeps those, not the whole root)
+        own = stage_root_params(facts, layout)[acts.rank] * scale
+        part = own / root if root else 0.0
+        if sharded and layout.dp > 1 and layout.strategy != "zero2":
+            nf4_root = nf4.root if nf4 else 0
+            comm += int(gathered(own, root_frozen * part, nf4_root * part) - gathered(root, root_frozen, nf4_root))
+        root, root_frozen = own, root_frozen * part
+        if later:
+            root_reduce = int(4 * (root - root_frozen))
+            # the top unit's backward holds the root's buffer, the next unit's backward this unit's
+            reduce_buffer = max(0, reduce_buffer - root_reduce)
+            # the sharded gradients are already there (``grads``): the unit's own, unsharded only,
+            # the whole unit's, in the stage's first (top) unit, where nothing is freed yet
+            unit_grads = int(d * unit_train) if reduce_buffer or root_reduce else 0
+            freed_units = 0
+    if staged_here:
+        # pp_grad_sync="last": the stage is gathered whole and its gradients unsharded only from a
+        # microbatch's backward to the next forward (which reshards each unit again): the root and
+        # one unit gathered beside a forward's loss (``regathered``: the rest, at the backward's end)
+        regathered = max(0, staged[acts.rank] - staged_grads[acts.rank] - comm)
+        comm, held = staged[acts.rank], staged_grads[acts.rank]
+    else:
+        regathered = 0
     # FSDP: the head's unsharded gradient (trainable, on the rank that runs it, not a stage holding
     # every gradient unsharded anyway) in a block's backward, before the root reduces it
     head_rank = 0 if layout.pp_schedule == "zbv" else layout.pp - 1
@@ -554,18 +632,21 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
     # more copy, unsharded); FSDP computes the root unit's gradient unsharded, in fp32, before
     # its reduce-scatter. (Under pp the tied ends sit on two stages.) Frozen weights make none.
     tied = 4 * facts.tied_trainable * frac if layout.pp == 1 else 0
-    buffers = int(tied + (4 * (root - root_frozen) if sharded and layout.dp > 1 else 0))
+    # (a pp_grad_sync="last" stage holds its root's fp32 gradient among its unsharded ones)
+    buffers = int(tied + (4 * (root - root_frozen) if sharded and layout.dp > 1 and not staged_here else 0))
     host = 0
-    if layout.cpu_offload and work.device != "cpu":  # on a CPU the host memory is the device's
+    if offloaded:
         host, p_bytes, g_bytes, opt_bytes = p_bytes + g_bytes + opt_bytes, 0, 0, 0
     # a pipeline whose microbatches outnumber the busiest rank's in-flight ones runs forwards after
     # its first backward: the gradients then lie beside in-flight activations, as under accumulation
-    _, inflight, microbatches = pipeline_shape(facts, layout)
-    piped = layout.pp > 1 and microbatches > max(inflight)
-    # pp_grad_sync="each": a microbatch's backward ends with its root unit's gradient unsharded and
-    # the first block's backward beside the others in flight (gpipe / 1f1b: all but this one)
-    each = layout.pp > 1 and layout.pp_grad_sync == "each" and sharded and layout.dp > 1
-    others = int(acts.saved * (1 - 1 / inflight[acts.rank])) if each and inflight[acts.rank] > 1 else 0
+    # (not a pp_grad_sync="last" stage's sharded gradients: made by the reduction after the last)
+    piped = layout.pp > 1 and microbatches > max(inflight) and not staged_here
+    # a pipeline stage under FSDP ends each microbatch's backward as a step's (``sync_each``): its
+    # root unit's gradient unsharded (each) or every gradient and parameter unsharded (last), the
+    # first block's backward, beside the others in flight (gpipe / 1f1b: all but this one) and
+    # the stage's receive buffers (``Activations.others``)
+    ends_each = each or staged_here
+    others = acts.others if ends_each else 0
     # the first block's backward adds its activations (kept, recomputed) to the step's end, less
     # its own gradients, made only then (on the device only if the gradients are there)
     # (under ddp + ep of its own experts only)
@@ -580,12 +661,13 @@ def estimate_memory(facts: ModelFacts, layout: Layout, work: Workload, pp_rank: 
                                                     gathered_root=(root + block * unit_blocks(facts, layout)),
                                                     logits=acts.logits_loss)
     return MemoryEstimate(params=p_bytes, grads=g_bytes, optimizer=opt_bytes, activations=acts.saved + exchange,
+                          first_microbatch=acts.first_extra, root_reduce=root_reduce, regathered=regathered,
                           recompute=acts.recompute, logits_loss=acts.logits_loss, comm_buffers=comm, compute_copies=compute,
                           overhead=OVERHEAD.get(work.device, OVERHEAD["cuda"]), host=host,
-                          accumulating=work.batch > layout.micro_batch or piped or any(staged), grad_buffers=buffers,
+                          accumulating=work.batch > layout.micro_batch or piped or later, grad_buffers=buffers,
                           prefetched=prefetched, reduce_buffer=reduce_buffer, head_grad=head_grad,
                           unit_grads=unit_grads, unit_freed=freed_units * acts.first_block_kept,
-                          first_block=first_block, sync_each=each,
+                          first_block=first_block, sync_each=ends_each,
                           others_in_flight=others, dequant=dequant_workspace(nf4, d),
                           nf4_params=0 if host else nf4_held, reference=reference,
                           reference_forward=reference_forward, bucket_grads=bucket_grads, held_grads=held,
@@ -674,6 +756,8 @@ class Activations(NamedTuple):
     first_block: int  # the first block's kept and recomputed activations, at its backward
     logits_temp: int = 0  # of logits_loss (on the last stage), what backward makes: temporaries
     first_block_kept: int = 0  # of first_block, the kept activations
+    first_extra: int = 0  # under pp: in flight at the first backward only (of no later one)
+    others: int = 0  # under pp: at a microbatch's backward end, the other in-flight ones and receive buffers
 
 
 def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
@@ -706,7 +790,7 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
     else:
         kept = prof.block_input
         recompute = full_block + workspace
-    blocks, inflight, _ = pipeline_shape(facts, layout)
+    blocks, inflight, microbatches = pipeline_shape(facts, layout)
     per_rank = [blk * kept * f * seqs for blk, f in zip(blocks, inflight)]
     vocab_tokens = work.seq * seqs * facts.vocab / t
     d = DTYPE_BYTES[layout.precision]
@@ -729,10 +813,36 @@ def activation_bytes(facts: ModelFacts, layout: Layout, work: Workload,
     state = state or [0.0] * len(per_rank)
     busiest = pp_rank if pp_rank is not None else max(range(len(per_rank)), key=lambda r: state[r] + per_rank[r] + (
         max(logits, recompute * seqs) if r == last else recompute * seqs))
-    return Activations(saved=int(per_rank[busiest]), recompute=int(recompute * seqs),
+    saved, first_extra = per_rank[busiest], 0.0
+    others = saved * (1 - 1 / inflight[busiest]) if inflight[busiest] > 1 else 0.0
+    if layout.pp > 1 and layout.pp_schedule in ("1f1b", "gpipe"):
+        saved, first_extra, others = _stage_microbatches(prof.block_input * seqs, kept * seqs, blocks[busiest],
+                                                         inflight[busiest], microbatches, busiest, layout.pp)
+    # under pp the stage returns the loss, not the logits: the loss's forward (the logits, their
+    # fp32 copy and log-softmax together) is the moment, all of it forward's (no temporaries)
+    return Activations(saved=int(saved), recompute=int(recompute * seqs),
                        logits_loss=int(logits if busiest == last else 0), rank=busiest,
-                       first_block=int((kept + recompute) * seqs), logits_temp=int(temp if busiest == last else 0),
-                       first_block_kept=int(kept * seqs))
+                       first_block=int((kept + recompute) * seqs),
+                       logits_temp=int(temp if busiest == last and layout.pp == 1 else 0),
+                       first_block_kept=int(kept * seqs), first_extra=int(first_extra), others=int(others))
+
+
+def _stage_microbatches(hidden: float, kept: float, blocks: int, inflight: float, m: int, rank: int,
+                        pp: int) -> tuple[float, float, float]:
+    """A 1F1B or GPipe stage's activations (one stage per rank; ``hidden``: one stage boundary
+    tensor, ``kept``: one block's kept activations, of a microbatch): (beside a later microbatch's
+    backward, in flight at the first backward only, at a microbatch's backward end beside it).
+    A microbatch holds its blocks' kept activations and, on every stage but the last, the output
+    torch's ``PipelineStage`` keeps for its backward; a later backward (after the first, once
+    gradients exist) finds at most ``m - 1`` in flight (the first's freed; 1F1B's steady state
+    refills to ``inflight``); the stage's receive buffers, one per microbatch (activations from
+    the previous stage, gradients from the next), are there throughout. The simulation of
+    Llama-3-70B at pp=4 holds exactly these on stage 0 at its peak (3 x 21 + 4 boundary tensors at
+    m=4: mb 1's first unit backward)."""
+    one = blocks * kept + (hidden if rank < pp - 1 else 0)
+    buffers = m * hidden * ((rank > 0) + (rank < pp - 1))
+    later = min(inflight, m - 1) if m > 1 else inflight
+    return one * later + buffers, one * (inflight - later), one * (inflight - 1) + buffers
 
 
 def _pp_rank_shares(facts: ModelFacts, layout: Layout) -> list[float]:

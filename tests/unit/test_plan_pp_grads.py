@@ -111,3 +111,69 @@ def test_plan_simulate_says_plainly_when_a_layout_does_not_fit(tmp_path, capsys,
     assert main([*args, "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "verdict: fits: at most " in out and "<= 74.5 GiB" in out, out
+
+
+def test_a_stage_gathers_and_reduces_its_own_root(facts):
+    """A stage's root unit holds its own stage's part of the model's root: the embeddings on the
+    first stage, the final norm and the head on the last, nothing on the middle ones. Under
+    pp_grad_sync=each that is what is gathered, reduced unsharded in fp32 at a microbatch's end,
+    and (from the second microbatch on) held as the previous microbatch's reduce-scatter input."""
+    from hf_scale.layout_search.estimate import stage_root_params
+
+    layout = pp4(4, "each")
+    roots = stage_root_params(facts, layout)
+    norm = facts.root_params - facts.embedding_params - facts.head_params
+    assert roots == [facts.embedding_params, 0, 0, norm + facts.head_params], roots
+    first, middle, _, last = estimate_stages(facts, layout, Workload(seq=SEQ, batch=4, device="cuda"))
+    unit = 2 * max(facts.block_params)  # one block gathered in bf16
+    for e, root in ((first, roots[0]), (middle, 0), (last, roots[3])):
+        assert e.comm_buffers == 2 * root + unit, (e.comm_buffers, root)
+        assert e.grad_buffers == e.root_reduce == 4 * root
+    # the top unit's backward holds the root's buffer; a middle stage's next unit the unit's own
+    assert first.reduce_buffer == 0 and middle.reduce_buffer == 4 * max(facts.block_params)
+    # the last stage returns the loss, not the logits: the loss's forward holds them all as
+    # activations (no temporaries), beside a unit more gathered
+    assert last.logits_temp == 0 < last.logits_loss and last._loss == last.logits_loss + last.prefetched > 0
+
+
+def test_a_later_microbatch_runs_beside_the_sharded_gradients(facts):
+    """pp_grad_sync=each, 1F1B, m=4, stage 0 (4 in flight at its first backward): the peak is the
+    second microbatch's first unit backward (the simulation's, scripts/simulate_published.py's
+    pp=4 rows): three microbatches in flight (each its 20 blocks' kept inputs and the stage
+    output torch keeps), a gradient receive buffer per microbatch, every sharded gradient, the
+    unit's own gradients unsharded in bf16 (not yet reduced), the previous root's fp32
+    reduce-scatter input. The first backward holds one microbatch more, no gradient yet."""
+    work = Workload(seq=SEQ, batch=4, device="cuda")
+    first = estimate_stages(facts, pp4(4, "each"), work)[0]
+    hidden = SEQ * facts.model.config.hidden_size * 2  # a bf16 boundary tensor
+    one = 21 * hidden
+    assert first.accumulating and first.sync_each
+    assert (first.activations, first.first_microbatch) == (3 * one + 4 * hidden, one)
+    assert first.unit_grads == 2 * max(facts.block_params) and first.unit_freed == 0
+    cats = first.categories()
+    assert cats["grads"] == first.grads + first.unit_grads
+    assert cats["activations"] == first.activations
+    # at m=8 1F1B refills to 4 in flight before each later backward: nothing first-only
+    eight = estimate_stages(facts, pp4(8, "each"), Workload(seq=SEQ, batch=8, device="cuda"))[0]
+    assert (eight.activations, eight.first_microbatch) == (4 * one + 8 * hidden, 0)
+
+
+def test_a_last_sync_stage_is_gathered_whole_only_at_a_backward_end(facts):
+    """pp_grad_sync=last: every parameter gathered and every gradient unsharded only from a
+    microbatch's backward to the next forward (which reshards the units): on the last stage (one
+    in flight) the peak is a backward's end with no microbatch left in flight (the activation
+    receive buffers and the first block's kept input only; the simulation: 0.31 GiB), not the
+    loss's forward beside the whole stage gathered."""
+    work = Workload(seq=SEQ, batch=4, device="cuda")
+    first, *_, last = estimate_stages(facts, pp4(4, "last"), work)
+    hidden = SEQ * facts.model.config.hidden_size * 2
+    for e in (first, last):
+        assert not e.accumulating and e.sync_each and e.held_grads > 60 * GiB
+    # beside a forward's loss only the stage root and one unit are gathered (bf16)
+    assert first.regathered == first.comm_buffers - first.held_grads - 2 * (facts.embedding_params
+                                                                            + max(facts.block_params))
+    cats = last.categories()
+    assert cats["activations"] == 4 * hidden + last.first_block_kept, cats
+    assert cats["grads"] == last.held_grads + last.grads
+    # stage 0 (m=4: 4 in flight, none after): the first microbatch's backward end beside the other three
+    assert first.categories()["activations"] == 3 * 21 * hidden + 4 * hidden + first.first_block_kept

@@ -265,13 +265,18 @@ def test_read_source_config_json(tmp_path):
 
 
 def test_pipeline_busiest_rank(tiny):
-    """pp=2 over 2 blocks, 1F1B, 2 microbatches of 1 sequence: rank 0 holds 2 in flight of its block,
-    the last rank 1 and the logits; the estimate is the busier of the two."""
+    """pp=2 over 2 blocks, 1F1B, 2 microbatches of 1 sequence: rank 0 holds 2 in flight of its block
+    (each with the stage output torch keeps for its backward) and a gradient receive buffer per
+    microbatch, the last rank 1 in flight, an activation receive buffer per microbatch and the
+    logits; the estimate is the busier of the two."""
     mem = estimate_memory(tiny, Layout("fsdp", 1, 1, pp=2, micro_batch=2), WORK2)
     prof = tiny.profile(16, torch.float32, "sdpa")
     one = estimate_memory(tiny, Layout("fsdp", 1, 1, micro_batch=1), Workload(seq=16, batch=1))
-    rank0, last = 2 * prof.block_bytes, prof.block_bytes + one.logits_loss
-    assert mem.activations + mem.logits_loss == max(rank0, last)
+    hidden = prof.block_input  # a stage boundary tensor
+    rank0, last = 2 * (prof.block_bytes + hidden) + 2 * hidden, prof.block_bytes + 2 * hidden + one.logits_loss
+    # at its first backward; the later one finds the first microbatch's freed
+    assert mem.activations + mem.first_microbatch + mem.logits_loss == max(rank0, last)
+    assert mem.first_microbatch == prof.block_bytes + hidden
 
 
 def test_pipeline_estimate_per_stage(tiny):
@@ -283,8 +288,11 @@ def test_pipeline_estimate_per_stage(tiny):
     layout = Layout("fsdp", 1, 1, pp=2, micro_batch=2)
     first, last = estimate_stages(tiny, layout, WORK2)
     prof = tiny.profile(16, torch.float32, "sdpa")
-    assert (first.activations, first.logits_loss) == (2 * prof.block_bytes, 0)
-    assert last.activations == prof.block_bytes and last.logits_loss > 0
+    hidden = prof.block_input
+    assert (first.activations + first.first_microbatch, first.logits_loss) == (2 * (prof.block_bytes + hidden)
+                                                                            + 2 * hidden, 0)
+    assert last.activations == prof.block_bytes + 2 * hidden and last.logits_loss > 0
+    assert last.first_microbatch == 0  # one in flight: the later microbatches' backward finds as many
     counts = pp_rank_params(tiny, layout)  # the tied embedding and head counted on both ends
     assert (first.params, last.params) == (4 * counts[0], 4 * counts[1])
     busiest = estimate_memory(tiny, layout, WORK2)
