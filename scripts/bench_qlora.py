@@ -17,7 +17,9 @@ reads and, for NF4, quantizes only its slices), with the recipe's field override
 * **lora fp32**: ``--model.quantize null`` (an fp32 base);
 * **lora bf16**: ``--model.quantize null --model.dtype bfloat16`` (the issue's denominator);
 * **qlora fp32**: the recipe as shipped (NF4 base, fp32 compute and everything not NF4 in fp32);
-* **qlora bf16**: ``--model.dtype bfloat16`` (NF4 base, bf16 compute and non-NF4 weights in bf16).
+* **qlora bf16**: ``--model.dtype bfloat16`` (NF4 base, bf16 compute and non-NF4 weights in bf16);
+* **qlora fp32 ddp**: ``--parallel.strategy ddp`` (whole NF4 weights on each rank, no all-gathers:
+  the layout class of TRL's leg, which runs DDP).
 
 Then the steps of ``hf-scale finetune``'s loop with the library API (``hf_scale.train_step``
 with each rank's loss scaled by its share of the global label tokens, clipping, AdamW, the
@@ -33,9 +35,10 @@ recipe's schedule), as ``scripts/bench_adapters.py`` runs them. Measured per leg
 * tokens/s (median over the measured steps of non-padding tokens of both ranks / rank 0's step
   wall time) and the loss at every step (the mean over all label tokens of the global batch).
 
-The QLoRA bound: a weight is NF4 only where each rank's slice holds whole 16,384-element groups
-(SmolLM2 at 2 slices: its 576 x 576 and 192 x 576 attention projections do not, its MLP weights
-do), and the embedding (tied to the head) and norms are never quantized. The report computes from
+The QLoRA bound: a weight is NF4 only where each rank's slice holds whole 64-element blocks (its
+scaler block, up to 256, then chosen so that the slice holds whole groups: SmolLM2's attention
+projections take 216 at 2 slices, its MLP weights 256), and the embedding (tied to the head) and
+norms are never quantized. The report computes from
 the parameters' shapes the smallest frozen-bytes ratio such a model can reach.
 """
 
@@ -72,10 +75,12 @@ LEGS = {
     "lora bf16": ["--model.quantize", "null", "--model.dtype", "bfloat16"],
     "qlora fp32": [],
     "qlora bf16": ["--model.dtype", "bfloat16"],
+    "qlora fp32 ddp": ["--parallel.strategy", "ddp"],  # the anchor's layout class (whole NF4 weights per rank)
     "TRL qlora": None,  # SFTTrainer + peft + bitsandbytes 4-bit (its own worker)
 }
 DENOMINATOR = "lora bf16"  # the issue's "bf16 LoRA run"
 QLORA = "qlora fp32"  # the recipe as shipped
+QLORA_DDP = "qlora fp32 ddp"
 TRL = "TRL qlora"
 TARGETS = {"frozen": 0.30, "peak": 0.7, "tok_s": 1.2, "loss": 1e-2}
 GIB = 2**30
@@ -184,7 +189,8 @@ def _frozen_shapes(model) -> list[list]:
 
 def trl_worker(args) -> None:
     """``SFTTrainer`` (DDP over gloo, 2 ranks) on SmolLM2 loaded 4-bit by bitsandbytes (NF4, double
-    quantization, fp32 compute; the MLP weights, as hf_scale's NF4 set at 2 slices), a new peft LoRA (seed 0) on all-linear, the recipe's rows in the
+    quantization, fp32 compute; every LoRA base Linear, as hf_scale's NF4 set at 2 slices), a new peft LoRA
+    (seed 0) on all-linear, the recipe's rows in the
     order hf_scale's ``ShardedBatches`` gives each rank (as ``bench_adapters.py``'s TRL leg)."""
     import torch
     from peft import LoraConfig, get_peft_model
@@ -222,9 +228,9 @@ def trl_worker(args) -> None:
     sampler = RssSampler()
     sampler.start()
     began = time.perf_counter()
-    # the weights hf_scale leaves unquantized at 2 slices (the attention projections) stay fp32 here too
+    # every LoRA base Linear in NF4, as hf_scale's set at 2 slices; the (tied) head stays fp32
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"])
+                               bnb_4bit_compute_dtype=torch.float32, llm_int8_skip_modules=["lm_head"])
     path, extra = source(job.model)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map="cpu",
                                                  dtype=torch.float32, **extra)
@@ -305,16 +311,20 @@ def run_leg(args, out: Path, name: str) -> dict:
 def nf4_bound(shapes: list[list], world: int, other_bytes: int) -> tuple[float, int, int]:
     """(the smallest frozen bytes of a QLoRA model / its bf16 LoRA's, the NF4-able elements, all
     elements) from the frozen parameters' [shape, numel, LoRA-wrapped]: a LoRA base weight is NF4
-    where :func:`check_groups` allows its ``world`` slices; everything else (embeddings, norms,
-    the weights it refuses) is held at ``other_bytes`` per element."""
-    from hf_scale.quantize.nf4 import BITS_PER_PARAMETER, check_groups
+    where :func:`check_groups` allows its ``world`` slices, at the bits its scaler block gives
+    (factors in the compute dtype, ``other_bytes``); everything else (embeddings, norms, the
+    weights it refuses) is held at ``other_bytes`` per element."""
+    from hf_scale.quantize.nf4 import check_groups, nf4_bits, scaler_block_for
 
     nf4 = total = 0
+    held = 0.0
     for shape, numel, wrapped in shapes:
         total += numel
         if wrapped and check_groups(tuple(shape), world) is None:
             nf4 += numel
-    held = nf4 * BITS_PER_PARAMETER / 8 + (total - nf4) * other_bytes
+            held += numel * nf4_bits(scaler_block_for(numel // world), other_bytes) / 8
+        else:
+            held += numel * other_bytes
     return held / (2 * total), nf4, total
 
 
@@ -341,6 +351,11 @@ def verdicts(legs: dict) -> list[str]:
         r = q["tok_s"] / anchor["tok_s"]
         lines.append(f"{'PASS' if r >= TARGETS['tok_s'] else 'FAIL'}: tokens/s, {QLORA} / {TRL} = {q['tok_s']:.1f} / "
                      f"{anchor['tok_s']:.1f} = {r:.2f} (target >= {TARGETS['tok_s']})")
+        ddp = legs.get(QLORA_DDP, none)
+        if ddp["status"] == "ok":
+            r = ddp["tok_s"] / anchor["tok_s"]
+            lines.append(f"also (no target; the anchor's layout class, DDP): tokens/s, {QLORA_DDP} / {TRL} = "
+                         f"{ddp['tok_s']:.1f} / {anchor['tok_s']:.1f} = {r:.2f}")
         diffs = [abs(a - b) for a, b in zip(q["loss"], anchor["loss"])]
         same = len(q["loss"]) == len(anchor["loss"]) and max(diffs) <= TARGETS["loss"]
         lines.append(f"{'PASS' if same else 'FAIL'}: loss per step, {QLORA} vs {TRL}, within {TARGETS['loss']:g} "
@@ -392,10 +407,11 @@ def report(legs: dict) -> tuple[str, str]:
         bound16, _, _ = nf4_bound(q["shapes"], WORLD, 2)
         lines.append(
             f"bound from SmolLM2's shapes at {WORLD} slices: {nf4 / 1e6:.1f}M of {total / 1e6:.1f}M frozen elements can "
-            f"be NF4 (whole 16,384-element groups per slice: the MLP weights); the embedding (tied head), the "
-            f"attention projections (576x576, 192x576) and the norms stay in the compute dtype, so frozen bytes / bf16 "
-            f"LoRA's >= {bound:.3f} with fp32 compute, >= {bound16:.3f} with bf16 compute (all-NF4 would be "
-            f"{4.127 / 16:.3f}): 0.30 is out of this model's reach at 2 slices")
+            f"be NF4 (every LoRA base weight: each slice holds whole 64-element blocks, its scaler block the largest "
+            f"divisor up to 256 of its block count); the embedding (tied head, {(total - nf4) / total:.0%} of the "
+            f"frozen elements) and the norms stay in the compute dtype, so frozen bytes / bf16 LoRA's >= {bound:.3f} "
+            f"with fp32 compute, >= {bound16:.3f} with bf16 compute (all-NF4 would be {4.127 / 16:.3f}): 0.30 is out "
+            f"of this model's reach while its embedding stays unquantized")
     for name, leg in legs.items():
         if leg["status"] == "ok":
             lines.append(f"loss per step, {name}: {', '.join(f'{x:.6f}' for x in leg['loss'])}")

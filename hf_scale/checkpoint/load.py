@@ -261,11 +261,13 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
     collective: from_pretrained calls it through :func:`hf_scale.ranks.run_together`.
     ``names`` (state key -> checkpoint name) restricts and renames what is read (an adapter
     model: base weights from the base's files, adapters from the adapter's file). Returns the
-    NF4 placeholders' blocks, read in the compute dtype and set aside for
-    :func:`hf_scale.checkpoint.quantized.quantize_loaded` (state key -> (block, placeholder)).
+    NF4 placeholders' blocks, read in the compute dtype and encoded at once (their 4-bit codes
+    and block absmax: :func:`hf_scale.quantize.nf4.encode_rows`, so that a rank never holds more
+    than one block in the compute dtype), set aside for
+    :func:`hf_scale.checkpoint.quantized.quantize_loaded` (state key -> (encoded, placeholder)).
     """
     from ..model_plans import find_tied_parameters
-    from ..quantize.nf4 import is_nf4
+    from ..quantize.nf4 import encode_rows, is_nf4
 
     ties = find_tied_parameters(model)
     new, pending = {}, {}
@@ -289,8 +291,9 @@ def assign_from_files(model: nn.Module, folder: Path, weight_map: dict[str, Path
                 for path, start, dtype, shape, boxes in reads:
                     _read_block(path, start, dtype, shape, local, boxes)
             local = local.to(device)
-        if is_nf4(target):
-            pending[key] = (local, target)
+        if is_nf4(target):  # its codes now, the slice freed: the scalers wait for the agreed mean
+            pending[key] = (encode_rows(local), target)
+            del local
             continue
         if isinstance(target, DTensor):
             local = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,

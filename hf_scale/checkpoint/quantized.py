@@ -4,7 +4,8 @@ data parallel), never the whole model on one rank.
 Before the layout is applied, :func:`place_nf4` turns each chosen meta weight into a meta
 ``NF4Tensor`` of the whole shape, so that FSDP2 registers its 4-bit all-gather hooks and
 shards its inner tensors (ddp: it stays whole). The load reads each such weight's local block
-in the compute dtype (:func:`hf_scale.checkpoint.load.assign_from_files` sets it aside);
+in the compute dtype and encodes it at once (:func:`hf_scale.checkpoint.load.assign_from_files`:
+its 4-bit codes and block absmax, set aside);
 :func:`quantize_loaded` then agrees each weight's mean block absmax (one all-reduce of every
 weight's sum and count together) and quantizes each rank's slice with it, exactly as the whole
 tensor quantized and split (:mod:`hf_scale.quantize.nf4`).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import types
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -59,21 +61,23 @@ def place_nf4(model: nn.Module, parts: int, tp: int = 1, plan=None, device="meta
 
         styles = tp_layout(host, resolve_plan(host, plan), tp).styles
     chosen, kept = nf4_targets(host, parts, tp, styles)
-    for name in chosen:
+    for name, scaler_block in chosen.items():
         owner, _, leaf = name.rpartition(".")
         module = host.get_submodule(owner)
         weight = getattr(module, leaf)
-        placeholder = nf4_placeholder(tuple(weight.shape), weight.dtype, device)
+        placeholder = nf4_placeholder(tuple(weight.shape), weight.dtype, device, scaler_block=scaler_block)
         module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
         lora_layer = host.get_submodule(owner.rpartition(".")[0])
         lora_layer.merge = types.MethodType(_refuse_merge, lora_layer)  # this instance only
     if kept:
         first = next(iter(kept.items()))
         log_rank0(f"quantize nf4: {len(kept)} LoRA base weight(s) stay in the compute dtype, their slices "
-                  f"cannot hold whole NF4 groups (e.g. {first[0]}: {first[1]})", once=True)
+                  f"cannot hold whole NF4 blocks (e.g. {first[0]}: {first[1]})", once=True)
     split = f" of each tp={tp} slice" if tp > 1 else ""
-    log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s){split} each", once=True)
-    return chosen
+    blocks = ", ".join(f"{n} x {b}" for b, n in sorted(Counter(chosen.values()).items(), reverse=True))
+    log_rank0(f"quantize nf4: {len(chosen)} LoRA base weights in NF4 over {parts} slice(s){split} each "
+              f"(scaler blocks: {blocks})", once=True)
+    return list(chosen)
 
 
 def _refuse_merge(self, *args, **kwargs) -> None:
@@ -87,12 +91,12 @@ def _refuse_merge(self, *args, **kwargs) -> None:
 
 
 @torch.no_grad()
-def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+def quantize_loaded(model: nn.Module, pending: dict[str, tuple]) -> None:
     """Collective (every rank holds the same NF4 weights, in the same order): ``pending`` (state
-    key -> (this rank's block in the compute dtype, the meta NF4 target)) quantized and put in
-    place. The mean block absmax of each weight (of each tp slice under tensor parallel): one
-    all-reduce of every weight's (sum, count) per tp slice."""
-    from ..quantize.nf4 import block_absmax, quantize_rows
+    key -> (this rank's block encoded: :func:`hf_scale.quantize.nf4.encode_rows`, the meta NF4
+    target)) quantized and put in place. The mean block absmax of each weight (of each tp slice
+    under tensor parallel): one all-reduce of every weight's (sum, count) per tp slice."""
+    from ..quantize.nf4 import quantize_rows
 
     keys = sorted(pending)
     slices = {key: tp_slice(pending[key][1]) for key in keys}
@@ -106,7 +110,7 @@ def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, tor
     for i, key in enumerate(keys):
         if key not in pending:
             continue
-        scalers = block_absmax(pending[key][0])
+        scalers = pending[key][0].absmax
         # fp64 throughout: torch.tensor of two Python floats would be fp32, and the mean one ulp off
         stats[i, slices[key][0], 0] = scalers.double().sum()
         stats[i, slices[key][0], 1] = scalers.numel()
@@ -120,7 +124,8 @@ def quantize_loaded(model: nn.Module, pending: dict[str, tuple[torch.Tensor, tor
                 continue
             local, target = pending[key]
             index, _, whole = slices[key]
-            nf4 = quantize_rows(local, stats[i, index, 0] / stats[i, index, 1], whole)
+            held = target._local_tensor if isinstance(target, DTensor) else target  # place_nf4's scaler block
+            nf4 = quantize_rows(local, stats[i, index, 0] / stats[i, index, 1], whole, held.scaler_block_size)
             if isinstance(target, DTensor):
                 nf4 = DTensor.from_local(nf4, target.device_mesh, target.placements, run_check=False,
                                          shape=target.shape, stride=target.stride())
@@ -135,22 +140,24 @@ QUANTIZATION_FILE = "quantization.json"  # beside adapter_config.json: what the 
 
 def quantization_record(model: nn.Module) -> dict | None:
     """What an adapter folder records of its NF4 base (None: no NF4 weight): the scheme, the dtype
-    the base was quantized from, and the base checkpoint's names of the weights that were NF4 (the
-    others stayed in the compute dtype), so that ``hf-scale export --merge --dequantize`` can merge
-    into the base the adapter was trained against (:func:`hf_scale.checkpoint.merge.merge_adapter`)."""
-    from ..quantize.nf4 import BLOCK, SCALER_BLOCK, is_nf4
+    the base was quantized from, the base checkpoint's names of the weights that were NF4 (the
+    others stayed in the compute dtype) and each one's scaler block (the layout's slices chose it),
+    so that ``hf-scale export --merge --dequantize`` can merge into the base the adapter was
+    trained against (:func:`hf_scale.checkpoint.merge.merge_adapter`)."""
+    from ..quantize.nf4 import BLOCK, is_nf4
 
     host = adapter_host(model)
-    names, dtype, split = [], None, {}
+    names, dtype, split, scalers = [], None, {}, {}
     for name, p in host.named_parameters():
         if is_nf4(p):
             names.append(name.replace(".base_layer.", "."))
-            dtype = (p._local_tensor if isinstance(p, DTensor) else p).dtype
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            dtype, scalers[names[-1]] = local.dtype, local.scaler_block_size
             if tp_dim(p) is not None:  # tensor parallel: each tp slice was quantized alone
                 split[names[-1]] = list(tp_dim(p))
     if not names:
         return None
-    record = {"quantize": "nf4", "block": BLOCK, "scaler_block": SCALER_BLOCK,
+    record = {"quantize": "nf4", "block": BLOCK, "scaler_block": dict(sorted(scalers.items())),
               "dtype": str(dtype).removeprefix("torch."), "weights": sorted(names)}
     return {**record, "tp_split": split} if split else record
 
@@ -187,10 +194,13 @@ def dequantized_base(model: nn.Module, folder: Path) -> list[str]:
             "adapter was trained on (--base)."
         )
     split = record.get("tp_split", {})  # name -> [dim, tp]: trained under tp, each slice quantized alone
+    scalers = record.get("scaler_block", 256)  # name -> scaler block (an int: every weight's, older records)
     for name in record["weights"]:
         weight = params[name]
         dim, tp = split.get(name, (0, 1))
-        slices = [quantize_whole(part.to(dtype).contiguous()).get_original_weight() for part in weight.chunk(tp, dim)]
+        block = scalers[name] if isinstance(scalers, dict) else scalers
+        slices = [quantize_whole(part.to(dtype).contiguous(), block).get_original_weight()
+                  for part in weight.chunk(tp, dim)]
         weight.copy_(torch.cat(slices, dim).to(weight.dtype))
     return record["weights"]
 

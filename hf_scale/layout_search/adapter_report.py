@@ -41,7 +41,7 @@ def adapter_lines(job, world_size: int, num_nodes: int = 1) -> list[str]:
                 f"scalers, factors), where {frozen_dtype} took {share.plain_bytes / MB:,.1f} MB")
         if kept:
             name, why = next(iter(kept.items()))
-            line += (f"; {len(kept)} stay in {frozen_dtype} (their slices cannot hold whole NF4 groups, e.g. "
+            line += (f"; {len(kept)} stay in {frozen_dtype} (their slices cannot hold whole 64-element NF4 blocks, e.g. "
                      f"{name}: {why})")
         lines.append(line)
     if layout is None:

@@ -4,10 +4,11 @@ the dequantization each matmul pays.
 A QLoRA run (``model.quantize: nf4``) stores the LoRA base ``nn.Linear`` weights that
 :func:`hf_scale.model_plans.quantize.nf4_targets` chooses at the layout's ``dp_shard`` dim-0
 slices as torchao ``NF4Tensor`` s; the rest of the frozen weights (embeddings, head, norms, and
-a base weight whose slice cannot hold whole 16,384-element groups) stay in the compute dtype.
+a base weight whose slice cannot hold whole 64-element blocks) stay in the compute dtype.
 An NF4 weight of ``n`` elements stores ``n/2`` bytes of codes, ``n/64`` int8 scalers and
-``n/16384`` quantization factors in the weight's own dtype (:func:`nf4_element_bytes`: 0.5159
-bytes at fp32, :data:`hf_scale.quantize.nf4.BITS_PER_PARAMETER` / 8); ``element_size()`` of
+``n / (64 x scaler_block)`` quantization factors in the weight's own dtype (its scaler block:
+:func:`hf_scale.quantize.nf4.scaler_block_for`, 256 where its slices allow; :func:`nf4_element_bytes`:
+0.5159 bytes at fp32 and 256, :data:`hf_scale.quantize.nf4.BITS_PER_PARAMETER` / 8); ``element_size()`` of
 an ``NF4Tensor`` says the compute dtype's, so the planner counts the inner tensors' bytes.
 
 FSDP2 shards and all-gathers the inner tensors (torchao's ``fsdp_pre_all_gather`` hands them
@@ -18,15 +19,16 @@ NF4 bytes, with or without mixed precision.
 Dequantization (the workspace): torchao's ``LinearNF4`` saves the NF4 weight for backward and
 dequantizes the whole weight to the input's dtype in forward (``weight.to(input.dtype)``) and
 again in backward (``grad_output @ weight.to(grad_output.dtype)``), one weight at a time; the
-copy is freed after its matmul. ``NF4Tensor.get_original_weight`` holds, at its last line, the
-codes unpacked to int64 (two halves of ``n/2`` elements: ``8 n`` bytes), the looked-up values and
-the scaled values (``n`` elements each in the compute dtype) and the result (``n`` more):
-``n x (8 + 3 d)`` bytes for the largest NF4 weight (:func:`dequant_workspace`; 14 bytes per
-element in bf16, 20 in fp32), live only inside one NF4 matmul. The estimate adds it where a
+copy is freed after its matmul. hf_scale's ``NF4Tensor.get_original_weight``
+(:func:`hf_scale.quantize.nf4._dequantize_by_byte`) holds the codes as int32 byte indices
+(``n/2`` of them: ``2 n`` bytes) beside the looked-up pairs (``n`` elements in the compute dtype),
+then the pairs beside the scaled result (``n`` more): ``n x max(2 + d, 2 d)`` bytes for the
+largest NF4 weight (:func:`dequant_workspace`; 4 bytes per element in bf16, 8 in fp32), live
+only inside one NF4 matmul. The estimate adds it where a
 block's matmuls run beside the peak: a block's backward (the step's end, a recomputation), not
 the logits' moment at backward's start, when no block runs. Its time: that traffic, read and
-written once (codes in, int64 out and in, values out, scaled out and in, result out and in:
-``16.5 + 5 d`` bytes per element), at the device's memory bandwidth, in forward, in backward and
+written once (codes in, int32 indices out and in, pairs out and in, result out:
+``4.5 + 3 d`` bytes per element), at the device's memory bandwidth, in forward, in backward and
 in a checkpoint's recomputation (full or selective: the dequantizing ops are not among those
 selective checkpointing keeps) (:func:`dequant_bytes_per_step`); assumed, not measured.
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..quantize.nf4 import BLOCK, GROUP
+from ..quantize.nf4 import BLOCK, SCALER_BLOCK
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,11 @@ class NF4Share:
         return self.nf4_bytes / self.params if self.params else 0.0
 
 
-def nf4_element_bytes(dtype_bytes: int) -> float:
+def nf4_element_bytes(dtype_bytes: int, scaler_block: int = SCALER_BLOCK) -> float:
     """Bytes an NF4 weight stores per element: half a byte of code, an int8 scaler per 64
-    elements, a quantization factor of ``dtype_bytes`` (the weight's own dtype) per 16,384."""
-    return 0.5 + 1 / BLOCK + dtype_bytes / GROUP
+    elements, a quantization factor of ``dtype_bytes`` (the weight's own dtype) per group of
+    64 x ``scaler_block`` (16,384 at 256)."""
+    return 0.5 + 1 / BLOCK + dtype_bytes / (BLOCK * scaler_block)
 
 
 def nf4_share(facts, parts: int, tp: int = 1, held: float = 1.0) -> NF4Share | None:
@@ -128,19 +131,20 @@ def _share(facts, parts: int, tp: int = 1) -> NF4Share:
             root += held[id(w)]
     return NF4Share(blocks=blocks, root=root,
                     plain_bytes=sum(held[id(w)] * w.element_size() for w in weights),
-                    nf4_bytes=int(sum(held[id(w)] * nf4_element_bytes(w.element_size()) for w in weights)),
+                    nf4_bytes=int(sum(held[id(params[n])] * nf4_element_bytes(params[n].element_size(), block)
+                                      for n, block in chosen.items())),
                     largest=max(held.values(), default=0))
 
 
 def dequant_workspace(share: NF4Share | None, compute_bytes: int) -> int:
     """Bytes one NF4 matmul holds while it dequantizes the largest NF4 weight (the module doc)."""
-    return int(share.largest * (8 + 3 * compute_bytes)) if share else 0
+    return int(share.largest * max(2 + compute_bytes, 2 * compute_bytes)) if share else 0
 
 
 def dequant_bytes_per_step(share: NF4Share | None, compute_bytes: int, passes: float) -> float:
     """Memory traffic of dequantizing every NF4 weight once per forward, once per backward and
     once per recomputed forward (``passes``: 2, or 3 under activation checkpointing), per micro-batch."""
-    return share.params * (16.5 + 5 * compute_bytes) * passes if share else 0.0
+    return share.params * (4.5 + 3 * compute_bytes) * passes if share else 0.0
 
 
 def check_layout_quantize(facts, layout) -> None:

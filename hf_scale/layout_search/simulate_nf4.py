@@ -69,7 +69,7 @@ def assign_fake_nf4(model: nn.Module, state) -> int:
         local = target._local_tensor if isinstance(target, DTensor) else target
         if not (is_nf4(target) and local.is_meta):
             continue
-        nf4 = nf4_placeholder(tuple(local.shape), local.dtype, device, tp_slice(target)[2])
+        nf4 = nf4_placeholder(tuple(local.shape), local.dtype, device, tp_slice(target)[2], local.scaler_block_size)
         if isinstance(target, DTensor):
             nf4 = DTensor.from_local(nf4, target.device_mesh, target.placements, run_check=False,
                                      shape=target.shape, stride=target.stride())

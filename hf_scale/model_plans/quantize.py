@@ -4,7 +4,8 @@ no torch.distributed.
 The weights quantized are the ``nn.Linear`` weights LoRA targets (each LoRA layer's
 ``base_layer``): embeddings, the head, norms, routers and biases stay in the compute dtype, as
 in QLoRA. A weight stays in the compute dtype too where its slice on a rank would not hold whole
-16,384-element NF4 groups (:func:`hf_scale.quantize.nf4.check_groups`).
+64-element NF4 blocks (:func:`hf_scale.quantize.nf4.check_groups`); each weight's scaler block
+is the largest (up to 256) whose groups its slice holds whole (:func:`hf_scale.quantize.nf4.scaler_block_for`).
 
 Layouts: the data-parallel ones whose parameters are whole (ddp) or dim-0 FSDP shards (fsdp,
 zero2, hsdp), which FSDP2 gathers in 4-bit through ``NF4Tensor``'s all-gather hooks; and tensor
@@ -60,23 +61,23 @@ def check_quantize(quantize: str | None, config, adapter) -> None:
 
 
 def nf4_targets(host: nn.Module, parts: int, tp: int = 1, styles: dict[str, str] | None = None
-                ) -> tuple[list[str], dict[str, str]]:
-    """(parameter names of ``host`` to quantize, {name: why it stays in the compute dtype}) for
-    LoRA's base Linear weights split in ``parts`` dim-0 slices (1: whole on every rank), after a
-    tensor-parallel split over ``tp`` ranks by ``styles`` (module name -> tp style, the LoRA
-    layers' styles moved to their ``base_layer``: ``TPLayout.styles``)."""
-    from ..quantize.nf4 import check_groups
+                ) -> tuple[dict[str, int], dict[str, str]]:
+    """({parameter name of ``host`` to quantize: its scaler block}, {name: why it stays in the
+    compute dtype}) for LoRA's base Linear weights split in ``parts`` dim-0 slices (1: whole on
+    every rank), after a tensor-parallel split over ``tp`` ranks by ``styles`` (module name -> tp
+    style, the LoRA layers' styles moved to their ``base_layer``: ``TPLayout.styles``). The
+    scaler block is the one of the slice a rank holds, the same on every rank."""
+    from ..quantize.nf4 import check_groups, scaler_block_for
 
-    chosen, kept = [], {}
+    chosen, kept = {}, {}
     for name, module in host.named_modules():
         if not is_lora_layer(module) or type(module.base_layer) is not nn.Linear:
             continue
         key = f"{name}.base_layer.weight"
-        why = _tp_slice(tuple(module.base_layer.weight.shape), tp, (styles or {}).get(f"{name}.base_layer"))
-        if not isinstance(why, str):
-            why = check_groups(why, parts)
+        piece = _tp_slice(tuple(module.base_layer.weight.shape), tp, (styles or {}).get(f"{name}.base_layer"))
+        why = piece if isinstance(piece, str) else check_groups(piece, parts)
         if why is None:
-            chosen.append(key)
+            chosen[key] = scaler_block_for(piece[0] * piece[1] // parts)
         else:
             kept[key] = why
     return chosen, kept

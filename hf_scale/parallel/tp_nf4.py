@@ -39,7 +39,8 @@ def apply_nf4_tp(module: nn.Linear, tp_mesh, style: str) -> None:
     weight = module.weight
     shape = list(weight.shape)
     shape[dim] //= tp
-    local = quantize_rows(torch.empty(shape, dtype=weight.dtype, device="meta"), torch.empty((), device="meta"))
+    local = quantize_rows(torch.empty(shape, dtype=weight.dtype, device="meta"), torch.empty((), device="meta"),
+                          scaler_block=weight.scaler_block_size)  # place_nf4's: FSDP's shards of this slice hold whole groups
     placed = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False, shape=weight.shape,
                                 stride=weight.stride())
     module.register_parameter("weight", nn.Parameter(placed, requires_grad=False))

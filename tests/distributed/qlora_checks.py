@@ -1,10 +1,11 @@
 """QLoRA runs for tests/distributed/test_qlora.py: a tiny Llama saved as a Hub folder, loaded
 with ``hf_scale.from_pretrained(..., adapter=LORA, quantize="nf4")`` on N ranks, against the
-same model in one process with its LoRA base weights quantized whole by torchao's ``to_nf4``.
+same model in one process with its LoRA base weights quantized whole (torchao's arithmetic, the exact mean).
 
 The model is wider than the other tiny models (hidden 256, 4 heads, 2 KV heads): its q / o /
-MLP weights hold 4 to 8 NF4 groups of 16,384 elements, k / v 2 (at 4 slices those stay fp32, the
-case of a slice that cannot hold whole groups). The adapters start from rank-independent
+MLP weights hold 4 to 8 NF4 groups of 16,384 elements, k / v 2 (at 4 slices their slices hold
+128 blocks: they take scaler block 128, the case of a weight whose slices cannot hold whole groups
+of torchao's default 256). The adapters start from rank-independent
 non-zero values (:func:`init_lora`), so every LoRA factor gets a gradient in the first step.
 """
 
@@ -65,28 +66,32 @@ def tp_dim(name: str) -> int:
 
 
 def reference_model(folder: str, parts: int, tp: int = 1):
-    """One process: the model from ``folder``, LoRA on, its LoRA base weights quantized whole by
-    torchao (those :func:`nf4_targets` keeps in fp32 at ``parts`` slices stay fp32). ``tp`` > 1:
+    """One process: the model from ``folder``, LoRA on, its LoRA base weights quantized whole
+    (those :func:`nf4_targets` keeps in fp32 at ``parts`` slices stay fp32) by torchao's arithmetic
+    with the exact mean (``quantize_whole``: bit for bit ``to_nf4``'s given the same mean,
+    tests/unit/test_nf4.py; ``to_nf4`` sums the mean in fp32, an ulp off, which moved a 3-step
+    AdamW update by 3e-4 under tp2 x fsdp2; the ranks' inner tensors are checked against
+    ``to_nf4`` itself in test_slice_quantization_equals_whole). ``tp`` > 1:
     each tp slice of a weight (Llama's split: :func:`tp_dim`) quantized alone, as the ranks hold
     them; the weight is those slices dequantized side by side (fp32: the values an NF4 matmul
     computes with)."""
     from peft import LoraConfig, get_peft_model
-    from torchao.quantization import to_nf4
     from transformers import AutoModelForCausalLM
 
     from hf_scale.model_plans.quantize import nf4_targets
+    from hf_scale.quantize.nf4 import quantize_whole
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(folder), LoraConfig(**LORA))
     host = model.get_base_model()
     chosen, _ = nf4_targets(host, parts, tp, tp_styles(host))
-    for name in chosen:
+    for name, scaler_block in chosen.items():  # the scaler block of the slices the ranks hold
         owner, _, leaf = name.rpartition(".")
         module = host.get_submodule(owner)
         weight = getattr(module, leaf).detach()
         if tp == 1:
-            held = to_nf4(weight, 64, 256)
+            held = quantize_whole(weight, scaler_block)
         else:
-            held = torch.cat([to_nf4(s.contiguous(), 64, 256).get_original_weight()
+            held = torch.cat([quantize_whole(s.contiguous(), scaler_block).get_original_weight()
                               for s in weight.chunk(tp, dim=tp_dim(name))], dim=tp_dim(name))
         module.register_parameter(leaf, torch.nn.Parameter(held, requires_grad=False))
     set_adapters(host, init_lora)
@@ -144,12 +149,14 @@ def nf4_report(model) -> dict:
     nf4 = {n: p for n, p in host.named_parameters() if is_nf4(p)}
     elements = sum((p._local_tensor if isinstance(p, DTensor) else p).numel() for p in nf4.values())
     held = {}
-    for proj in ("self_attn.q_proj", "self_attn.o_proj"):
+    for proj in ("self_attn.q_proj", "self_attn.o_proj", "self_attn.k_proj"):
         probe = nf4.get(f"model.layers.0.{proj}.base_layer.weight")
         local = probe._local_tensor if isinstance(probe, DTensor) else probe
         held[proj.rpartition(".")[2]] = {k: getattr(local, k).clone() for k in (*INNER, "scaler_mean")} \
             if probe is not None else None
+    scalers = {n: (p._local_tensor if isinstance(p, DTensor) else p).scaler_block_size for n, p in nf4.items()}
     return {"names": sorted(nf4), "elements": elements, "bytes": sum(nf4_nbytes(p) for p in nf4.values()),
+            "scaler_blocks": scalers,
             "kept": sorted(n for n, p in host.named_parameters() if "base_layer" in n and not is_nf4(p)),
             **held, "requires_grad": sorted(n for n, p in nf4.items() if p.requires_grad)}
 

@@ -36,8 +36,8 @@ WORLD2 = [
 ]
 WORLD4 = [
     {"id": "hsdp", "config": {"strategy": "hsdp", "dp_replicate": 2, "dp_shard": 2}, "parts": 2},
-    {"id": "fsdp4", "config": {"strategy": "fsdp"}, "parts": 4},  # k / v slices too small: kept fp32
-    {"id": "tp2_fsdp2", "config": {"strategy": "fsdp", "tp": 2}, "parts": 2, "tp": 2},  # k / v: kept fp32
+    {"id": "fsdp4", "config": {"strategy": "fsdp"}, "parts": 4},  # k / v slices: 128 blocks, scaler block 128
+    {"id": "tp2_fsdp2", "config": {"strategy": "fsdp", "tp": 2}, "parts": 2, "tp": 2},  # k / v: 128 too
 ]
 
 
@@ -121,7 +121,7 @@ def _world(layout: str, request):
     return request.getfixturevalue("world2"), WORLD2
 
 
-def _quantized(base: str, proj: str, tp: int, tp_rank: int):
+def _quantized(base: str, proj: str, tp: int, tp_rank: int, scaler_block: int):
     """torchao's to_nf4 of layer 0's ``proj`` weight (whole, or this tp rank's slice of it)."""
     from safetensors.torch import load_file
     from torchao.quantization import to_nf4
@@ -130,22 +130,29 @@ def _quantized(base: str, proj: str, tp: int, tp_rank: int):
     weight = load_file(f"{base}/model.safetensors")[name]
     if tp > 1:
         weight = weight.chunk(tp, dim=qlora_checks.tp_dim(name))[tp_rank].contiguous()
-    return to_nf4(weight, 64, 256)
+    return to_nf4(weight, 64, scaler_block)
+
+
+# the scaler block of each projection's slices (written here: 64-element blocks a slice, the largest divisor
+# up to 256): q / o 256 everywhere; k (128 x 256) 128 where a rank holds a quarter of it (fsdp4, tp2 x fsdp2)
+SCALER_BLOCKS = {"q_proj": lambda quarter: 256, "o_proj": lambda quarter: 256,
+                 "k_proj": lambda quarter: 128 if quarter else 256}
 
 
 @pytest.mark.parametrize("layout", ["ddp", "fsdp", "fsdp4", "hsdp", "tp2", "tp2_fsdp2"])
 def test_slice_quantization_equals_whole(layout, base, request):
-    """Each rank's NF4 inner tensors of q_proj (and o_proj) are torchao's whole-tensor quantization
-    split as FSDP splits it (dp = 1: ddp, 2: fsdp and hsdp's shards, 4: fsdp4); under tp, of the
-    rank's tp slice (q_proj's rows, o_proj's columns) quantized alone, split by FSDP."""
+    """Each rank's NF4 inner tensors of q_proj, o_proj and k_proj are torchao's whole-tensor
+    quantization (at the weight's scaler block) split as FSDP splits it (dp = 1: ddp, 2: fsdp and
+    hsdp's shards, 4: fsdp4); under tp, of the rank's tp slice (q / k's rows, o's columns)
+    quantized alone, split by FSDP."""
     ranks, cases = _world(layout, request)
     case = next(c for c in cases if c["id"] == layout)
     parts, tp = case["parts"], case.get("tp", 1)
     for rank, result in enumerate(ranks):
         # mesh (dp_replicate, dp_shard, tp), tp the fast dimension: hsdp's shard is rank % parts
         tp_rank, shard = rank % tp, (rank // tp) % parts
-        for proj in ("q_proj", "o_proj"):
-            whole = _quantized(base, proj, tp, tp_rank)
+        for proj in ("q_proj", "o_proj", "k_proj"):
+            whole = _quantized(base, proj, tp, tp_rank, SCALER_BLOCKS[proj](parts * tp == 4))
             want = whole.split(whole.shape[0] // parts)[shard] if parts > 1 else whole
             held = result["parity"][cases.index(case)]["nf4"][proj]
             for name, value in held.items():
@@ -160,19 +167,20 @@ def test_slice_quantization_equals_whole(layout, base, request):
 
 @pytest.mark.parametrize("layout,parts", [("fsdp", 2), ("ddp", 1), ("fsdp4", 4), ("tp2", 2), ("tp2_fsdp2", 4)])
 def test_frozen_bytes_per_parameter(layout, parts, request):
-    """The NF4 weights store 4.127 bits a parameter on every rank (the inner tensors counted,
-    not element_size()); at 4 slices (dp, or tp x dp) k / v (2 groups each) stay fp32."""
+    """Every LoRA base weight is NF4 on every rank, at 4 + 1/8 + 32 / (64 x its scaler block) bits a
+    parameter (the inner tensors counted, not element_size()): 4.127 at 256; at 4 slices (dp, or
+    tp x dp) k / v's slices hold 128 blocks (2 of 16,384 elements whole): scaler block 128."""
     ranks, cases = _world(layout, request)
     case = next(c for c in cases if c["id"] == layout)
     for result in ranks:
         nf4 = result["parity"][cases.index(case)]["nf4"]
-        bits = nf4["bytes"] * 8 / nf4["elements"]
-        assert abs(bits - (4 + 8 / 64 + 32 / 16384)) < 1e-9, bits
-        if parts == 4:
-            assert nf4["kept"] and all(".k_proj." in n or ".v_proj." in n for n in nf4["kept"])
-            assert len(nf4["names"]) == 10
-        else:
-            assert nf4["kept"] == [] and len(nf4["names"]) == 14
+        assert nf4["kept"] == [] and len(nf4["names"]) == 14
+        small = {n for n, b in nf4["scaler_blocks"].items() if b != 256}
+        assert small == ({n for n in nf4["names"] if ".k_proj." in n or ".v_proj." in n} if parts == 4 else set())
+        assert set(nf4["scaler_blocks"].values()) <= {256, 128}
+        at_128 = len(small) * 128 * 256 // parts  # elements of the k / v slices a rank holds, if at 128
+        want = (nf4["elements"] - at_128) * (4 + 1 / 8 + 32 / 16384) + at_128 * (4 + 1 / 8 + 32 / 8192)
+        assert abs(nf4["bytes"] * 8 - want) < 1e-6, (nf4["bytes"] * 8, want)
 
 
 def test_adapter_only_checkpoint_resumes(world2, base):

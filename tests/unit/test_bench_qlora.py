@@ -35,18 +35,15 @@ def test_verdicts_say_which_leg_is_missing():
         "n/a: qlora fp32 (failed: OOM) vs lora bf16 (not run)"]
 
 
-def test_nf4_bound_counts_only_lora_weights_with_whole_groups():
-    shapes = [[[1536, 576], 1536 * 576, True],   # MLP: 442,368 per slice = 27 groups -> NF4
-              [[576, 576], 576 * 576, True],     # attention: 20.25 groups a slice -> stays
+def test_nf4_bound_counts_only_lora_weights_with_whole_blocks():
+    from hf_scale.quantize.nf4 import BITS_PER_PARAMETER, nf4_bits
+
+    shapes = [[[1536, 576], 1536 * 576, True],   # MLP: 6,912 blocks a slice -> NF4, scaler block 256
+              [[576, 576], 576 * 576, True],     # attention: 2,592 blocks a slice (10.125 groups of 256) -> 216
+              [[40, 40], 40 * 40, True],         # 800 elements a slice: not whole 64-element blocks -> stays
               [[49152, 576], 49152 * 576, False]]  # the embedding: never NF4
     ratio, nf4, total = bq.nf4_bound(shapes, 2, 2)
-    assert nf4 == 1536 * 576 and total == sum(s[1] for s in shapes)
-    held = nf4 * bq_bits() / 8 + (total - nf4) * 2
+    assert nf4 == 1536 * 576 + 576 * 576 and total == sum(s[1] for s in shapes)
+    held = 1536 * 576 * nf4_bits(256, 2) / 8 + 576 * 576 * nf4_bits(216, 2) / 8 + (40 * 40 + 49152 * 576) * 2
     assert abs(ratio - held / (2 * total)) < 1e-12
-    assert bq.nf4_bound(shapes[:1], 2, 4)[0] == bq_bits() / 16  # all NF4: 4.127 bits over 16
-
-
-def bq_bits():
-    from hf_scale.quantize.nf4 import BITS_PER_PARAMETER
-
-    return BITS_PER_PARAMETER
+    assert bq.nf4_bound(shapes[:1], 2, 4)[0] == BITS_PER_PARAMETER / 16  # all NF4 at 256: 4.127 bits over 16

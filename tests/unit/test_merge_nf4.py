@@ -52,6 +52,7 @@ def test_the_adapter_folder_records_its_nf4_weights(trained):
     nf4 = sorted(n.replace(".base_layer.", ".") for n, p in model.get_base_model().named_parameters() if is_nf4(p))
     assert record["weights"] == nf4 and len(nf4) == 14  # q, k, v, o, gate, up, down of 2 layers
     assert (record["quantize"], record["dtype"]) == ("nf4", "float32")
+    assert record["scaler_block"] == dict.fromkeys(nf4, 256)  # each weight's (2 slices: whole groups of 256)
 
 
 def test_merged_into_the_dequantized_base_it_is_the_trained_model(trained):
@@ -87,12 +88,15 @@ def test_dequantize_follows_the_tp_split_recorded(tmp_path):
     from hf_scale.quantize.nf4 import quantize_whole
 
     save_base(str(tmp_path / "base"))
-    name = "model.layers.0.self_attn.o_proj.weight"
+    name, other = "model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.k_proj.weight"
     (tmp_path / QUANTIZATION_FILE).write_text(json.dumps(
-        {"quantize": "nf4", "dtype": "float32", "weights": [name], "tp_split": {name: [1, 2]}}))
+        {"quantize": "nf4", "dtype": "float32", "weights": [name, other], "tp_split": {name: [1, 2]},
+         "scaler_block": {name: 256, other: 128}}))  # each weight's scaler block, as the layout chose it
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
-    weight = model.get_parameter(name).detach().clone()
+    weight, k = (model.get_parameter(n).detach().clone() for n in (name, other))
     dequantized_base(model, tmp_path)
     slices = torch.cat([quantize_whole(w.contiguous()).get_original_weight() for w in weight.chunk(2, 1)], 1)
     assert torch.equal(model.get_parameter(name), slices)
     assert not torch.equal(slices, quantize_whole(weight).get_original_weight())
+    assert torch.equal(model.get_parameter(other), quantize_whole(k, 128).get_original_weight())
+    assert not torch.equal(model.get_parameter(other), quantize_whole(k, 256).get_original_weight())

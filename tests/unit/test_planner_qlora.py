@@ -19,7 +19,7 @@ from hf_scale.layout_search.estimate import Layout, Workload, estimate_memory
 from hf_scale.layout_search.profile import model_facts
 from hf_scale.layout_search.quantized import dequant_workspace, nf4_share
 from hf_scale.model_plans.quantize import NF4_STRATEGIES, NF4_TP_STRATEGIES
-from hf_scale.quantize.nf4 import GROUP, nf4_nbytes, quantize_whole
+from hf_scale.quantize.nf4 import nf4_nbytes, quantize_whole
 
 WORK = Workload(seq=16, batch=1, device="cuda")
 LINK = Link(bandwidth=1e9, latency=0.0, overlap=0.0)
@@ -27,9 +27,10 @@ GPU = Device("gpu", flops_fp32=1e12, flops_low=2e12, mem_bandwidth=1e12, intra=L
 
 
 def lora_llama(dtype, device="meta", seed=0):
-    """A Llama whose Linear weights hold whole NF4 groups at some slice counts and not at others:
-    hidden 128 (q, o: 128 x 128 = 1 group, not at 2 slices; k, v: 64 x 128 = half a group, never),
-    MLP 256 (2 groups each: whole at 1 and 2 slices); LoRA on every Linear, adapters in fp32."""
+    """A Llama whose Linear weights hold whole NF4 groups of 256 scalers at some slice counts and
+    not at others: hidden 128 (q, o: 128 x 128 = 1 group, scaler block 128 at 2 slices; k, v:
+    64 x 128 = half a group, 128 whole, 64 at 2 slices), MLP 256 (2 groups each: 256 at 1 and 2
+    slices); LoRA on every Linear, adapters in fp32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -40,9 +41,13 @@ def lora_llama(dtype, device="meta", seed=0):
     return peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules="all-linear"))
 
 
-def whole_groups(weight: torch.Tensor, parts: int) -> bool:
-    """Whether a base weight's dim-0 slice holds whole NF4 groups (the test's own rule)."""
-    return weight.shape[0] % parts == 0 and (weight.numel() // parts) % GROUP == 0
+def slice_scaler_block(weight: torch.Tensor, parts: int) -> int | None:
+    """The scaler block of a base weight's dim-0 slices (the test's own rule): the largest divisor up
+    to 256 of a slice's 64-element block count; None where the slices are not whole blocks."""
+    if weight.shape[0] % parts or (weight.numel() // parts) % 64:
+        return None
+    blocks = weight.numel() // parts // 64
+    return max(n for n in range(1, 257) if blocks % n == 0)
 
 
 def real_bytes(model, parts: int, gather_bytes: int | None = None) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -51,8 +56,8 @@ def real_bytes(model, parts: int, gather_bytes: int | None = None) -> tuple[int,
     without NF4: in ``gather_bytes`` per element, else as stored)."""
     total, nf4 = 0, {}
     for name, p in model.named_parameters():
-        if "base_layer.weight" in name and whole_groups(p, parts):
-            q = quantize_whole(p.detach())
+        if "base_layer.weight" in name and slice_scaler_block(p, parts):
+            q = quantize_whole(p.detach(), slice_scaler_block(p, parts))
             nf4[name] = (nf4_nbytes(q), p.numel() * (gather_bytes or p.element_size()))
             total += nf4[name][0]
         else:
@@ -68,7 +73,7 @@ def test_held_bytes_are_the_real_nf4_tensors(dtype, parts):
     model = lora_llama(dtype, device="cpu")
     facts = model_facts(model, quantize="nf4")
     total, nf4 = real_bytes(model, parts)
-    assert nf4 and len(nf4) < sum(1 for n, _ in model.named_parameters() if "base_layer.weight" in n)
+    assert len(nf4) == sum(1 for n, _ in model.named_parameters() if "base_layer.weight" in n)  # all, some below 256
     mem = estimate_memory(facts, Layout("fsdp", 1, parts), WORK)
     assert mem.params == pytest.approx(total / parts, abs=parts)
     assert mem.nf4_params == sum(b for b, _ in nf4.values()) // parts
@@ -146,15 +151,17 @@ def test_refused_layouts_are_never_proposed():
 
 
 def test_tp_holds_one_tp_slice_of_each_nf4_weight():
-    """Under tp the NF4 weights a rank holds are its tp slices (colwise rows, rowwise columns), in
-    NF4 where a slice holds whole groups: at tp=2 the MLP's (256 x 128 = 2 groups: 1 per slice),
-    not q / o (1 group: half a slice each), never k / v; at tp=2 x 2 dim-0 parts none."""
+    """Under tp the NF4 weights a rank holds are its tp slices (colwise rows, rowwise columns), each
+    at the scaler block of the slice a rank holds: at tp=2 the MLP's 256 x 128 (256 blocks: 256),
+    q / o 128 x 64 (128), k / v 32 x 128 (64); at tp=2 x 2 dim-0 parts each half that."""
     q = model_facts(lora_llama(torch.bfloat16), quantize="nf4")
     two = nf4_share(q, 1, tp=2)
-    mlp_slice = 256 * 128 // 2
-    assert two.blocks == [3 * mlp_slice] * 2 and two.largest == mlp_slice
-    assert two.nf4_bytes == int(two.params * (0.5 + 1 / 64 + 2 / 16384))
-    assert nf4_share(q, 2, tp=2).params == 0
+    held = {"q": (8192, 128), "k": (4096, 64), "v": (4096, 64), "o": (8192, 128), "mlp": (3 * 16384, 256)}
+    assert two.blocks == [sum(n for n, _ in held.values())] * 2 and two.largest == 16384
+    assert two.nf4_bytes == int(2 * sum(n * (0.5 + 1 / 64 + 2 / (64 * b)) for n, b in held.values()))
+    four = nf4_share(q, 2, tp=2)  # the elements a tp rank holds (FSDP divides them), at halved scaler blocks
+    assert four.params == two.params
+    assert four.nf4_bytes == int(2 * sum(n * (0.5 + 1 / 64 + 2 / (32 * b)) for n, b in held.values()))
     held = estimate_memory(q, Layout("fsdp", 1, 1, tp=2), WORK).nf4_params
     assert held == two.nf4_bytes
 
@@ -196,7 +203,7 @@ def test_quantize_needs_adapters():
 
 def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     """``hf-scale plan`` of the QLoRA quickstart (on a tiny Llama whose MLP weights hold whole NF4
-    groups at 2 slices and whose attention weights do not) says which base weights are NF4 and
+    groups of 256 scalers at 2 slices and whose attention weights take smaller ones) says which base weights are NF4 and
     the recipe layout's estimate, instead of a full fine-tune's training state; the LoRA
     quickstart has no NF4 line."""
     from pathlib import Path
@@ -208,9 +215,9 @@ def test_plan_of_a_qlora_recipe_shows_the_nf4_base(tmp_path, capsys):
     configs = Path(__file__).resolve().parents[2] / "configs"
     assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder]) == 0
     out = capsys.readouterr().out
-    layers = 2  # every block: gate, up, down in NF4; q, k, v, o kept (a slice is less than a group)
-    assert f"{3 * layers} of {7 * layers} LoRA base weights in NF4 over 2 slice(s)" in out
-    assert f"{4 * layers} stay in float32" in out and "NF4 dequantization" in out and "(NF4 base" in out
+    layers = 2  # every block: gate, up, down at scaler block 256; q, k, v, o at smaller ones (less than a group)
+    assert f"{7 * layers} of {7 * layers} LoRA base weights in NF4 over 2 slice(s)" in out
+    assert "stay in float32" not in out and "NF4 dequantization" in out and "(NF4 base" in out
     assert "AdamW state ~" not in out  # the full fine-tune's line
     # --gpus: the QLoRA run ranked (not a full fine-tune of the base), NF4's refusals among the rejected
     assert main(["plan", str(configs / "quickstart-qlora.yaml"), "--model.name_or_path", folder, "--gpus", "2"]) == 0
@@ -243,7 +250,7 @@ def test_plan_simulate_of_a_qlora_recipe_runs_its_nf4_base(tmp_path, capsys):
 
     assert main(["plan", *common]) == 0
     out = capsys.readouterr().out
-    assert "6 of 14 LoRA base weights in NF4 over 2 slice(s)" in out  # the run's report, not a full fine-tune's
+    assert "14 of 14 LoRA base weights in NF4 over 2 slice(s)" in out  # the run's report, not a full fine-tune's
     assert "AdamW state ~" not in out
     nf4 = simulated_params(out)  # held in NF4: below the null run's (not the log's "once" line: order-dependent)
     assert main(["plan", *common, "--model.quantize", "null"]) == 0

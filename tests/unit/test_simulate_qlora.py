@@ -15,7 +15,6 @@ from hf_scale.errors import HfScaleConfigError
 from hf_scale.layout_search.estimate import Layout
 from hf_scale.layout_search.simulate import simulate
 from hf_scale.quantize.nf4 import (
-    GROUP,
     INNER,
     block_absmax,
     nf4_nbytes,
@@ -30,12 +29,13 @@ EVERY_INNER = (*INNER, "scaler_mean", "nf4")  # what an NF4Tensor holds (FSDP sh
 
 
 def lora_llama():
-    """A Llama on the meta device in bf16 whose MLP weights (256 x 128, 128 x 256: two NF4 groups)
-    hold whole groups at 2 slices and whose attention weights (128 x 128, 64 x 128) do not;
-    LoRA on every Linear, adapters in fp32."""
+    """A Llama on the meta device in bf16 whose Linear weights (512 x 256, 256 x 256, 128 x 256)
+    hold whole NF4 groups of 256 scalers at 2 slices, at tp=2 too; LoRA on every Linear, adapters
+    in fp32. (Smaller ones would hold NF4 inner tensors so small that the allocator's 512-byte
+    rounding outweighs them; the scaler blocks below 256: tests/unit/test_nf4.py.)"""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=128)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
@@ -64,8 +64,8 @@ def test_fake_nf4_weight_is_the_real_quantization_without_values(dtype, rows, wh
             real.block_size, real.n_blocks, real.scaler_block_size)
         assert nf4_nbytes(placeholder) == nf4_nbytes(real)
     assert isinstance(fake.quantized_data, FakeTensor) and meta.quantized_data.is_meta
-    with pytest.raises(ValueError, match="whole 16384-element groups"):
-        nf4_placeholder((64, 128), dtype, "meta")
+    with pytest.raises(ValueError, match="whole 64-element blocks"):
+        nf4_placeholder((3, 40), dtype, "meta")
 
 
 def allocated(t: torch.Tensor) -> int:
@@ -83,9 +83,11 @@ def held_bytes(model, parts: int) -> int:
     total = 0
     for name, p in model.named_parameters():
         local = torch.empty((p.shape[0] // parts, *p.shape[1:]), dtype=p.dtype)
-        if "base_layer.weight" in name and p.shape[0] % parts == 0 and (p.numel() // parts) % GROUP == 0:
-            rows = torch.randn(local.shape, dtype=p.dtype)
-            real = quantize_rows(rows, block_absmax(rows).double().mean())
+        if "base_layer.weight" in name and p.shape[0] % parts == 0 and (p.numel() // parts) % 64 == 0:
+            rows = torch.randn(local.shape, dtype=p.dtype)  # scaler block: the largest divisor up to 256 of its blocks
+            blocks = local.numel() // 64
+            real = quantize_rows(rows, block_absmax(rows).double().mean(),
+                                 scaler_block=max(n for n in range(1, 257) if blocks % n == 0))
             total += sum(allocated(getattr(real, n)) for n in EVERY_INNER)
         else:
             total += allocated(local)
