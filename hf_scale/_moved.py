@@ -29,6 +29,7 @@ MOVED = {
     "hf_scale.train.report": "hf_scale.train.finish",
     "hf_scale.cli_args": "hf_scale.strict_args",
     "hf_scale.hub.cli": "hf_scale.hub.push_command",
+    "hf_scale.train.host_memory": "hf_scale.host_memory",  # the loader trims the heap too (0.2)
 }
 
 

@@ -199,10 +199,12 @@ def _load_weights(model: nn.Module, folder: Path, device: torch.device, verify_c
 
     pending = run_together(read)
     if pending:  # NF4 weights: each rank quantizes its blocks, with each weight's mean agreed
+        from ..host_memory import trim_heap
         from ..model_plans.adapters import adapter_host
         from .quantized import quantize_loaded
 
         quantize_loaded(adapter_host(model), pending)
+        trim_heap()  # the slices and codes it made and freed stay resident otherwise (hf_scale.host_memory)
 
 
 def weight_map_of(folder: Path) -> dict[str, Path]:

@@ -53,7 +53,7 @@ from .data import (
 from .dp import DataParallel, context_degree, pipeline_degree
 from .evaluate import evaluate
 from .finish import finish_run
-from .host_memory import release_freed_memory
+from ..host_memory import release_freed_memory
 from .loader import PadCollator, ShardedBatches
 from .metrics import LOSS_CURVE, Metrics, peak_memory_gb
 from .preference import add_reference, evaluate_preference, load_reference_model, pair_datasets, preference_step_values

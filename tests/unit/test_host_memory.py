@@ -34,7 +34,7 @@ print(libc.mallinfo2().hblkhd - before, done)
 
 
 def _probe(env: dict | None = None) -> tuple[int, str]:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "hf_scale/train/host_memory.py")],
+    out = subprocess.run([sys.executable, "-c", PROBE, str(ROOT / "hf_scale/host_memory.py")],
                          capture_output=True, text=True, check=True, env=env).stdout.split()
     return int(out[0]), out[1]
 
@@ -78,3 +78,36 @@ def test_the_training_loop_fixes_the_threshold_on_cpu_only(monkeypatch, device, 
     with pytest.raises(_Stop):
         loop.run(job)
     assert len(seen) == calls
+
+
+# 20 MiB of 1 MiB blocks from the heap (a freed 16 MiB block raised the threshold; below glibc's
+# raised trim threshold, so free() alone keeps them), written to, freed behind a small live block:
+# resident until trim_heap. Prints the resident MiB trim_heap gave back, and its answer.
+TRIM_PROBE = """
+import ctypes, importlib.util, os, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(16 << 20))
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+spec = importlib.util.spec_from_file_location("host_memory", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+blocks = [libc.malloc(1 << 20) for _ in range(20)]
+pin = libc.malloc(64)
+for b in blocks:
+    ctypes.memset(b, 1, 1 << 20)
+for b in blocks:
+    libc.free(b)
+before = resident()
+done = module.trim_heap()
+print((before - resident()) >> 20, done)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_trim_heap_gives_freed_heap_pages_back():
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(ROOT / "hf_scale/host_memory.py")],
+                         capture_output=True, text=True, check=True, env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out[1] == "True" and int(out[0]) >= 15  # of the 20 MiB freed

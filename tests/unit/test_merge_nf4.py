@@ -100,3 +100,17 @@ def test_dequantize_follows_the_tp_split_recorded(tmp_path):
     assert not torch.equal(slices, quantize_whole(weight).get_original_weight())
     assert torch.equal(model.get_parameter(other), quantize_whole(k, 128).get_original_weight())
     assert not torch.equal(model.get_parameter(other), quantize_whole(k, 256).get_original_weight())
+
+
+def test_the_nf4_load_trims_the_heap(tmp_path, monkeypatch):
+    """Loading an NF4 base gives the heap pages its freed temporaries held back (hf_scale.host_memory);
+    a load without NF4 weights does not call it."""
+    import hf_scale.host_memory
+
+    calls = []
+    monkeypatch.setattr(hf_scale.host_memory, "trim_heap", lambda: calls.append(1) or True)
+    save_base(str(tmp_path / "base"))
+    hf_scale.from_pretrained(str(tmp_path / "base"), {"strategy": "ddp"}, adapter=LORA)
+    assert calls == []
+    hf_scale.from_pretrained(str(tmp_path / "base"), {"strategy": "ddp"}, adapter=LORA, quantize="nf4")
+    assert calls == [1]
